@@ -1,0 +1,46 @@
+// Python bindings of tpkernels._C. Kernels live in csrc/<op>/; this file only exposes them.
+#include <torch/extension.h>
+
+#include "gelu/bias_gelu.h"
+
+#ifdef TPKERNELS_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace {
+
+pybind11::dict build_info() {
+  pybind11::dict info;
+  info["version"] = TPKERNELS_VERSION;
+  info["torch_version"] = TORCH_VERSION;
+  info["cpu_capability"] = tpkernels::bias_gelu_cpu_capability();
+#ifdef TPKERNELS_WITH_CUDA
+  info["with_cuda"] = true;
+  info["cuda_archs"] = TPKERNELS_CUDA_ARCHS;
+  info["cuda_runtime_version"] = CUDART_VERSION;
+#else
+  info["with_cuda"] = false;
+  info["cuda_archs"] = "";
+  info["cuda_runtime_version"] = 0;
+#endif
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "tpkernels compiled kernels (C++ CPU, and CUDA when built with it)";
+  m.def("build_info", &build_info, "What this extension was built with: CUDA or not, SM archs, CPU ISA in use.");
+  m.def("bias_gelu_fwd_cpu", &tpkernels::bias_gelu_fwd_cpu, "y = gelu(x + bias); x (rows, cols), bias (cols,)",
+        pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("tanh_approx"), pybind11::arg("out") = pybind11::none());
+  m.def("bias_gelu_bwd_cpu", &tpkernels::bias_gelu_bwd_cpu, "(grad_x, grad_bias) of gelu(x + bias)",
+        pybind11::arg("grad_out"), pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("tanh_approx"),
+        pybind11::arg("grad_x_out") = pybind11::none(), pybind11::arg("grad_bias_out") = pybind11::none());
+#ifdef TPKERNELS_WITH_CUDA
+  m.def("bias_gelu_fwd_cuda", &tpkernels::bias_gelu_fwd_cuda, "y = gelu(x + bias); x (rows, cols), bias (cols,)",
+        pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("tanh_approx"), pybind11::arg("out") = pybind11::none());
+  m.def("bias_gelu_bwd_cuda", &tpkernels::bias_gelu_bwd_cuda, "(grad_x, grad_bias) of gelu(x + bias)",
+        pybind11::arg("grad_out"), pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("tanh_approx"),
+        pybind11::arg("grad_x_out") = pybind11::none(), pybind11::arg("grad_bias_out") = pybind11::none());
+#endif
+}

@@ -1,0 +1,159 @@
+// Vectorised CPU kernels for fused bias + GeLU, compiled once per ISA.
+//
+// Include this from a file that first defines TPK_CPU_NS (the namespace, e.g. cpu_avx2) and,
+// for the SIMD variants, CPU_CAPABILITY / CPU_CAPABILITY_AVX2 or _AVX512 plus a matching
+// `#pragma GCC target`, so at::vec::Vectorized picks the right intrinsics.
+//
+// Parallelism: at::parallel_for over rows (forward) or over a fixed number of row chunks
+// (backward). The chunk count depends on the problem size only, never on the thread count, so
+// grad_bias is bitwise reproducible whatever OMP_NUM_THREADS is.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "bias_gelu.h"
+#include "bias_gelu_math.h"
+
+namespace tpkernels {
+namespace TPK_CPU_NS {
+namespace {
+
+template <typename scalar_t, typename opmath_t>
+struct BiasGeluCpu {
+  using Vec = at::vec::Vectorized<opmath_t>;
+  static constexpr int64_t kW = Vec::size();
+
+  static Vec load(const scalar_t* p, int64_t n) {
+    if constexpr (std::is_same_v<scalar_t, opmath_t>) {
+      return n == kW ? Vec::loadu(p) : Vec::loadu(p, n);
+    } else {
+      opmath_t buf[kW];
+      for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<opmath_t>(p[i]);
+      return Vec::loadu(buf, n);
+    }
+  }
+
+  static void store(const Vec& v, scalar_t* p, int64_t n) {
+    if constexpr (std::is_same_v<scalar_t, opmath_t>) {
+      if (n == kW) v.store(p); else v.store(p, n);
+    } else {
+      opmath_t buf[kW];
+      v.store(buf, n);
+      for (int64_t i = 0; i < n; ++i) p[i] = static_cast<scalar_t>(buf[i]);
+    }
+  }
+
+  static Vec gelu(const Vec& z, bool tanh_approx) {
+    using namespace gelu_const;
+    const Vec half(opmath_t(0.5)), one(opmath_t(1));
+    if (tanh_approx) {
+      const Vec u = Vec(opmath_t(kSqrt2OverPi)) * (z + Vec(opmath_t(kTanhCubic)) * z * z * z);
+      return half * z * (one + u.tanh());
+    }
+    return half * z * (one + (z * Vec(opmath_t(kInvSqrt2))).erf());
+  }
+
+  static Vec gelu_grad(const Vec& z, bool tanh_approx) {
+    using namespace gelu_const;
+    const Vec half(opmath_t(0.5)), one(opmath_t(1));
+    if (tanh_approx) {
+      const Vec z2 = z * z;
+      const Vec t = (Vec(opmath_t(kSqrt2OverPi)) * (z + Vec(opmath_t(kTanhCubic)) * z2 * z)).tanh();
+      return half * (one + t) + half * z * (one - t * t) * Vec(opmath_t(kSqrt2OverPi)) *
+                                    (one + Vec(opmath_t(3 * kTanhCubic)) * z2);
+    }
+    return half * (one + (z * Vec(opmath_t(kInvSqrt2))).erf()) +
+           z * Vec(opmath_t(kInvSqrt2Pi)) * (Vec(opmath_t(-0.5)) * z * z).exp();
+  }
+
+  static void fwd(const BiasGeluCpuArgs& a) {
+    const auto* x = static_cast<const scalar_t*>(a.x);
+    const auto* b = static_cast<const scalar_t*>(a.bias);
+    auto* y = static_cast<scalar_t*>(a.out);
+    const int64_t cols = a.cols;
+    // ~32K elements per task: large enough to amortise task start, small enough to balance.
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(cols, 1));
+    at::parallel_for(0, a.rows, grain, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* xr = x + r * a.x_row_stride;
+        scalar_t* yr = y + r * cols;
+        for (int64_t c = 0; c < cols; c += kW) {
+          const int64_t n = std::min(kW, cols - c);
+          store(gelu(load(xr + c, n) + load(b + c, n), a.tanh_approx), yr + c, n);
+        }
+      }
+    });
+  }
+
+  static void bwd(const BiasGeluCpuArgs& a) {
+    const auto* x = static_cast<const scalar_t*>(a.x);
+    const auto* g = static_cast<const scalar_t*>(a.grad_out);
+    const auto* b = static_cast<const scalar_t*>(a.bias);
+    auto* dx = static_cast<scalar_t*>(a.out);
+    auto* db = static_cast<scalar_t*>(a.grad_bias);
+    const int64_t rows = a.rows, cols = a.cols;
+    // grad_bias: each chunk of rows sums into its own opmath row of `partial`, then the chunks
+    // are added in a fixed order. ~256K elements per chunk, at most 64 chunks.
+    const int64_t nchunks =
+        std::clamp<int64_t>(rows * cols / (int64_t(1) << 18), 1, std::min<int64_t>(rows, 64));
+    const int64_t rows_per_chunk = (rows + nchunks - 1) / nchunks;
+    std::vector<opmath_t> partial(static_cast<size_t>(nchunks * cols), opmath_t(0));
+    at::parallel_for(0, nchunks, 1, [&](int64_t k0, int64_t k1) {
+      for (int64_t k = k0; k < k1; ++k) {
+        opmath_t* acc = partial.data() + k * cols;
+        const int64_t r_end = std::min(rows, (k + 1) * rows_per_chunk);
+        for (int64_t r = k * rows_per_chunk; r < r_end; ++r) {
+          const scalar_t* xr = x + r * a.x_row_stride;
+          const scalar_t* gr = g + r * a.g_row_stride;
+          scalar_t* dxr = dx + r * cols;
+          for (int64_t c = 0; c < cols; c += kW) {
+            const int64_t n = std::min(kW, cols - c);
+            const Vec z = load(xr + c, n) + load(b + c, n);
+            const Vec d = load(gr + c, n) * gelu_grad(z, a.tanh_approx);
+            store(d, dxr + c, n);
+            // Sum the rounded value: grad_bias is then exactly the sum of the grad_x we return.
+            const Vec d_rounded = std::is_same_v<scalar_t, opmath_t> ? d : load(dxr + c, n);
+            (Vec::loadu(acc + c, n) + d_rounded).store(acc + c, n);
+          }
+        }
+      }
+    });
+    at::parallel_for(0, cols, 4096, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        opmath_t s = 0;
+        for (int64_t k = 0; k < nchunks; ++k) s += partial[k * cols + c];
+        db[c] = static_cast<scalar_t>(s);
+      }
+    });
+  }
+};
+
+template <template <typename, typename> class K, typename Fn>
+void dispatch_kind(ScalarKind kind, Fn&& fn) {
+  switch (kind) {
+    case ScalarKind::Float: fn(K<float, float>{}); break;
+    case ScalarKind::Double: fn(K<double, double>{}); break;
+    case ScalarKind::Half: fn(K<c10::Half, float>{}); break;
+    case ScalarKind::BFloat16: fn(K<c10::BFloat16, float>{}); break;
+  }
+}
+
+}  // namespace
+
+void bias_gelu_fwd(const BiasGeluCpuArgs& a) {
+  dispatch_kind<BiasGeluCpu>(a.kind, [&](auto k) { decltype(k)::fwd(a); });
+}
+
+void bias_gelu_bwd(const BiasGeluCpuArgs& a) {
+  dispatch_kind<BiasGeluCpu>(a.kind, [&](auto k) { decltype(k)::bwd(a); });
+}
+
+}  // namespace TPK_CPU_NS
+}  // namespace tpkernels

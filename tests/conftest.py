@@ -1,0 +1,64 @@
+"""Test set-up shared by every test file.
+
+* Without a CUDA GPU, Triton kernels run under the interpreter: TRITON_INTERPRET=1 must be set
+  before triton decorates our kernels, i.e. before tpkernels.kernels.triton.* is imported, which
+  this file guarantees by running first. (Kernels are imported lazily by the package.)
+* Tests marked ``cuda`` skip without a GPU (they run in benchmarks/gpu_check.sh).
+* Every test gets fresh random inputs: the global seed comes from os.urandom and is printed
+  when the test fails, so a failure can be replayed with TPK_SEED=<seed>.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs in benchmarks/gpu_check.sh)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    seed = int(os.environ.get("TPK_SEED", int.from_bytes(os.urandom(4), "little")))
+    torch.manual_seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    yield seed
+
+
+def pytest_runtest_makereport(item, call):
+    if call.when == "call" and call.excinfo is not None:
+        seeds = [v for k, v in item.user_properties if k == "seed"]
+        if seeds:
+            item.add_report_section("call", "seed", f"replay with TPK_SEED={seeds[0]}")
+
+
+_POOLS: dict[int, object] = {}
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """rank_pool(n) -> a started RankPool of n gloo ranks, shared by the whole session."""
+    from tpkernels.testing.distributed import RankPool
+
+    def get(world_size: int, timeout: float = 120.0):
+        pool = _POOLS.get(world_size)
+        if pool is None:
+            pool = _POOLS[world_size] = RankPool(world_size, timeout=timeout)
+        return pool.start()
+
+    yield get
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()

@@ -1,0 +1,17 @@
+"""tpkernels: kernels and modules for tensor-, sequence- and pipeline-parallel Transformer training.
+
+Public API (this release):
+    tpkernels.bias_gelu(x, bias, approximate="none")   fused gelu(x + bias) with autograd
+    tpkernels.nn.BiasGeLU                              module owning the bias
+    tpkernels.backends                                 dispatch rule, TPKERNELS_BACKEND
+    tpkernels.build_info()                             what tpkernels._C was built with
+
+Importing never needs a GPU or the compiled extension.
+"""
+
+from tpkernels._extension import build_info
+from tpkernels._version import __version__
+from tpkernels import backends, nn  # noqa: E402  (nn imports functional)
+from tpkernels.functional import bias_gelu
+
+__all__ = ["__version__", "backends", "bias_gelu", "build_info", "nn"]

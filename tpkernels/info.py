@@ -1,0 +1,55 @@
+"""`tpkernels info`: versions, what the extension was built with, the GPU, and per-op backends."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+
+import torch
+
+from tpkernels import backends
+from tpkernels._extension import build_info, extension_error
+from tpkernels._version import __version__
+
+
+def _version_of(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def collect() -> dict:
+    """Everything `tpkernels info` prints, as a dict (also used to label benchmark CSVs)."""
+    import tpkernels.functional  # noqa: F401,PLC0415  (registers the ops)
+
+    bi = build_info()
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {
+        "tpkernels": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda or "none (CPU-only build)",
+        "triton": _version_of("triton"),
+        "extension": ("not importable: " + (extension_error() or "")) if "error" in bi else (
+            f"CUDA {bi['cuda_runtime_version'] // 1000}.{bi['cuda_runtime_version'] % 1000 // 10} "
+            f"for sm_{', sm_'.join(bi['cuda_archs'].split(';'))} + C++ CPU"
+            if bi["with_cuda"] else "C++ CPU only"),
+        "cpu_kernel_isa": bi.get("cpu_capability", "n/a"),
+        "cpu_threads": torch.get_num_threads(),
+        "gpus": gpus or ["none visible"],
+        "forced_backend": backends.forced_backend() or "none (TPKERNELS_BACKEND unset)",
+        "backends": backends.default_backends(),
+    }
+
+
+def format_report(info: dict) -> str:
+    lines = [f"tpkernels {info['tpkernels']}"]
+    for key in ("python", "torch", "torch_cuda", "triton", "extension", "cpu_kernel_isa", "cpu_threads",
+                "forced_backend"):
+        lines.append(f"  {key:15} {info[key]}")
+    lines.append(f"  {'gpus':15} {', '.join(info['gpus'])}")
+    lines.append("  backend per op (CPU tensor | CUDA tensor):")
+    for op, row in info["backends"].items():
+        lines.append(f"    {op:13} {row['cpu']:10} | {row['cuda']}")
+    return "\n".join(lines)

@@ -1,0 +1,44 @@
+"""The FlashAttention tolerance rule, used by every numerical test.
+
+Given ``ref64`` (the math in float64) and ``ref_lp`` (the same PyTorch math in the input's
+dtype), a kernel output passes when
+
+    max|ours - ref64| <= k * max|ref_lp - ref64| + floor
+
+with k = 2 for outputs and 3 for gradients, and floor = ``ulps`` units in the last place of
+the output dtype at the reference's scale (max(1, max|ref64|)). The floor dominates in fp32,
+where PyTorch's own error is tiny. NaN anywhere fails.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+K_OUTPUT = 2.0
+K_GRAD = 3.0
+
+
+def fa_tolerance(ref64: Tensor, ref_lp: Tensor, dtype: torch.dtype, k: float, ulps: float = 4.0) -> float:
+    scale = max(1.0, ref64.abs().max().item()) if ref64.numel() else 1.0
+    base = (ref_lp.double() - ref64).abs().max().item() if ref64.numel() else 0.0
+    return k * base + ulps * torch.finfo(dtype).eps * scale
+
+
+def assert_fa_close(ours: Tensor, ref64: Tensor, ref_lp: Tensor, *, grad: bool = False, ulps: float = 4.0,
+                    name: str = "output") -> None:
+    """Assert the FlashAttention rule (k = 3 if ``grad`` else 2). Shapes must match exactly."""
+    assert ours.shape == ref64.shape, f"{name}: shape {tuple(ours.shape)} != reference {tuple(ref64.shape)}"
+    if ours.numel() == 0:
+        return
+    ours64 = ours.detach().double().cpu()
+    ref64, ref_lp = ref64.detach().double().cpu(), ref_lp.detach().cpu()
+    assert not torch.isnan(ours64).any(), f"{name}: {int(torch.isnan(ours64).sum())} NaN values (unwritten or bad math)"
+    tol = fa_tolerance(ref64, ref_lp, ours.dtype, K_GRAD if grad else K_OUTPUT, ulps)
+    err = (ours64 - ref64).abs()
+    worst = err.max().item()
+    if worst > tol:
+        idx = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+        raise AssertionError(f"{name}: max error {worst:.3e} at {idx} (ours {ours64[idx].item():.6g}, "
+                             f"ref {ref64[idx].item():.6g}) exceeds tolerance {tol:.3e} "
+                             f"({ours.dtype}, {'grad' if grad else 'output'} rule)")
