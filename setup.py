@@ -155,7 +155,10 @@ def extension_modules():
                    "csrc/gelu/bias_gelu_cpu_default.cpp", "csrc/gelu/bias_gelu_cpu_avx2.cpp",
                    "csrc/gelu/bias_gelu_cpu_avx512.cpp"]
     # The C++ standard flag comes from torch.utils.cpp_extension (c++17 or c++20 per torch version).
-    cxx_flags = ["-O3", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
+    # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's headers; without the flag
+    # the pragma is ignored and every CPU kernel silently runs on one thread.
+    cxx_flags = ["-O3", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     macros = [("TPKERNELS_VERSION", f'"{_version()}"')]
 
     skip_reason = None
@@ -169,7 +172,8 @@ def extension_modules():
     if skip_reason:
         log(f"building C++ CPU kernels only: {skip_reason}")
         return [CppExtension("tpkernels._C", cpu_sources,
-                             extra_compile_args={"cxx": cxx_flags}, define_macros=macros)], BuildExtension
+                             extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags,
+                             define_macros=macros)], BuildExtension
 
     gencode, archs = parse_cuda_archs(os.environ.get("TPKERNELS_CUDA_ARCHS", DEFAULT_CUDA_ARCHS))
     nvcc_threads = os.environ.get("NVCC_THREADS", "2")
@@ -180,7 +184,8 @@ def extension_modules():
                   f"--threads={nvcc_threads}", *gencode]
     cuda_sources = cpu_sources + ["csrc/gelu/bias_gelu_cuda.cu"]
     ext = CUDAExtension("tpkernels._C", cuda_sources, include_dirs=nvidia_wheel_include_dirs(),
-                        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags}, define_macros=macros)
+                        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags}, extra_link_args=link_flags,
+                        define_macros=macros)
     return [ext], BuildExtension
 
 

@@ -14,6 +14,7 @@ pybind11::dict build_info() {
   info["version"] = TPKERNELS_VERSION;
   info["torch_version"] = TORCH_VERSION;
   info["cpu_capability"] = tpkernels::bias_gelu_cpu_capability();
+  info["cpu_openmp"] = tpkernels::cpu_kernels_use_openmp();
 #ifdef TPKERNELS_WITH_CUDA
   info["with_cuda"] = true;
   info["cuda_archs"] = TPKERNELS_CUDA_ARCHS;

@@ -90,6 +90,17 @@ def test_gradcheck(backend, monkeypatch):
     assert torch.autograd.gradcheck(lambda x, b: tpkernels.bias_gelu(x, b, "tanh"), (x, b))
 
 
+def test_backend_argument_applies_to_forward_and_backward(monkeypatch):
+    used = []
+    real = backends.select
+    monkeypatch.setattr(backends, "select", lambda op, dev, b=None: used.append(real(op, dev, b)) or used[-1])
+    x, b = torch.randn(4, 9, requires_grad=True), torch.randn(9, requires_grad=True)
+    tpkernels.bias_gelu(x, b, backend="reference").sum().backward()
+    assert used == ["reference", "reference"]
+    with pytest.raises(BackendUnavailableError, match="backend argument cannot run bias_gelu on cpu"):
+        tpkernels.bias_gelu(x, b, backend="cuda")
+
+
 def test_only_bias_requires_grad():
     x = torch.randn(6, 5)
     b = torch.randn(5, requires_grad=True)
@@ -138,9 +149,9 @@ def test_torch_compile_fullgraph_forward_and_backward():
 def test_opcheck_custom_ops():
     # torch.library's own consistency checks: schema, fake impl vs real, autograd registration.
     x, b = torch.randn(3, 11, requires_grad=True), torch.randn(11, requires_grad=True)
-    torch.library.opcheck(torch.ops.tpkernels.bias_gelu.default, (x, b, "none"))
+    torch.library.opcheck(torch.ops.tpkernels.bias_gelu.default, (x, b, "none", ""))
     g = torch.randn(3, 11)
-    torch.library.opcheck(torch.ops.tpkernels.bias_gelu_backward.default, (g, x.detach(), b.detach(), "tanh"))
+    torch.library.opcheck(torch.ops.tpkernels.bias_gelu_backward.default, (g, x.detach(), b.detach(), "tanh", "cpp"))
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])

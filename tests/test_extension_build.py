@@ -33,6 +33,9 @@ def test_build_info_is_consistent():
     assert info["version"] == tpkernels.__version__
     assert info["torch_version"] == torch.__version__.split("+")[0]
     assert info["cpu_capability"] in ("default", "avx2", "avx512")
+    if "OpenMP" in torch.__config__.parallel_info():
+        # Without -fopenmp, at::parallel_for in our kernels silently runs on one thread.
+        assert info["cpu_openmp"], "CPU kernels were compiled without OpenMP: they would run single-threaded"
     assert info["with_cuda"] == (torch.version.cuda is not None and os.environ.get("TPKERNELS_SKIP_CUDA_BUILD") != "1")
 
 

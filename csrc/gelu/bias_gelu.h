@@ -28,6 +28,8 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd_cpu(const at::Tensor& grad_out,
                                                      const OptTensor& grad_x_out, const OptTensor& grad_bias_out);
 // Name of the CPU kernel variant the running CPU uses ("avx512", "avx2" or "default").
 const char* bias_gelu_cpu_capability();
+// Whether the CPU kernels were compiled with OpenMP (torch's at::parallel_for backend).
+bool cpu_kernels_use_openmp();
 
 #ifdef TPKERNELS_WITH_CUDA
 at::Tensor bias_gelu_fwd_cuda(const at::Tensor& x, const at::Tensor& bias, bool tanh_approx, const OptTensor& out);

@@ -76,6 +76,14 @@ at::Tensor output_like(const OptTensor& out, const at::Tensor& like, const char*
   return o;
 }
 
+bool cpu_kernels_use_openmp() {
+#ifdef _OPENMP
+  return true;  // at::parallel_for really runs on torch's intra-op threads
+#else
+  return false;  // compiled without -fopenmp: every at::parallel_for runs serially
+#endif
+}
+
 const char* bias_gelu_cpu_capability() {
   switch (isa()) {
     case Isa::Avx512: return "avx512";

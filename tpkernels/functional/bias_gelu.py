@@ -111,44 +111,47 @@ def bias_gelu_bwd(grad: Tensor, x: Tensor, bias: Tensor, approximate: str = "non
 
 # ---- torch.library registration: opaque to torch.compile, with fake impls and autograd ----
 
+# `backend` is "" for the dispatch rule, else a backend name (a str: op schemas take no None).
+
 @torch.library.custom_op("tpkernels::bias_gelu", mutates_args=())
-def _bias_gelu_op(x: Tensor, bias: Tensor, approximate: str) -> Tensor:
-    return bias_gelu_fwd(x, bias, approximate)
+def _bias_gelu_op(x: Tensor, bias: Tensor, approximate: str, backend: str) -> Tensor:
+    return bias_gelu_fwd(x, bias, approximate, backend=backend or None)
 
 
 @_bias_gelu_op.register_fake
-def _(x: Tensor, bias: Tensor, approximate: str) -> Tensor:
+def _(x: Tensor, bias: Tensor, approximate: str, backend: str) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("tpkernels::bias_gelu_backward", mutates_args=())
-def _bias_gelu_backward_op(grad: Tensor, x: Tensor, bias: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
-    return bias_gelu_bwd(grad, x, bias, approximate)
+def _bias_gelu_backward_op(grad: Tensor, x: Tensor, bias: Tensor, approximate: str,
+                           backend: str) -> tuple[Tensor, Tensor]:
+    return bias_gelu_bwd(grad, x, bias, approximate, backend=backend or None)
 
 
 @_bias_gelu_backward_op.register_fake
-def _(grad: Tensor, x: Tensor, bias: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
+def _(grad: Tensor, x: Tensor, bias: Tensor, approximate: str, backend: str) -> tuple[Tensor, Tensor]:
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(bias)
 
 
 def _setup_context(ctx, inputs, output):
-    x, bias, approximate = inputs
+    x, bias, approximate, backend = inputs
     ctx.save_for_backward(x, bias)
-    ctx.approximate = approximate
+    ctx.approximate, ctx.backend = approximate, backend
 
 
 def _backward(ctx, grad):
     x, bias = ctx.saved_tensors
     if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-        return None, None, None
-    dx, db = _bias_gelu_backward_op(grad.contiguous(), x, bias, ctx.approximate)
-    return (dx if ctx.needs_input_grad[0] else None), (db if ctx.needs_input_grad[1] else None), None
+        return None, None, None, None
+    dx, db = _bias_gelu_backward_op(grad.contiguous(), x, bias, ctx.approximate, ctx.backend)
+    return (dx if ctx.needs_input_grad[0] else None), (db if ctx.needs_input_grad[1] else None), None, None
 
 
 _bias_gelu_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
+def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none", *, backend: str | None = None) -> Tensor:
     """Fused ``gelu(x + bias)`` with autograd.
 
     Args:
@@ -162,7 +165,9 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     Returns:
         (..., features), contiguous, dtype of ``x``. Math is fp32 (fp64 for fp64 inputs).
 
-    The backend follows :mod:`tpkernels.backends` (``TPKERNELS_BACKEND`` forces one).
+        backend: ``"cuda"``, ``"triton"``, ``"cpp"`` or ``"reference"`` to pick a kernel for
+           this call (forward and backward); by default :mod:`tpkernels.backends` decides
+           (``TPKERNELS_BACKEND`` forces one globally).
     """
     _check(x, bias, approximate)
-    return _bias_gelu_op(x, bias, approximate)
+    return _bias_gelu_op(x, bias, approximate, backend or "")

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The one script to run on a single H100/H200 machine (see DESIGN.md §4):
+#   build tpkernels._C in place, run the `cuda`-marked tests, run the GPU benchmarks.
+# Writes logs and CSVs to $OUT if set (the device tool's output folder), else benchmarks/results/.
+# Uses the machine's own python3 and packages (no venv, no network). Budget: under 9 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results}"
+mkdir -p "$OUT"
+export OUT
+PY="${PYTHON:-python3}"
+status=0
+step() { echo; echo "=== $1 ($(date +%T))"; }
+
+step "machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu_info.csv"
+$PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+
+step "build tpkernels._C (in place)"
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}" TPKERNELS_CUDA_ARCHS="${TPKERNELS_CUDA_ARCHS:-80;90}"
+if ! timeout 300 $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+  echo "BUILD FAILED (tail of $OUT/build.log):"; tail -40 "$OUT/build.log"; exit 1
+fi
+tail -2 "$OUT/build.log"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+$PY -m tpkernels.cli info | tee "$OUT/tpkernels_info.txt"
+
+step "cuda-marked tests"
+timeout 240 $PY -m pytest tests -m cuda -q -x --timeout 120 -p no:cacheprovider \
+  --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+step "benchmarks"
+timeout 180 $PY benchmarks/bench_bias_gelu.py --sizes 1 16 64 2>&1 | tee "$OUT/bench_bias_gelu.log" | tail -30
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+step "done: status $status"
+exit $status
