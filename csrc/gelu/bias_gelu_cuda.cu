@@ -124,6 +124,21 @@ int pick_vec(int64_t cols, std::initializer_list<const at::Tensor*> tensors) {
   return vec;
 }
 
+// Calls launch(integral_constant<int, VEC>, bool_constant<TANH>) with the run-time choices
+// turned into template arguments (16-byte packs or scalars; tanh or erf), then checks the launch.
+template <typename scalar_t, typename Launch>
+void launch_specialized(int vec, bool tanh_approx, Launch&& launch) {
+  constexpr int V = 16 / sizeof(scalar_t);
+  if (vec == V) {
+    tanh_approx ? launch(std::integral_constant<int, V>{}, std::true_type{})
+                : launch(std::integral_constant<int, V>{}, std::false_type{});
+  } else {
+    tanh_approx ? launch(std::integral_constant<int, 1>{}, std::true_type{})
+                : launch(std::integral_constant<int, 1>{}, std::false_type{});
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 struct Grid {
   dim3 grid, block;
 };
@@ -175,15 +190,7 @@ at::Tensor bias_gelu_fwd_cuda(const at::Tensor& x, const at::Tensor& bias, bool 
           <<<gr.grid, gr.block, 0, stream>>>(x.data_ptr<scalar_t>(), x.stride(0), bias.data_ptr<scalar_t>(),
                                              y.data_ptr<scalar_t>(), rows, cols);
     };
-    constexpr int V = 16 / sizeof(scalar_t);
-    if (vec == V) {
-      tanh_approx ? launch(std::integral_constant<int, V>{}, std::true_type{})
-                  : launch(std::integral_constant<int, V>{}, std::false_type{});
-    } else {
-      tanh_approx ? launch(std::integral_constant<int, 1>{}, std::true_type{})
-                  : launch(std::integral_constant<int, 1>{}, std::false_type{});
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_specialized<scalar_t>(vec, tanh_approx, launch);
   });
   return y;
 }
@@ -209,15 +216,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd_cuda(const at::Tensor& grad_out
                                              x.data_ptr<scalar_t>(), x.stride(0), bias.data_ptr<scalar_t>(),
                                              dx.data_ptr<scalar_t>(), partial.data_ptr<float>(), rows, cols);
     };
-    constexpr int V = 16 / sizeof(scalar_t);
-    if (vec == V) {
-      tanh_approx ? launch(std::integral_constant<int, V>{}, std::true_type{})
-                  : launch(std::integral_constant<int, V>{}, std::false_type{});
-    } else {
-      tanh_approx ? launch(std::integral_constant<int, 1>{}, std::true_type{})
-                  : launch(std::integral_constant<int, 1>{}, std::false_type{});
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_specialized<scalar_t>(vec, tanh_approx, launch);
   });
   at::sum_out(db, partial, {0}, /*keepdim=*/false, bias.scalar_type());
   return {dx, db};
