@@ -25,19 +25,23 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _TANH_CUBIC = tl.constexpr(0.044715)
 _TANH_CUBIC_X3 = tl.constexpr(3 * 0.044715)  # from d/dz of the cubic term
+_TWO_SQRT_2_OVER_PI = tl.constexpr(2 * 0.7978845608028654)  # sigmoid(2u) = 0.5·(1 + tanh(u))
+# (Tensors stay on the left of constexpr factors: the interpreter mis-handles constexpr * tensor
+# in some nested calls.)
 
 
-# tanh(u) is written 1 − 2 / (exp(2u) + 1) inline: the interpreter has no libdevice tanh, and
-# it fails on tensors passed through a second level of nested @jit calls inside a loop. The form
-# saturates cleanly (exp → inf gives 1, exp → 0 gives −1); near u = 0 its absolute error is a
-# few fp32 ulps, which is all gelu's 0.5·z·(1 + t) needs.
+# The tanh form is evaluated through s = sigmoid(2u), with 1 + tanh(u) = 2s and
+# 1 − tanh(u)² = 4·s·(1 − s): no cancellation when tanh(u) is near ±1 (large |z|), where
+# computing 1 + t from t loses every digit (the gradient would flush to 0 for z ≲ −5). Written
+# inline with tl.exp: the interpreter has no libdevice tanh, and it fails on tensors passed
+# through a second level of nested @jit calls inside a loop.
 
 
 @triton.jit
 def _gelu(z, TANH: tl.constexpr):
     if TANH:
-        u = _SQRT_2_OVER_PI * (z + _TANH_CUBIC * z * z * z)
-        y = 0.5 * z * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+        s = 1.0 / (1.0 + tl.exp(-((z + z * z * z * _TANH_CUBIC) * _TWO_SQRT_2_OVER_PI)))
+        y = z * s  # 0.5·z·(1 + tanh(u))
     else:
         y = 0.5 * z * (1.0 + tl.math.erf(z * _INV_SQRT2))
     return y
@@ -46,9 +50,12 @@ def _gelu(z, TANH: tl.constexpr):
 @triton.jit
 def _gelu_grad(z, TANH: tl.constexpr):
     if TANH:
-        u = _SQRT_2_OVER_PI * (z + _TANH_CUBIC * z * z * z)
-        t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
-        d = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + _TANH_CUBIC_X3 * z * z)
+        v = (z + z * z * z * _TANH_CUBIC) * _TWO_SQRT_2_OVER_PI
+        e = tl.exp(-v)  # may be inf for v << 0: then s = 0 and 1 - s = 1 exactly
+        s = 1.0 / (1.0 + e)
+        one_minus_s = tl.where(v < 0.0, 1.0 - s, s * e)  # each branch free of cancellation
+        # 0.5·(1 + t) + 0.5·z·(1 − t²)·sqrt(2/pi)·(1 + 3·0.044715·z²), with t = tanh(u)
+        d = s + z * s * one_minus_s * (1.0 + z * z * _TANH_CUBIC_X3) * _TWO_SQRT_2_OVER_PI
     else:
         d = 0.5 * (1.0 + tl.math.erf(z * _INV_SQRT2)) + z * _INV_SQRT_2PI * tl.exp(-0.5 * z * z)
     return d
