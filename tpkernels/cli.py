@@ -12,6 +12,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, build of tpkernels._C, GPUs, backend of each op")
     p_info.add_argument("--json", action="store_true", help="machine-readable output")
+    from tpkernels.planner.cli import add_parser as add_plan_parser  # noqa: PLC0415
+
+    add_plan_parser(sub)
     args = ap.parse_args(argv)
 
     if args.command == "info":
@@ -19,6 +22,14 @@ def main(argv: list[str] | None = None) -> int:
 
         info = collect()
         print(json.dumps(info, indent=2) if args.json else format_report(info))
+    elif args.command == "plan":
+        from tpkernels.planner.cli import run  # noqa: PLC0415
+
+        try:
+            return run(args)
+        except ValueError as e:  # bad input: one clear line, no traceback
+            print(f"tpkernels plan: error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

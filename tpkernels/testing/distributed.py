@@ -63,6 +63,8 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, pg_timeout
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     try:
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         results.put((rank, "ready", None))

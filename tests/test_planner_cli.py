@@ -1,0 +1,122 @@
+"""`tpkernels plan`: table, JSON, --explain, --measure, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tpkernels.cli import main
+from tpkernels.planner import ClusterSpec, gpu_preset, model_preset
+from tpkernels.planner.efficiency import A100_CALIBRATED
+from tpkernels.planner.measure import Measurement, calibrate, layer_gemm_shapes, measure
+from tpkernels.planner.workload import TrainingSetup
+
+BASE = ["plan", "--model", "Llama-3-8B", "--gpu", "H100-SXM", "--nodes", "2", "--global-batch", "64",
+        "--seq-len", "4096"]
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_table_and_explanation(capsys):
+    rc, out, _ = run(capsys, *BASE, "--top", "3")
+    assert rc == 0
+    assert "Llama-3-8B: 8.03B params" in out and "2×8 H100-SXM" in out
+    lines = [ln for ln in out.splitlines() if ln[:2] in ("1 ", "2 ", "3 ")]
+    assert len(lines) == 3
+    assert " wins: " in out and "The runner-up" in out
+
+
+def test_json_is_ranked(capsys):
+    rc, out, _ = run(capsys, *BASE, "--json", "--top", "5")
+    data = json.loads(out)
+    assert rc == 0 and len(data["ranked"]) == 5
+    steps = [r["step_time_s"] for r in data["ranked"]]
+    assert steps == sorted(steps)
+    assert data["model"]["num_params"] == 8_030_261_248
+    first = data["ranked"][0]
+    assert first["tp"] * first["pp"] * first["dp"] == 16 and first["fits"]
+
+
+def test_fix_restricts_the_search(capsys):
+    rc, out, _ = run(capsys, *BASE, "--json", "--fix", "TP=2,SP=on")
+    assert rc == 0
+    assert all(r["tp"] == 2 and r["sequence_parallel"] for r in json.loads(out)["ranked"])
+
+
+def test_explain_valid_layout(capsys):
+    rc, out, _ = run(capsys, *BASE, "--explain", "TP=8,PP=2,SP=off")
+    assert rc == 0
+    assert out.startswith("TP=8,PP=2,SP=off → best setting TP8 PP2 DP1")
+    assert "What is wrong with it:" in out and "sequence_parallel off" in out and "slower than the best" in out
+
+
+def test_explain_invalid_layout_lists_every_rule(capsys):
+    rc, out, _ = run(capsys, *BASE, "--explain", "TP=3,PP=5")
+    assert rc == 2
+    assert "world_size (16) must be divisible by tensor_parallel_size (3) × pipeline_parallel_size (5) = 15" in out
+    assert "num_attention_heads (32) must be divisible by tensor_parallel_size (3)" in out
+    assert "num_layers (32) must be divisible by pipeline_parallel_size (5)" in out
+    assert "The best valid layout is" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "--model", "GPT-5"], "model ('GPT-5') is not a known preset"),
+    (["plan", "--model", "Llama-3-8B", "--gpu", "B300"], "gpu ('B300') is not a known preset"),
+    (["plan", "--layers", "4", "--hidden", "512"], "missing --heads, --ffn, --vocab"),
+    (["plan", "--model", "Llama-3-8B", "--explain", "TP4"], "layout item ('TP4') must look like KEY=VALUE"),
+    (["plan", "--model", "Llama-3-8B", "--fix", "XP=2"], "layout key ('XP') must be one of"),
+    (["plan", "--model", "Llama-3-8B", "--global-batch", "0"], "global_batch (0) must be a positive integer"),
+    (["plan", "--model", "Llama-3-8B", "--gpu", "A10-24GB", "--intra-link", "nvlink"],
+     "intra_link ('nvlink') is not available on A10-24GB"),
+])
+def test_bad_input_is_one_clear_line(capsys, argv, message):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_no_fit_exit_code_and_message(capsys):
+    rc, out, _ = run(capsys, "plan", "--model", "Llama-3-70B", "--gpu", "A10-24GB", "--nodes", "1",
+                     "--global-batch", "8", "--seq-len", "2048")
+    assert rc == 3 and "No layout fits in 22.5 GiB per GPU" in out
+
+
+def test_calibrate_same_gpu_sets_constants():
+    cluster = ClusterSpec(gpu_preset("H100-SXM"), 8, 1)
+    meas = Measurement("cuda", "NVIDIA H100 80GB HBM3", 700.0, "bfloat16", 1e12, 2900.0, 79.6, "nccl", 360.0)
+    out, eff, notes = calibrate(cluster, A100_CALIBRATED, meas)
+    assert out is cluster
+    assert eff.gemm == pytest.approx(700 / 989) and eff.hbm == pytest.approx(2900 / 3350)
+    assert eff.link == pytest.approx(360 / 450) and "this is a H100-SXM" in notes[0]
+    pcie = ClusterSpec(gpu_preset("H100-PCIe"), 8, 1)
+    _, _, notes = calibrate(pcie, A100_CALIBRATED, meas)  # an SXM card is not the PCIe preset
+    assert "is not a H100-PCIe" in notes[0]
+
+
+def test_calibrate_foreign_device_plans_for_it():
+    cluster = ClusterSpec(gpu_preset("H100-SXM"), 2, 1)
+    meas = Measurement("cpu", "CPU x86_64 ×2 threads", 0.15, "float32", 1e10, 20.0, 24.0, "gloo", 1.0)
+    mine, eff, notes = calibrate(cluster, A100_CALIBRATED, meas)
+    assert mine.gpu.peak_tflops_bf16 == 0.15 and mine.gpu.memory_gib == 24.0 and mine.intra_gbs == 1.0
+    assert (eff.gemm, eff.hbm, eff.link) == (1.0, 1.0, 1.0) and "is not a H100-SXM" in notes[0]
+
+
+def test_layer_gemm_shapes_cover_one_layer():
+    m = model_preset("Llama-3-8B")
+    shapes = layer_gemm_shapes(m, 7)
+    assert sum(2 * a * b * c for a, b, c in shapes) == m.forward_flops_per_layer(1, 7)[0]
+
+
+@pytest.mark.slow
+def test_measure_on_this_machine():
+    """Real timings (a GEMM, a copy, a 2-rank gloo all-reduce): positive, finite, sensible."""
+    small = model_preset("Llama-3-8B").replace(hidden_size=512, num_attention_heads=8, num_kv_heads=2,
+                                                ffn_hidden_size=1408)
+    meas = measure(small, TrainingSetup(8, 512))
+    assert 1e-4 < meas.gemm_tflops < 5000 and 0.1 < meas.copy_gbs < 1e5 and meas.memory_gib > 1
+    if meas.device == "cpu":
+        assert meas.collective.startswith("gloo") and 0 < meas.busbw_gbs < 1e4

@@ -1,0 +1,20 @@
+"""Parallel-layout planner: memory and step-time model, search over TP/PP/DP layouts, `tpkernels plan`.
+
+    from tpkernels.planner import model_preset, gpu_preset, ClusterSpec, TrainingSetup, plan
+    p = plan(model_preset("Llama-3-70B"), TrainingSetup(global_batch=512, seq_length=8192),
+             ClusterSpec(gpu_preset("H100-SXM"), gpus_per_node=8, nodes=8))
+    p.best.config        # ParallelConfig(tp=8, pp=2, dp=4, ...)
+"""
+
+from tpkernels.planner.efficiency import A100_CALIBRATED, Efficiency
+from tpkernels.planner.estimate import Estimate, estimate, layout_errors
+from tpkernels.planner.hardware import GPU_PRESETS, ClusterSpec, GPUSpec, gpu_preset
+from tpkernels.planner.models import MODEL_PRESETS, ModelSpec, from_hf_config, model_preset
+from tpkernels.planner.search import Plan, explain, parse_layout, plan
+from tpkernels.planner.workload import TrainingSetup
+
+__all__ = [
+    "A100_CALIBRATED", "GPU_PRESETS", "MODEL_PRESETS", "ClusterSpec", "Efficiency", "Estimate", "GPUSpec",
+    "ModelSpec", "Plan", "TrainingSetup", "estimate", "explain", "from_hf_config", "gpu_preset", "layout_errors",
+    "model_preset", "parse_layout", "plan",
+]

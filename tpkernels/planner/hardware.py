@@ -1,0 +1,131 @@
+"""GPU and cluster descriptions for the planner.
+
+Peak figures are the vendors' dense tensor-core numbers (no 2:4 sparsity). Link bandwidths are
+per GPU and per direction: NVLink 3 (A100) 300 GB/s, NVLink 4 (H100/H200) 450 GB/s, PCIe 4.0 x16
+32 GB/s, PCIe 5.0 x16 64 GB/s. Inter-node bandwidth is per GPU (one 200 Gb/s HDR NIC per A100
+in a DGX A100 = 25 GB/s; one 400 Gb/s NDR NIC per H100/H200 = 50 GB/s). Every field can be
+overridden (``GPUSpec.replace`` / the CLI's ``--gpu-*`` flags).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GB = 1e9
+GIB = 2**30
+
+PCIE_GEN4_GBS = 32.0
+PCIE_GEN5_GBS = 64.0
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator. TFLOP/s are dense peaks; bandwidths in GB/s (1e9 bytes/s)."""
+
+    name: str
+    peak_tflops_bf16: float
+    memory_gib: float
+    hbm_gbs: float
+    nvlink_gbs: float | None  # per direction; None = no NVLink (PCIe only)
+    pcie_gbs: float
+    inter_node_gbs: float
+    peak_tflops_fp8: float | None = None
+
+    def peak_tflops(self, precision: str) -> float:
+        if precision in ("bf16", "fp16"):
+            return self.peak_tflops_bf16
+        if precision == "fp8":
+            if self.peak_tflops_fp8 is None:
+                raise ValueError(f"precision ('fp8') is not supported by {self.name}: it has no FP8 tensor cores")
+            return self.peak_tflops_fp8
+        raise ValueError(f"precision ({precision!r}) must be one of bf16, fp16, fp8")
+
+    def replace(self, **changes) -> "GPUSpec":
+        return dataclasses.replace(self, **changes)
+
+
+GPU_PRESETS: dict[str, GPUSpec] = {
+    g.name: g
+    for g in (
+        GPUSpec("A100-40GB", 312.0, 40.0, 1555.0, 300.0, PCIE_GEN4_GBS, 25.0),
+        GPUSpec("A100-80GB", 312.0, 80.0, 2039.0, 300.0, PCIE_GEN4_GBS, 25.0),
+        GPUSpec("H100-SXM", 989.0, 79.6, 3350.0, 450.0, PCIE_GEN5_GBS, 50.0, peak_tflops_fp8=1979.0),
+        GPUSpec("H100-PCIe", 756.0, 79.6, 2000.0, None, PCIE_GEN5_GBS, 25.0, peak_tflops_fp8=1513.0),
+        GPUSpec("H200", 989.0, 140.4, 4800.0, 450.0, PCIE_GEN5_GBS, 50.0, peak_tflops_fp8=1979.0),
+        GPUSpec("A10-24GB", 125.0, 22.5, 600.0, None, PCIE_GEN4_GBS, 12.5),
+        GPUSpec("L20", 119.5, 44.5, 864.0, None, PCIE_GEN4_GBS, 12.5, peak_tflops_fp8=239.0),
+    )
+}
+
+_ALIASES = {
+    "a100": "A100-80GB", "a100-80g": "A100-80GB", "a100-80": "A100-80GB", "a100-40g": "A100-40GB",
+    "a100-40": "A100-40GB", "h100": "H100-SXM", "h100-sxm5": "H100-SXM", "h800": "H100-SXM",
+    "h100-pcie": "H100-PCIe", "h200": "H200", "a10": "A10-24GB", "a10-24g": "A10-24GB", "l20": "L20",
+}
+
+
+def gpu_preset(name: str) -> GPUSpec:
+    key = name.strip()
+    for preset in GPU_PRESETS:
+        if preset.lower() == key.lower():
+            return GPU_PRESETS[preset]
+    alias = _ALIASES.get(key.lower())
+    if alias:
+        return GPU_PRESETS[alias]
+    raise ValueError(f"gpu ({name!r}) is not a known preset; choose one of {', '.join(GPU_PRESETS)}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``nodes`` machines with ``gpus_per_node`` GPUs each.
+
+    intra_link: "nvlink" or "pcie"; None picks NVLink when the GPU has it.
+    intra_node_gbs / inter_node_gbs: override the per-GPU, per-direction link bandwidth.
+    """
+
+    gpu: GPUSpec
+    gpus_per_node: int = 8
+    nodes: int = 1
+    intra_link: str | None = None
+    intra_node_gbs: float | None = None
+    inter_node_gbs: float | None = None
+
+    def __post_init__(self):
+        for name in ("gpus_per_node", "nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        if self.intra_link not in (None, "nvlink", "pcie"):
+            raise ValueError(f"intra_link ({self.intra_link!r}) must be 'nvlink' or 'pcie'")
+        if self.intra_link == "nvlink" and self.gpu.nvlink_gbs is None and self.intra_node_gbs is None:
+            raise ValueError(f"intra_link ('nvlink') is not available on {self.gpu.name}; use 'pcie' "
+                             "or give intra_node_gbs")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def link(self) -> str:
+        if self.intra_link:
+            return self.intra_link
+        return "nvlink" if self.gpu.nvlink_gbs else "pcie"
+
+    @property
+    def intra_gbs(self) -> float:
+        if self.intra_node_gbs is not None:
+            return self.intra_node_gbs
+        return self.gpu.nvlink_gbs if self.link == "nvlink" else self.gpu.pcie_gbs
+
+    @property
+    def inter_gbs(self) -> float:
+        return self.inter_node_gbs if self.inter_node_gbs is not None else self.gpu.inter_node_gbs
+
+    def group_bandwidth_gbs(self, span_gpus: int) -> float:
+        """Per-GPU bandwidth of a ring whose members span ``span_gpus`` consecutive ranks."""
+        return self.intra_gbs if span_gpus <= self.gpus_per_node else min(self.intra_gbs, self.inter_gbs)
+
+    def describe(self) -> str:
+        return (f"{self.nodes}×{self.gpus_per_node} {self.gpu.name} ({self.link} {self.intra_gbs:.3g} GB/s in a node, "
+                f"{self.inter_gbs:.3g} GB/s per GPU between nodes)")

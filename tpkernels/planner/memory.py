@@ -1,0 +1,123 @@
+"""Memory per GPU for one layout: weights, gradients, optimizer states, activations.
+
+Bytes per trained parameter (mixed precision, Megatron-style): 16-bit weights (2) + fp32 gradients
+(4) + fp32 master weights and Adam moments (12) = 18; with ZeRO-1 the 12 are sharded over DP:
+6 + 12/DP. LoRA keeps the frozen base weights at 2 bytes/param and trains only the adapters.
+
+Activations follow tpkernels.planner.activations. Pipeline stage k holds the activations of the
+micro-batches it has run forward but not yet backward: p − k under 1F1B, and
+2(p − k − 1) + (v − 1)·p + 1 model chunks under interleaved 1F1B (Megatron's warm-up counts), so
+the first stage is the fullest (Korthikanti et al.: l layers' worth, times 1 + (p−1)/(p·v)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from tpkernels.parallel import ParallelConfig
+from tpkernels.planner.activations import layer_activations
+from tpkernels.planner.models import ModelSpec
+from tpkernels.planner.workload import TrainingSetup
+
+GIB = 2**30
+# CUDA context, NCCL channels and cuBLAS workspaces: memory torch's allocator never sees.
+RUNTIME_RESERVED_BYTES = 2 * GIB
+# Fraction of the card kept free for allocator fragmentation and transient buffers.
+DEFAULT_MEMORY_MARGIN = 0.10
+
+
+def padded_vocab(model: ModelSpec, tp: int) -> int:
+    """Megatron pads the vocabulary to a multiple of 128·tp so every TP rank gets equal rows."""
+    multiple = 128 * tp
+    return -(-model.vocab_size // multiple) * multiple
+
+
+def layer_params_per_rank(model: ModelSpec, tp: int) -> float:
+    """Parameters of one decoder layer held by one TP rank (norms replicated; K/V replicated when
+    tp > KV heads)."""
+    norms = 2 * model.norm_params()
+    sharded = model.params_per_layer() - norms
+    kv_weights = 2 * model.hidden_size * model.kv_dim
+    if tp > model.kv_heads:
+        sharded += kv_weights * (tp / model.kv_heads - 1)
+    return sharded / tp + norms
+
+
+def stage_params_per_rank(model: ModelSpec, cfg: ParallelConfig, stage: int) -> float:
+    """Parameters one GPU of pipeline stage ``stage`` holds."""
+    vocab = padded_vocab(model, cfg.tp)
+    n = model.num_layers / cfg.pp * layer_params_per_rank(model, cfg.tp)
+    if stage == 0:
+        n += vocab * model.hidden_size / cfg.tp + model.learned_positions * model.hidden_size
+    if stage == cfg.pp - 1:
+        n += model.norm_params()
+        # A tied head is the embedding itself on a one-stage pipeline, a copy on the last stage otherwise.
+        if not model.tied_embeddings or cfg.pp > 1:
+            n += vocab * model.hidden_size / cfg.tp
+    return n
+
+
+def lora_params_per_rank(model: ModelSpec, cfg: ParallelConfig, rank: int) -> float:
+    return model.num_layers / cfg.pp * model.lora_params_per_layer(rank) / cfg.tp
+
+
+def inflight_layers(model: ModelSpec, cfg: ParallelConfig, stage: int) -> float:
+    """Layers' worth of micro-batch activations alive at the peak on ``stage``."""
+    p, v, m = cfg.pp, cfg.virtual_stages, cfg.num_microbatches
+    if p == 1:
+        return float(model.num_layers)  # gradient accumulation frees each micro-batch after its backward
+    if v == 1:
+        return min(m, p - stage) * model.num_layers / p
+    chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+    return chunks * model.num_layers / (p * v)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on the fullest GPU (pipeline stage ``stage``)."""
+
+    stage: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    runtime: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.runtime
+
+    def as_gib(self) -> dict[str, float]:
+        d = {k: v / GIB for k, v in asdict(self).items() if k != "stage"}
+        d["total"] = self.total / GIB
+        return d
+
+
+def stage_memory(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, stage: int) -> MemoryBreakdown:
+    params = stage_params_per_rank(model, cfg, stage)
+    opt_bytes = train.optimizer_state_bytes / (cfg.dp if cfg.zero1 else 1)
+    if train.finetune == "full":
+        weights, grads, optim = 2.0 * params, 4.0 * params, opt_bytes * params
+    else:
+        adapters = lora_params_per_rank(model, cfg, train.lora_rank)
+        weights, grads, optim = 2.0 * (params + adapters), 4.0 * adapters, opt_bytes * adapters
+    act = layer_activations(model, seq=train.seq_length, micro_batch=cfg.micro_batch_size, tp=cfg.tp,
+                            sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+                            flash_attention=train.flash_attention)
+    activations = inflight_layers(model, cfg, stage) * act.stored + act.recompute_peak
+    logits = 0.0
+    if stage == cfg.pp - 1:
+        # 16-bit logits plus the fp32 copy the vocab-parallel cross-entropy works on, for one micro-batch.
+        logits = 6.0 * train.seq_length * cfg.micro_batch_size * padded_vocab(model, cfg.tp) / cfg.tp
+    return MemoryBreakdown(stage, weights, grads, optim, activations, logits, float(RUNTIME_RESERVED_BYTES))
+
+
+def peak_memory(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig) -> MemoryBreakdown:
+    """The fullest stage: the first (most activations in flight) or the last (head and logits)."""
+    stages = {0, cfg.pp - 1}
+    return max((stage_memory(model, train, cfg, s) for s in stages), key=lambda m: m.total)
+
+
+def fits(mem: MemoryBreakdown, capacity_gib: float, margin: float = DEFAULT_MEMORY_MARGIN) -> bool:
+    return mem.total <= capacity_gib * GIB * (1.0 - margin)

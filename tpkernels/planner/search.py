@@ -1,0 +1,181 @@
+"""Enumerate every layout of a job, reject the invalid ones with the rule they break, score the
+rest, and rank them (fastest step first)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tpkernels.parallel import RECOMPUTE_CHOICES, ParallelConfig
+from tpkernels.planner.efficiency import A100_CALIBRATED, Efficiency
+from tpkernels.planner.estimate import Estimate, estimate, layout_errors
+from tpkernels.planner.hardware import ClusterSpec
+from tpkernels.planner.memory import DEFAULT_MEMORY_MARGIN
+from tpkernels.planner.models import ModelSpec
+from tpkernels.planner.workload import TrainingSetup
+
+MAX_MICRO_BATCH = 16
+MAX_VIRTUAL_STAGES = 8
+FIXABLE = ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "sequence_parallel", "recompute", "zero1")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def rule_of(message: str) -> str:
+    """A rule's message with its numbers blanked, to count rejections per rule."""
+    return re.sub(r"\(\S+?\)", "(…)", message.split(":")[0] if message.startswith("does not fit") else message)
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    train: TrainingSetup
+    cluster: ClusterSpec
+    efficiency: Efficiency
+    ranked: list[Estimate]  # the best configuration of each (TP, PP, DP) layout that fits, fastest first
+    evaluated: int = 0
+    rejected: Counter = field(default_factory=Counter)  # rule -> configurations that broke it
+    too_big: list[Estimate] = field(default_factory=list)  # valid layouts that do not fit, smallest first
+    fixed: dict = field(default_factory=dict)
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def candidate_configs(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, fixed: dict | None = None):
+    """Yield every ParallelConfig of this job's search space (valid or not), honouring ``fixed``."""
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - set(FIXABLE)
+    if unknown:
+        raise ValueError(f"fixed choices {sorted(unknown)} are not layout fields; use {', '.join(FIXABLE)}")
+    n = cluster.num_gpus
+
+    def choices(name, default):
+        return [fixed[name]] if name in fixed else default
+
+    for tp in choices("tp", [d for d in divisors(n) if d <= cluster.gpus_per_node]):
+        if n % tp:
+            yield ParallelConfig(tp=tp, pp=1, dp=max(1, n // tp))
+            continue
+        for pp in choices("pp", [d for d in divisors(n // tp) if d <= model.num_layers]):
+            dp = n // (tp * pp) if n % (tp * pp) == 0 else max(1, n // (tp * pp))
+            if "dp" in fixed and fixed["dp"] != dp:
+                continue
+            vs = [1] + [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if pp > 1 and model.num_layers % (pp * v) == 0]
+            for v in choices("virtual_stages", vs):
+                per_replica = train.global_batch // dp if train.global_batch % dp == 0 else 0
+                mbss = [d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH] if per_replica else [1]
+                for mbs in choices("micro_batch_size", mbss):
+                    m = max(1, per_replica // mbs) if per_replica else max(1, train.global_batch // (dp * mbs))
+                    for sp in choices("sequence_parallel", [False, True] if tp > 1 else [False]):
+                        # With FlashAttention the scores are never stored: "selective" equals "none".
+                        rcs = [r for r in RECOMPUTE_CHOICES if not (train.flash_attention and r == "selective")]
+                        for rc in choices("recompute", rcs):
+                            for z in choices("zero1", [False, True] if dp > 1 else [False]):
+                                yield ParallelConfig(tp, pp, dp, v, mbs, m, sp, rc, z)
+
+
+def plan(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, eff: Efficiency = A100_CALIBRATED,
+         fixed: dict | None = None, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Plan:
+    """Score every valid configuration; keep per layout (TP, PP, DP) the fastest one that fits
+    (virtual stages, micro-batch size, SP, recompute and ZeRO-1 are that layout's knobs)."""
+    result = Plan(model, train, cluster, eff, [], fixed=dict(fixed or {}))
+    best: dict[tuple, Estimate] = {}
+    smallest: dict[tuple, Estimate] = {}
+    for cfg in candidate_configs(model, train, cluster, fixed):
+        errs = layout_errors(model, train, cluster, cfg)
+        if errs:
+            for e in errs:
+                result.rejected[rule_of(e)] += 1
+            continue
+        est = estimate(model, train, cluster, cfg, eff, memory_margin)
+        result.evaluated += 1
+        key = (cfg.tp, cfg.pp, cfg.dp)
+        if est.fits:
+            if key not in best or est.step_time < best[key].step_time:
+                best[key] = est
+        else:
+            result.rejected["does not fit in GPU memory"] += 1
+            if key not in smallest or est.memory.total < smallest[key].memory.total:
+                smallest[key] = est
+    result.ranked = sorted(best.values(), key=lambda e: (e.step_time, e.memory.total))
+    result.too_big = sorted((e for k, e in smallest.items() if k not in best), key=lambda e: e.memory.total)
+    return result
+
+
+_KEYS = {
+    "tp": "tp", "pp": "pp", "dp": "dp", "v": "virtual_stages", "vpp": "virtual_stages",
+    "virtual_stages": "virtual_stages", "mbs": "micro_batch_size", "micro_batch_size": "micro_batch_size",
+    "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel", "recompute": "recompute",
+    "rc": "recompute", "zero1": "zero1", "zero": "zero1",
+}
+_TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+def parse_layout(text: str) -> dict:
+    """``"TP=4,PP=2,SP=on,recompute=selective"`` → {"tp": 4, "pp": 2, ...} (fields of ParallelConfig)."""
+    out = {}
+    for part in filter(None, (p.strip() for p in re.split(r"[,\s]+", text))):
+        if "=" not in part:
+            raise ValueError(f"layout item ({part!r}) must look like KEY=VALUE, e.g. TP=4")
+        key, value = (s.strip() for s in part.split("=", 1))
+        field_name = _KEYS.get(key.lower())
+        if field_name is None:
+            raise ValueError(f"layout key ({key!r}) must be one of {', '.join(sorted(set(_KEYS)))}")
+        if field_name in ("sequence_parallel", "zero1"):
+            if value.lower() not in _TRUE + _FALSE:
+                raise ValueError(f"{key} ({value!r}) must be on or off")
+            out[field_name] = value.lower() in _TRUE
+        elif field_name == "recompute":
+            out[field_name] = value.lower()
+        else:
+            try:
+                out[field_name] = int(value)
+            except ValueError:
+                raise ValueError(f"{key} ({value!r}) must be an integer") from None
+    return out
+
+
+@dataclass
+class Explanation:
+    requested: dict
+    text: str  # the layout as the user wrote it
+    errors: list[str]  # rules the layout breaks (empty when valid)
+    estimate: Estimate | None  # best configuration of the layout (None when invalid)
+    fits: bool
+    best: Estimate | None  # best layout overall
+
+
+def explain(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, layout: dict | str,
+            eff: Efficiency = A100_CALIBRATED, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Explanation:
+    """Score the layout a user has in mind: unspecified knobs take their best value."""
+    req = parse_layout(layout) if isinstance(layout, str) else dict(layout)
+    label = layout if isinstance(layout, str) else ",".join(f"{k}={v}" for k, v in req.items())
+    cfg_fields = dict(req)
+    tp, pp = req.get("tp", 1), req.get("pp", 1)
+    if "dp" not in req and cluster.num_gpus % (tp * pp) == 0:
+        cfg_fields["dp"] = cluster.num_gpus // (tp * pp)
+    dp = cfg_fields.get("dp", 1)
+    mbs = req.get("micro_batch_size", 1)
+    m = train.global_batch // (dp * mbs) if train.global_batch % (dp * mbs) == 0 else 0
+    probe = ParallelConfig(**{**cfg_fields, "num_microbatches": max(m, 1)})
+    errors = layout_errors(model, train, cluster, probe)
+    if "dp" not in cfg_fields and not probe.layout_errors():
+        errors = [e for e in errors if not e.startswith("world_size")]
+        errors.insert(0, f"world_size ({cluster.num_gpus}) must be divisible by tensor_parallel_size ({tp}) × "
+                         f"pipeline_parallel_size ({pp}) = {tp * pp}")
+    if m == 0 and not any("global_batch_size" in e for e in errors):
+        errors.append(f"global_batch_size ({train.global_batch}) must be divisible by micro_batch_size ({mbs}) × "
+                      f"data_parallel_size ({dp}) = {mbs * dp}")
+    overall = plan(model, train, cluster, eff, memory_margin=memory_margin)
+    if errors:
+        return Explanation(req, label, errors, None, False, overall.best)
+    scoped = plan(model, train, cluster, eff, fixed=cfg_fields, memory_margin=memory_margin)
+    est = scoped.best or (scoped.too_big[0] if scoped.too_big else None)
+    if est is None:  # every knob setting broke a rule (e.g. interleaving with an incompatible batch)
+        return Explanation(req, label, sorted(scoped.rejected), None, False, overall.best)
+    return Explanation(req, label, [], est, est.fits, overall.best)

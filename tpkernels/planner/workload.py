@@ -1,0 +1,53 @@
+"""What is being trained: batch, sequence length, precision, optimizer, full fine-tune or LoRA."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+PRECISIONS = ("bf16", "fp16", "fp8")
+OPTIMIZERS = ("adam", "sgd")
+FINETUNE = ("full", "lora")
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """global_batch: sequences per optimizer step; seq_length: tokens per sequence.
+
+    precision: GEMM precision ("fp8" = FP8 GEMMs with bf16 weights, as TransformerEngine does).
+    optimizer: "adam" (fp32 master weights + two moments: 12 bytes/param) or "sgd" (fp32 master +
+        momentum: 8 bytes/param). Both keep 16-bit weights and fp32 gradients.
+    finetune: "full" trains every weight; "lora" freezes them and trains rank-``lora_rank``
+        adapters on every linear layer of every decoder layer.
+    flash_attention: the attention core never stores the (s × s) scores (FlashAttention / our
+        tpkernels.flash_attn_func); False models the 2021 Megatron kernels that did.
+    """
+
+    global_batch: int
+    seq_length: int
+    precision: str = "bf16"
+    optimizer: str = "adam"
+    finetune: str = "full"
+    lora_rank: int = 16
+    flash_attention: bool = True
+
+    def __post_init__(self):
+        for f in ("global_batch", "seq_length", "lora_rank"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{f} ({value!r}) must be a positive integer")
+        for f, choices in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("finetune", FINETUNE)):
+            if getattr(self, f) not in choices:
+                raise ValueError(f"{f} ({getattr(self, f)!r}) must be one of {', '.join(choices)}")
+
+    def replace(self, **changes) -> "TrainingSetup":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """fp32 master weights + optimizer moments, per trained parameter."""
+        return 12 if self.optimizer == "adam" else 8
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_length
