@@ -27,6 +27,7 @@ test: install
 demo: install
 	$(BIN)/tpkernels info
 	$(BIN)/python benchmarks/bench_bias_gelu.py
+	$(BIN)/tpkernels plan --model Llama-3-70B --gpu H100-SXM --nodes 8 --global-batch 512 --seq-len 8192 --top 5
 
 bench: demo
 

@@ -83,3 +83,19 @@ def test_bad_model_inputs_are_named():
         ModelSpec("x", 0, 768, 12, 3072, 1000)
     with pytest.raises(ValueError, match="lacks num_hidden_layers"):
         from_hf_config({"model_type": "mystery", "hidden_size": 8})
+
+
+def test_bad_training_and_cluster_inputs_are_named():
+    from tpkernels.planner import ClusterSpec, TrainingSetup, gpu_preset  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=r"precision \('fp4'\) must be one of bf16, fp16, fp8"):
+        TrainingSetup(8, 2048, precision="fp4")
+    with pytest.raises(ValueError, match=r"finetune \('qlora'\) must be one of full, lora"):
+        TrainingSetup(8, 2048, finetune="qlora")
+    with pytest.raises(ValueError, match=r"seq_length \(0\) must be a positive integer"):
+        TrainingSetup(8, 0)
+    with pytest.raises(ValueError, match=r"gpus_per_node \(0\) must be a positive integer"):
+        ClusterSpec(gpu_preset("H200"), gpus_per_node=0)
+    with pytest.raises(ValueError, match=r"intra_link \('ib'\) must be 'nvlink' or 'pcie'"):
+        ClusterSpec(gpu_preset("H200"), intra_link="ib")
+    assert gpu_preset("h100").name == "H100-SXM" and gpu_preset("A100-40GB").memory_gib == 40.0

@@ -5,6 +5,9 @@ Public API (this release):
     tpkernels.nn.BiasGeLU                              module owning the bias
     tpkernels.backends                                 dispatch rule, TPKERNELS_BACKEND
     tpkernels.build_info()                             what tpkernels._C was built with
+    tpkernels.parallel.ParallelConfig                  a TP/PP/DP layout and its validation rules
+    tpkernels.planner.plan(model, training, cluster)   ranked layouts with memory and step time
+                                                       (also `tpkernels plan` on the command line)
 
 Importing never needs a GPU or the compiled extension.
 """

@@ -40,9 +40,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--gpu-tflops", type=float, help="override the GPU's dense bf16 peak")
     c.add_argument("--gpu-memory-gib", type=float, help="override the GPU's memory")
     c.add_argument("--gpu-hbm-gbs", type=float, help="override the GPU's memory bandwidth")
+    c.add_argument("--gpu-fp8-tflops", type=float, help="override the GPU's dense fp8 peak")
     t = ap.add_argument_group("training")
     t.add_argument("--global-batch", type=int, default=512, help="sequences per step")
-    t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context, at most 8192)")
     t.add_argument("--precision", choices=PRECISIONS, default="bf16")
     t.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     t.add_argument("--finetune", choices=FINETUNE, default="full")
@@ -77,7 +78,8 @@ def _model(args) -> ModelSpec:
 def _cluster(args) -> ClusterSpec:
     gpu = gpu_preset(args.gpu)
     overrides = {k: v for k, v in (("peak_tflops_bf16", args.gpu_tflops), ("memory_gib", args.gpu_memory_gib),
-                                   ("hbm_gbs", args.gpu_hbm_gbs)) if v is not None}
+                                   ("hbm_gbs", args.gpu_hbm_gbs),
+                                   ("peak_tflops_fp8", args.gpu_fp8_tflops)) if v is not None}
     if overrides:
         gpu = gpu.replace(**overrides)
     return ClusterSpec(gpu, args.gpus_per_node, args.nodes, args.intra_link, args.intra_node_gbs, args.inter_node_gbs)
@@ -86,7 +88,7 @@ def _cluster(args) -> ClusterSpec:
 def run(args) -> int:
     model = _model(args)
     cluster = _cluster(args)
-    train = TrainingSetup(args.global_batch, args.seq_len or model.seq_length, args.precision, args.optimizer,
+    train = TrainingSetup(args.global_batch, args.seq_len or min(model.seq_length, 8192), args.precision, args.optimizer,
                           args.finetune, args.lora_rank, not args.no_flash_attention)
     eff = A100_CALIBRATED
     if args.measure:

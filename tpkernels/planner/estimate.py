@@ -27,8 +27,6 @@ def layout_errors(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, 
     if cluster.gpus_per_node % cfg.tp:
         errs.append(f"tensor_parallel_size ({cfg.tp}) must divide gpus_per_node ({cluster.gpus_per_node}): "
                     "TP communicates every layer, so each TP group must sit inside one node")
-    if train.finetune == "lora" and cfg.zero1 and cfg.dp == 1:
-        errs.append("zero1=True needs data_parallel_size > 1 (there is nothing to shard over)")
     try:
         cluster.gpu.peak_tflops(train.precision)
     except ValueError as e:
@@ -111,7 +109,7 @@ def _notes(est: Estimate, margin: float) -> list[str]:
                      f"> {100 * (1 - margin):.0f}% of {est.memory_capacity_gib:g} GiB")
     notes += cfg.warnings()
     if est.time.comm_ratio > COMM_RATIO_LIMIT:
-        notes.append(f"communication/compute ratio {100 * est.time.comm_ratio:.0f}% > {100 * COMM_RATIO_LIMIT:.0f}%"
+        notes.append(f"communication/compute ratio {100 * est.time.comm_ratio:.1f}% > {100 * COMM_RATIO_LIMIT:.0f}%"
                      + (": lower tensor_parallel_size" if cfg.tp > 1 else ""))
     if cfg.pp > 1 and est.bubble_fraction > 0.15:
         notes.append(f"pipeline bubble is {100 * est.bubble_fraction:.0f}% of the step: more micro-batches "

@@ -3,6 +3,7 @@ rest, and rank them (fastest step first)."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ def divisors(n: int) -> list[int]:
 
 def rule_of(message: str) -> str:
     """A rule's message with its numbers blanked, to count rejections per rule."""
-    return re.sub(r"\(\S+?\)", "(…)", message.split(":")[0] if message.startswith("does not fit") else message)
+    return re.sub(r"\(\S+?\)", "(…)", message)
 
 
 @dataclass
@@ -57,26 +58,25 @@ def candidate_configs(model: ModelSpec, train: TrainingSetup, cluster: ClusterSp
     def choices(name, default):
         return [fixed[name]] if name in fixed else default
 
+    # With FlashAttention the scores are never stored, so "selective" would equal "none".
+    rcs = [r for r in RECOMPUTE_CHOICES if not (train.flash_attention and r == "selective")]
     for tp in choices("tp", [d for d in divisors(n) if d <= cluster.gpus_per_node]):
-        if n % tp:
-            yield ParallelConfig(tp=tp, pp=1, dp=max(1, n // tp))
-            continue
-        for pp in choices("pp", [d for d in divisors(n // tp) if d <= model.num_layers]):
-            dp = n // (tp * pp) if n % (tp * pp) == 0 else max(1, n // (tp * pp))
+        pps = [d for d in divisors(n // tp) if d <= model.num_layers] if n % tp == 0 else [1]
+        for pp in choices("pp", pps):
+            dp = max(1, n // (tp * pp))  # a fixed tp/pp that does not divide n fails the world-size rule
             if "dp" in fixed and fixed["dp"] != dp:
                 continue
-            vs = [1] + [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if pp > 1 and model.num_layers % (pp * v) == 0]
-            for v in choices("virtual_stages", vs):
-                per_replica = train.global_batch // dp if train.global_batch % dp == 0 else 0
-                mbss = [d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH] if per_replica else [1]
-                for mbs in choices("micro_batch_size", mbss):
-                    m = max(1, per_replica // mbs) if per_replica else max(1, train.global_batch // (dp * mbs))
-                    for sp in choices("sequence_parallel", [False, True] if tp > 1 else [False]):
-                        # With FlashAttention the scores are never stored: "selective" equals "none".
-                        rcs = [r for r in RECOMPUTE_CHOICES if not (train.flash_attention and r == "selective")]
-                        for rc in choices("recompute", rcs):
-                            for z in choices("zero1", [False, True] if dp > 1 else [False]):
-                                yield ParallelConfig(tp, pp, dp, v, mbs, m, sp, rc, z)
+            per_replica = train.global_batch // dp  # a remainder fails the global-batch rule
+            knobs = itertools.product(
+                choices("virtual_stages", [1] + [v for v in range(2, MAX_VIRTUAL_STAGES + 1)
+                                                 if pp > 1 and model.num_layers % (pp * v) == 0]),
+                choices("micro_batch_size", [d for d in divisors(max(per_replica, 1)) if d <= MAX_MICRO_BATCH]),
+                choices("sequence_parallel", [False, True] if tp > 1 else [False]),
+                choices("recompute", rcs),
+                choices("zero1", [False, True] if dp > 1 else [False]),
+            )
+            for v, mbs, sp, rc, z in knobs:
+                yield ParallelConfig(tp, pp, dp, v, mbs, max(1, per_replica // mbs), sp, rc, z)
 
 
 def plan(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, eff: Efficiency = A100_CALIBRATED,
