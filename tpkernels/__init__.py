@@ -5,6 +5,11 @@ Public API (this release):
     tpkernels.nn.BiasGeLU                              module owning the bias
     tpkernels.backends                                 dispatch rule, TPKERNELS_BACKEND
     tpkernels.build_info()                             what tpkernels._C was built with
+    tpkernels.all_gather_matmul / matmul_reduce_scatter  TP communication fused with GEMMs (ring overlap)
+    tpkernels.nn.ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding
+    tpkernels.vocab_parallel_cross_entropy            loss over vocabulary-sharded logits
+    tpkernels.parallel.mappings                        copy/reduce/scatter/gather autograd mappings
+    tpkernels.parallel.trace.CommTrace                 chrome trace of comm/GEMM overlap
     tpkernels.parallel.ParallelConfig                  a TP/PP/DP layout and its validation rules
     tpkernels.planner.plan(model, training, cluster)   ranked layouts with memory and step time
                                                        (also `tpkernels plan` on the command line)
@@ -15,6 +20,12 @@ Importing never needs a GPU or the compiled extension.
 from tpkernels._extension import build_info
 from tpkernels._version import __version__
 from tpkernels import backends, nn  # noqa: E402  (nn imports functional)
-from tpkernels.functional import bias_gelu
+from tpkernels.functional import (
+    all_gather_matmul,
+    bias_gelu,
+    matmul_reduce_scatter,
+    vocab_parallel_cross_entropy,
+)
 
-__all__ = ["__version__", "backends", "bias_gelu", "build_info", "nn"]
+__all__ = ["__version__", "all_gather_matmul", "backends", "bias_gelu", "build_info", "matmul_reduce_scatter", "nn",
+           "vocab_parallel_cross_entropy"]

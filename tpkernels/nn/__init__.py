@@ -1,5 +1,7 @@
 """Drop-in ``nn.Module``s."""
 
 from tpkernels.nn.bias_gelu import BiasGeLU
+from tpkernels.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from tpkernels.nn.vocab_parallel import VocabParallelEmbedding
 
-__all__ = ["BiasGeLU"]
+__all__ = ["BiasGeLU", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]

@@ -1,0 +1,159 @@
+"""all_gather_matmul / matmul_reduce_scatter on gloo, world sizes 1–4, every algo, against a float64
+dense reference (FlashAttention rule), receive buffers poisoned with NaN."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from tpkernels.functional.gemm_comm import (
+    all_gather_matmul,
+    choose_algo,
+    matmul_reduce_scatter,
+    poison_receive_buffers,
+)
+from tpkernels.parallel.trace import CommTrace
+from tpkernels.testing.tolerance import assert_fa_close
+
+WORLD_SIZES = [1, 2, 3, 4]
+ALGOS = ["collective", "ring", "auto"]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _ag_worker(rank, world, seed, algo, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    g = _gen(seed)
+    # consecutive calls with different M (1, 17, 3), gather dims 0 and 1, with and without a_full
+    for m, gather_dim, return_a in [(1, 0, True), (17, 1, False), (3, 0, False), (5, 1, True)]:
+        shape = [world * m, 3] if gather_dim == 0 else [2, world * m]
+        full64 = torch.randn(*shape, 13, generator=g, dtype=torch.float64)
+        bs64 = [torch.randn(13, n, generator=g, dtype=torch.float64) for n in (7, 1)]
+        shard = full64.narrow(gather_dim, rank * m, m).to(dtype)
+        if rank == 0:
+            time.sleep(0.05)  # one rank late
+        with poison_receive_buffers():
+            a_full, outs = all_gather_matmul(shard, [b.to(dtype) for b in bs64], None, gather_dim, algo, return_a)
+        if return_a:
+            assert torch.equal(a_full, full64.to(dtype)), "gathered A differs"
+        else:
+            assert a_full is None
+        for j, (b64, out) in enumerate(zip(bs64, outs)):
+            assert_fa_close(out, full64 @ b64, full64.to(dtype) @ b64.to(dtype), name=f"out[{j}] m={m}")
+    return True
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_all_gather_matmul(rank_pool, fresh_seed, world, algo):
+    assert rank_pool(world).run(_ag_worker, fresh_seed, algo, "float32") == [True] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_matmul_bf16(rank_pool, fresh_seed, world):
+    assert rank_pool(world).run(_ag_worker, fresh_seed, "ring", "bfloat16") == [True] * world
+
+
+def _rs_worker(rank, world, seed, algo, dtype_name, reduce_op):
+    dtype = getattr(torch, dtype_name)
+    g = _gen(seed)
+    for m, scatter_dim in [(1, 0), (17, 1), (4, 0)]:
+        shape = [world * m, 3] if scatter_dim == 0 else [2, world * m]
+        parts = [torch.randn(*shape, 11, generator=g, dtype=torch.float64) for _ in range(world)]
+        bs = [torch.randn(11, 6, generator=g, dtype=torch.float64) for _ in range(world)]
+        ref64 = sum(p @ b for p, b in zip(parts, bs))
+        ref_lp = sum((p.to(dtype) @ b.to(dtype)).float() for p, b in zip(parts, bs))
+        if reduce_op == "avg":
+            ref64, ref_lp = ref64 / world, ref_lp / world
+        ran = []
+        with poison_receive_buffers():
+            out = matmul_reduce_scatter(parts[rank].to(dtype), bs[rank].to(dtype), None, scatter_dim, reduce_op,
+                                        algo, side_work=[lambda i=i: ran.append(i) for i in range(world + 1)])
+        assert ran == list(range(world + 1)), f"side work ran {ran}"
+        sl = slice(rank * m, (rank + 1) * m)
+        mine64 = ref64[sl] if scatter_dim == 0 else ref64[:, sl]
+        mine_lp = ref_lp[sl] if scatter_dim == 0 else ref_lp[:, sl]
+        assert out.dtype == dtype
+        assert_fa_close(out, mine64, mine_lp.to(dtype), name=f"shard m={m}")
+    return True
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_matmul_reduce_scatter(rank_pool, fresh_seed, world, algo):
+    assert rank_pool(world).run(_rs_worker, fresh_seed, algo, "float32", "sum") == [True] * world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("algo", ["collective", "ring"])
+def test_matmul_reduce_scatter_bf16_avg(rank_pool, fresh_seed, world, algo):
+    assert rank_pool(world).run(_rs_worker, fresh_seed, algo, "bfloat16", "avg") == [True] * world
+
+
+def _errors_worker(rank, world):
+    msgs = []
+    for call in (
+        lambda: matmul_reduce_scatter(torch.randn(2 * world + 1, 4), torch.randn(4, 3), None),
+        lambda: all_gather_matmul(torch.randn(3, 4), [torch.randn(5, 2)], None),
+        lambda: all_gather_matmul(torch.randn(3, 4), [torch.randn(4, 2)], None, gather_dim=1),
+        lambda: matmul_reduce_scatter(torch.randn(world, 4), torch.randn(4, 3), None, algo="fast"),
+    ):
+        try:
+            call()
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bad_inputs_raise_on_every_rank(rank_pool, world):
+    for msgs in rank_pool(world).run(_errors_worker, timeout=30):
+        assert msgs == [
+            f"a.shape[0] ({2 * world + 1}) must be divisible by the group size ({world})",
+            "bs[0] must be (K, N) with K = 4 (the last dim of A), got shape (5, 2)",
+            "gather_dim (1) must name a dim of a_shard other than the last (K) one; a_shard has shape (3, 4)",
+            "algo ('fast') must be one of auto, collective, ring",
+        ]
+
+
+def test_auto_picks_plain_matmul_collective_or_ring(monkeypatch):
+    cpu = torch.device("cpu")
+    assert choose_algo("auto", 1, 1e15, cpu) == "local"
+    assert choose_algo("ring", 1, 1e3, cpu) == "local"
+    assert choose_algo("auto", 4, 1e3, cpu) == "collective"
+    assert choose_algo("auto", 4, 1e12, cpu) == "ring"
+    assert choose_algo("auto", 4, 1e10, torch.device("cuda", 0)) == "collective"  # below the GPU threshold
+    assert choose_algo("auto", 4, 3e8, cpu) == "collective" and choose_algo("auto", 2, 3e8, cpu) == "ring"
+    monkeypatch.setenv("TPKERNELS_GEMM_COMM_ALGO", "collective")
+    assert choose_algo("auto", 4, 1e12, cpu) == "collective"
+
+
+def _trace_worker(rank, world, path):
+    a = torch.randn(64, 96)
+    with CommTrace() as tr:
+        all_gather_matmul(a, [torch.randn(96, 80)], None, algo="ring")
+        matmul_reduce_scatter(torch.randn(64 * world, 96), torch.randn(96, 80), None, algo="ring")
+    events = tr.save_chrome_trace(path)
+    gemm, comm = tr.intervals("gemm"), tr.intervals("comm")
+    return len(gemm), len(comm), tr.hidden_comm_fraction(), events is not None
+
+
+def test_trace_records_every_chunk(rank_pool, tmp_path):
+    world = 3
+    path = str(tmp_path / "trace.json")
+    out = rank_pool(world).run(_trace_worker, path)
+    for n_gemm, n_comm, hidden, wrote in out:
+        assert n_gemm == 2 * world and n_comm == 2 * (world - 1)
+        assert 0.0 <= hidden <= 1.0
+    assert [w for *_, w in out] == [True] + [False] * (world - 1)
+    data = json.load(open(path))
+    spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(world))
+    assert len(spans) == world * (2 * world + 2 * (world - 1))
+    assert all(e["dur"] >= 0 for e in spans)

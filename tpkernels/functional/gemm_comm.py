@@ -1,0 +1,245 @@
+"""GEMMs fused with tensor-parallel communication: all-gather → matmul and matmul → reduce-scatter.
+
+Signatures mirror torch's symmetric-memory ops (``torch.ops.symm_mem.fused_all_gather_matmul`` /
+``fused_matmul_reduce_scatter``) so users can switch, and run on any torch.distributed backend
+(NCCL, gloo):
+
+    a_full, [y1, y2] = all_gather_matmul(a_shard, [w1, w2], group, gather_dim=0)
+    y_shard = matmul_reduce_scatter(a, b, group, scatter_dim=0, reduce_op="sum")
+
+Algorithms (``algo=``):
+  "collective"  one all-gather / reduce-scatter collective plus one matmul: the baseline.
+  "ring"        the communication is cut into world_size chunks that travel around the ring with
+                async P2P (batch_isend_irecv) while the previous chunk is multiplied; double
+                buffered. NCCL runs P2P on its own stream, gloo on its own threads, so the
+                transfer of chunk i+1 overlaps the GEMM of chunk i.
+  "auto"        plain matmul for one rank; ring when the per-rank GEMM is large enough to hide the
+                extra per-step latency, collective otherwise (everyone regresses on small problems:
+                see ANCHORS.md). ``TPKERNELS_GEMM_COMM_ALGO`` forces one for every call.
+
+Work floor (per rank, P ranks, a_shard (m, K), b (K, N)): all_gather_matmul moves (P−1)·m·K
+elements in and computes 2·P·m·K·N FLOPs; matmul_reduce_scatter on a (P·m, K) moves (P−1)·m·N
+fp32 partial sums and computes 2·P·m·K·N FLOPs. The ring hides the transfer when one chunk's
+GEMM (2·m·K·N FLOPs) takes longer than one chunk's transfer.
+
+Reduce-scatter partial sums are accumulated (and, in the ring, sent) in fp32, whatever the input
+dtype; the result is cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tpkernels.parallel.collectives import all_gather_into, reduce_scatter_into
+from tpkernels.parallel.trace import CommSpan, gemm_span
+
+ALGOS = ("auto", "collective", "ring")
+# FLOPs of one chunk's GEMM (this rank's GEMM / world size) from which "auto" picks the ring:
+# below, one collective beats world_size small steps. CPU: measured with benchmarks/bench_tp.py
+# on gloo (ring ahead at 2.7e8 per chunk on TP2 and 1.1e9 on TP4, behind at 6.7e7 on TP4). CUDA:
+# not yet measured here; set from the published fallbacks of Triton-distributed and torch
+# async-TP (plain path under ~100 GFLOP per GEMM on 8 GPUs).
+RING_MIN_CHUNK_FLOPS = {"cpu": 1e8, "cuda": 1.5e10}
+
+_POISON = False
+
+
+@contextlib.contextmanager
+def poison_receive_buffers(enabled: bool = True):
+    """Fill every receive buffer with NaN before data lands in it (tests: an op that reads a buffer
+    before its transfer completes then produces NaN instead of stale-but-plausible numbers)."""
+    global _POISON
+    prev, _POISON = _POISON, enabled
+    try:
+        yield
+    finally:
+        _POISON = prev
+
+
+def _empty(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+    if _POISON and t.is_floating_point():
+        t.fill_(float("nan"))
+    return t
+
+
+def group_rank_size(group) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is None:
+            return 0, 1
+        raise RuntimeError("torch.distributed is not initialized but a process group was given")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _peer(group, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def choose_algo(algo: str, world_size: int, flops_per_rank: float, device: torch.device) -> str:
+    algo = os.environ.get("TPKERNELS_GEMM_COMM_ALGO", algo)
+    if algo not in ALGOS:
+        raise ValueError(f"algo ({algo!r}) must be one of {', '.join(ALGOS)}")
+    if world_size == 1:
+        return "local"
+    if algo != "auto":
+        return algo
+    threshold = RING_MIN_CHUNK_FLOPS.get(device.type, RING_MIN_CHUNK_FLOPS["cuda"])
+    return "ring" if flops_per_rank / world_size >= threshold else "collective"
+
+
+def _check_a(a: torch.Tensor, dim: int, what: str, dim_name: str) -> int:
+    if a.dim() < 2:
+        raise ValueError(f"{what} must have at least 2 dims (..., K), got shape {tuple(a.shape)}")
+    d = dim % a.dim() if -a.dim() <= dim < a.dim() else None
+    if d is None or d == a.dim() - 1:
+        raise ValueError(f"{dim_name} ({dim}) must name a dim of {what} other than the last (K) one; "
+                         f"{what} has shape {tuple(a.shape)}")
+    return d
+
+
+def _check_b(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+    if b.dim() != 2 or b.shape[0] != a.shape[-1]:
+        raise ValueError(f"{name} must be (K, N) with K = {a.shape[-1]} (the last dim of A), got shape {tuple(b.shape)}")
+    if b.dtype != a.dtype or b.device != a.device:
+        raise ValueError(f"{name} ({b.dtype}, {b.device}) must match A ({a.dtype}, {a.device})")
+
+
+def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=None, gather_dim: int = 0,
+                      algo: str = "auto", return_a: bool = True,
+                      on_chunk: Callable[[int, torch.Tensor], None] | None = None):
+    """All-gather ``a_shard`` along ``gather_dim`` over ``group`` and multiply by each ``b`` in ``bs``.
+
+    a_shard: (..., m, ..., K), the same shape on every rank; bs: list of (K, N_j).
+    Returns ``(a_full or None, [a_full @ b for b in bs])``; a_full has P·m rows along gather_dim,
+    rank r's shard at rows [r·m, (r+1)·m). ``on_chunk(src, chunk)`` (optional) is called for each
+    shard once it is available, chunk laid out with gather_dim first: work placed there overlaps
+    the transfer of the next chunk (the row-parallel backward computes its weight gradient so).
+    """
+    gd = _check_a(a_shard, gather_dim, "a_shard", "gather_dim")
+    for j, b in enumerate(bs):
+        _check_b(a_shard, b, f"bs[{j}]")
+    rank, world = group_rank_size(group)
+    flops = 2.0 * a_shard.numel() * sum(b.shape[1] for b in bs) * world
+    how = choose_algo(algo, world, flops, a_shard.device)
+    a = a_shard.movedim(gd, 0).contiguous()
+    m = a.shape[0]
+    if how == "local":
+        with gemm_span("matmul", a.device.type):
+            outs = [torch.matmul(a, b) for b in bs]
+        if on_chunk:
+            on_chunk(0, a)
+        return (a_shard if return_a else None), [o.movedim(0, gd) for o in outs]
+
+    full_shape = (world * m,) + tuple(a.shape[1:])
+    outs = [torch.empty(full_shape[:-1] + (b.shape[1],), dtype=a.dtype, device=a.device) for b in bs]
+    if how == "collective":
+        a_full = _empty(full_shape, a)
+        span = CommSpan("all_gather", bytes=a.numel() * a.element_size() * world)
+        all_gather_into(a_full, a, group)
+        span.done()
+        with gemm_span("matmul", a.device.type):
+            for b, out in zip(bs, outs):
+                torch.matmul(a_full, b, out=out)
+        if on_chunk:
+            for src in range(world):
+                on_chunk(src, a_full[src * m:(src + 1) * m])
+    else:
+        a_full = _empty(full_shape, a) if return_a else None
+        if a_full is not None:
+            a_full[rank * m:(rank + 1) * m].copy_(a)
+        bufs = None if return_a else [_empty(a.shape, a), _empty(a.shape, a)]
+        nxt_peer, prv_peer = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+        cur = a
+        for step in range(world):
+            src = (rank - step) % world
+            reqs = None
+            if step < world - 1:
+                nsrc = (rank - step - 1) % world
+                nxt = a_full[nsrc * m:(nsrc + 1) * m] if return_a else bufs[step % 2]
+                span = CommSpan("ring all_gather chunk", step=step, src=nsrc)
+                reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, cur, nxt_peer, group),
+                                               dist.P2POp(dist.irecv, nxt, prv_peer, group)])
+            with gemm_span("matmul chunk", a.device.type, step=step, src=src):
+                for b, out in zip(bs, outs):
+                    torch.matmul(cur, b, out=out[src * m:(src + 1) * m])
+            if on_chunk:
+                on_chunk(src, cur)
+            if reqs is not None:
+                for r in reqs:
+                    r.wait()
+                span.done()
+                cur = nxt
+    return (a_full.movedim(0, gd) if return_a else None), [o.movedim(0, gd) for o in outs]
+
+
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_dim: int = 0,
+                          reduce_op: str = "sum", algo: str = "auto",
+                          side_work: Sequence[Callable[[], None]] = ()) -> torch.Tensor:
+    """This rank's shard of ``reduce_scatter(a @ b)`` along ``scatter_dim``.
+
+    a: (..., M, ..., K) with M divisible by the group size P; b: (K, N). Returns (..., M/P, ..., N):
+    rank r gets rows [r·M/P, (r+1)·M/P) of the sum (or mean, ``reduce_op="avg"``) over ranks.
+    ``side_work`` callables run while transfers are in flight, one per ring step (all of them
+    during the collective's transfer); the column-parallel backward puts its weight-gradient
+    chunks there.
+    """
+    sd = _check_a(a, scatter_dim, "a", "scatter_dim")
+    _check_b(a, b, "b")
+    if reduce_op not in ("sum", "avg"):
+        raise ValueError(f"reduce_op ({reduce_op!r}) must be 'sum' or 'avg'")
+    rank, world = group_rank_size(group)
+    M = a.shape[sd]
+    if M % world:
+        raise ValueError(f"a.shape[{scatter_dim}] ({M}) must be divisible by the group size ({world})")
+    how = choose_algo(algo, world, 2.0 * a.numel() * b.shape[1], a.device)
+    am = a.movedim(sd, 0)
+    m = M // world
+
+    def partial(d: int, step: int) -> torch.Tensor:
+        with gemm_span("matmul chunk", a.device.type, step=step, dst=d):
+            p = torch.matmul(am[d * m:(d + 1) * m], b)
+        return p if p.dtype == torch.float32 else p.float()
+
+    if how == "local":
+        with gemm_span("matmul", a.device.type):
+            out = torch.matmul(am, b)
+        for work in side_work:
+            work()
+        return out.movedim(0, sd)
+    if how == "collective":
+        with gemm_span("matmul", a.device.type):
+            full = torch.matmul(am, b)
+        full = full if full.dtype == torch.float32 else full.float()
+        acc = _empty((m,) + tuple(full.shape[1:]), full)
+        span = CommSpan("reduce_scatter", bytes=full.numel() * 4)
+        handle = reduce_scatter_into(acc, full, group, async_op=True)
+        for work in side_work:
+            work()
+        handle.wait()
+        span.done()
+    else:
+        nxt_peer, prv_peer = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+        acc = partial((rank - 1) % world, 0)
+        bufs = [_empty(acc.shape, acc), _empty(acc.shape, acc)]
+        for step in range(world - 1):
+            recv = bufs[step % 2]
+            span = CommSpan("ring reduce_scatter chunk", step=step)
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, acc, nxt_peer, group),
+                                           dist.P2POp(dist.irecv, recv, prv_peer, group)])
+            mine = partial((rank - step - 2) % world, step + 1)  # overlaps the transfer
+            if step < len(side_work):
+                side_work[step]()
+            for r in reqs:
+                r.wait()
+            span.done()
+            acc = recv.add_(mine)
+        for work in side_work[world - 1:]:
+            work()
+    if reduce_op == "avg":
+        acc = acc / world
+    return acc.to(a.dtype).movedim(0, sd)

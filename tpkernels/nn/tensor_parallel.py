@@ -1,0 +1,178 @@
+"""Column- and row-parallel ``nn.Linear`` replacements (Megatron-LM semantics).
+
+    fc1 = ColumnParallelLinear.from_linear(model.fc1, tp_group, sequence_parallel=True)
+    fc2 = RowParallelLinear.from_linear(model.fc2, tp_group, sequence_parallel=True)
+    y_shard = fc2(gelu(fc1(x_shard)))     # x_shard, y_shard: this rank's 1/P of the sequence
+
+Without sequence parallelism: the column layer takes a replicated input and returns its slice of
+the output features (all of them with ``gather_output=True``); the row layer takes that slice
+(``input_is_parallel=True``) or the full input, and returns the full output on every rank.
+With sequence parallelism, inputs and outputs of the pair are sharded along ``sequence_dim``
+(0 for Megatron's (seq, batch, hidden), 1 for (batch, seq, hidden)) and the all-gather /
+reduce-scatter are overlapped with the GEMMs (``overlap_comm``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tpkernels.functional.gemm_comm import group_rank_size
+from tpkernels.functional.tp_linear import column_parallel_linear, row_parallel_linear
+from tpkernels.parallel.mappings import (
+    all_gather_dim,
+    check_divisible,
+    gather_from_tensor_parallel,
+    scatter_to_tensor_parallel,
+)
+
+_SP = " when sequence_parallel=True"
+
+
+def _init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
+    """nn.Linear's default init with the full layer's fan-in (each shard draws from the same law)."""
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    with torch.no_grad():
+        weight.uniform_(-bound, bound)  # kaiming_uniform_(a=√5) reduces to U(±1/√fan_in)
+        if bias is not None:
+            bias.uniform_(-bound, bound)
+
+
+class _TPLinear(nn.Module):
+    def __init__(self, tp_group, sequence_parallel: bool, overlap_comm: bool, sequence_dim: int):
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_rank, self.tp_size = group_rank_size(tp_group)
+        self.sequence_parallel, self.overlap_comm, self.sequence_dim = sequence_parallel, overlap_comm, sequence_dim
+
+    @property
+    def algo(self) -> str:
+        return "auto" if self.overlap_comm else "collective"
+
+    def _check_input(self, x: torch.Tensor, features: int, name: str) -> None:
+        if x.dim() < 2 and self.sequence_parallel:
+            raise ValueError(f"input must have a sequence dim with sequence_parallel=True, got shape {tuple(x.shape)}")
+        if x.shape[-1] != features:
+            raise ValueError(f"input's last dim ({x.shape[-1]}) must equal {name} ({features})")
+
+
+class ColumnParallelLinear(_TPLinear):
+    """y = x·Wᵀ + b with W's output rows split over the TP group: weight (out/P, in), bias (out/P,)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_group=None,
+                 gather_output: bool = False, sequence_parallel: bool = False, overlap_comm: bool = True, *,
+                 sequence_dim: int = 0, regather_input: bool = False, device=None, dtype=None):
+        super().__init__(tp_group, sequence_parallel, overlap_comm, sequence_dim)
+        check_divisible(out_features, self.tp_size, "out_features")
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output=True cannot be combined with sequence_parallel=True "
+                             "(the output of an SP column layer feeds a row-parallel layer)")
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.regather_input = gather_output, regather_input
+        self.out_per_rank = out_features // self.tp_size
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank, **kw)) if bias else None
+        _init_like_linear(self.weight, self.bias, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., in) — with SP this rank's shard of ``sequence_dim``. Returns (..., out/P) over the full
+        sequence, or (..., out) with ``gather_output``."""
+        self._check_input(x, self.in_features, "in_features")
+        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
+                                   self.sequence_dim, self.algo, self.regather_input)
+        return gather_from_tensor_parallel(y, self.tp_group) if self.gather_output else y
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, tp_group=None, **kwargs) -> "ColumnParallelLinear":
+        """Shard a dense layer: this rank keeps output rows [r·out/P, (r+1)·out/P)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        rows = slice(layer.tp_rank * layer.out_per_rank, (layer.tp_rank + 1) * layer.out_per_rank)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[rows])
+            if layer.bias is not None:
+                layer.bias.copy_(linear.bias[rows])
+        return layer
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The dense layer's weight (out, in) and bias (out,), gathered on every rank (collective)."""
+        sd = {"weight": all_gather_dim(self.weight.detach(), 0, self.tp_group)}
+        if self.bias is not None:
+            sd["bias"] = all_gather_dim(self.bias.detach(), 0, self.tp_group)
+        return sd
+
+    def to_linear(self) -> nn.Linear:
+        sd = self.full_state_dict()
+        dense = nn.Linear(self.in_features, self.out_features, self.bias is not None,
+                          device=self.weight.device, dtype=self.weight.dtype)
+        dense.load_state_dict(sd)
+        return dense
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} ({self.out_per_rank} per rank), "
+                f"bias={self.bias is not None}, tp_size={self.tp_size}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}, overlap_comm={self.overlap_comm}")
+
+
+class RowParallelLinear(_TPLinear):
+    """y = x·Wᵀ + b with W's input columns split over the TP group: weight (out, in/P), bias (out,)
+    replicated and added once, after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_group=None,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, overlap_comm: bool = True, *,
+                 sequence_dim: int = 0, device=None, dtype=None):
+        super().__init__(tp_group, sequence_parallel, overlap_comm, sequence_dim)
+        check_divisible(in_features, self.tp_size, "in_features")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel=True requires input_is_parallel=True "
+                             "(the input of an SP row layer is the output of a column-parallel layer)")
+        self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, input_is_parallel
+        self.in_per_rank = in_features // self.tp_size
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        _init_like_linear(self.weight, self.bias, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., in/P) (or (..., in) with ``input_is_parallel=False``) over the full sequence.
+        Returns (..., out): with SP this rank's shard of ``sequence_dim``."""
+        if not self.input_is_parallel:
+            self._check_input(x, self.in_features, "in_features")
+            x = scatter_to_tensor_parallel(x, self.tp_group)
+        self._check_input(x, self.in_per_rank, "in_features / tensor_parallel_size")
+        if self.sequence_parallel:
+            check_divisible(x.shape[self.sequence_dim], self.tp_size, "sequence length", _SP)
+        return row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
+                                   self.sequence_dim, self.algo)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, tp_group=None, **kwargs) -> "RowParallelLinear":
+        """Shard a dense layer: this rank keeps input columns [r·in/P, (r+1)·in/P) and the whole bias."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        cols = slice(layer.tp_rank * layer.in_per_rank, (layer.tp_rank + 1) * layer.in_per_rank)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, cols])
+            if layer.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        sd = {"weight": all_gather_dim(self.weight.detach(), 1, self.tp_group)}
+        if self.bias is not None:
+            sd["bias"] = self.bias.detach().clone()
+        return sd
+
+    def to_linear(self) -> nn.Linear:
+        dense = nn.Linear(self.in_features, self.out_features, self.bias is not None,
+                          device=self.weight.device, dtype=self.weight.dtype)
+        dense.load_state_dict(self.full_state_dict())
+        return dense
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} ({self.in_per_rank} per rank), out_features={self.out_features}, "
+                f"bias={self.bias is not None}, tp_size={self.tp_size}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}, overlap_comm={self.overlap_comm}")
