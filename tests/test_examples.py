@@ -13,3 +13,23 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "python").glob("*.py"))
 def test_example_runs(path):
     r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp_example_under_torchrun(tmp_path):
+    """The sequence-parallel example on 2 gloo ranks, launched as users launch it."""
+    script = Path(__file__).resolve().parents[1] / "python" / "tp_mlp_sequence_parallel.py"
+    trace = tmp_path / "trace.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(_free_port()), str(script), "--trace", str(trace)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 rank(s): sequence-parallel MLP matches the dense one" in r.stdout
+    assert trace.stat().st_size > 0

@@ -40,9 +40,10 @@ from tpkernels.parallel.trace import CommSpan, gemm_span
 
 ALGOS = ("auto", "collective", "ring")
 # FLOPs of one chunk's GEMM (this rank's GEMM / world size) from which "auto" picks the ring:
-# below, one collective beats world_size small steps. CPU: measured with benchmarks/bench_tp.py
-# on gloo (ring ahead at 2.7e8 per chunk on TP2 and 1.1e9 on TP4, behind at 6.7e7 on TP4). CUDA:
-# not yet measured here; set from the published fallbacks of Triton-distributed and torch
+# below, one collective beats world_size small steps. CPU: from benchmarks/bench_tp.py on the
+# 2-core development VM (gloo): at 6.7e7 per chunk the collective wins; from ~3e8 up the two are
+# within run-to-run noise of each other (the VM has no idle core for the overlap to use). CUDA:
+# not measured here yet; set from the published fallbacks of Triton-distributed and torch
 # async-TP (plain path under ~100 GFLOP per GEMM on 8 GPUs).
 RING_MIN_CHUNK_FLOPS = {"cpu": 1e8, "cuda": 1.5e10}
 
