@@ -33,3 +33,14 @@ def test_tp_example_under_torchrun(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 rank(s): sequence-parallel MLP matches the dense one" in r.stdout
     assert trace.stat().st_size > 0
+
+
+def test_pipeline_example_under_torchrun(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "python" / "pipeline_schedules.py"
+    gantt = tmp_path / "pp.png"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(_free_port()), str(script), "--schedule", "interleaved",
+                        "--microbatches", "4", "--gantt", str(gantt)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "interleaved on 2 stage(s), 4 micro-batches: losses match single-process training" in r.stdout
+    assert gantt.stat().st_size > 1000

@@ -10,6 +10,7 @@ Public API (this release):
     tpkernels.vocab_parallel_cross_entropy            loss over vocabulary-sharded logits
     tpkernels.parallel.mappings                        copy/reduce/scatter/gather autograd mappings
     tpkernels.parallel.trace.CommTrace                 chrome trace of comm/GEMM overlap
+    tpkernels.pipeline                                 schedules as data, simulator, P2P engine, runtime, timeline
     tpkernels.parallel.ParallelConfig                  a TP/PP/DP layout and its validation rules
     tpkernels.planner.plan(model, training, cluster)   ranked layouts with memory and step time
                                                        (also `tpkernels plan` on the command line)

@@ -1,0 +1,194 @@
+"""Send activations and gradients between pipeline stages with torch.distributed P2P (NCCL, gloo).
+
+Every transfer starts with a fixed 4-int header (kind, micro-batch, chunk, metadata length). The
+metadata (the nesting of tuples/dicts, and each tensor's shape, dtype and requires_grad) travels
+only the first time and whenever it changes (a new sequence length, say), and is cached per
+(peer, kind) on both sides. The data then goes as one message per tensor.
+
+A stage that fails sends an ABORT header to its neighbours (``abort``): a peer waiting for data
+from it raises ``PipelineAbortError`` naming the failed rank and its error, and passes the abort
+on, so every rank fails fast instead of hanging. Waits have a timeout (``PipelineTimeoutError``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+KIND_ACT, KIND_GRAD, KIND_ABORT = 1, 2, 99
+
+
+class PipelineAbortError(RuntimeError):
+    """Another stage failed; raised on the ranks that were waiting for it. ``source``: the rank the
+    news came from."""
+
+    source: int = -1
+
+
+class PipelineTimeoutError(TimeoutError):
+    pass
+
+
+def flatten(obj: Any) -> tuple[list[torch.Tensor], Any]:
+    """Tensors of a tensor / tuple / list / dict (nested), and a picklable structure to rebuild it."""
+    if isinstance(obj, torch.Tensor):
+        return [obj], "T"
+    if isinstance(obj, (tuple, list)):
+        tensors, specs = [], []
+        for x in obj:
+            t, s = flatten(x)
+            tensors += t
+            specs.append(s)
+        return tensors, (type(obj).__name__, specs)
+    if isinstance(obj, dict):
+        tensors, specs = [], []
+        for k, x in obj.items():
+            t, s = flatten(x)
+            tensors += t
+            specs.append((k, s))
+        return tensors, ("dict", specs)
+    raise TypeError(f"pipeline stages exchange tensors, tuples, lists or dicts of tensors, not {type(obj).__name__}")
+
+
+def unflatten(tensors: list[torch.Tensor], spec: Any) -> Any:
+    it = iter(tensors)
+
+    def build(s):
+        if s == "T":
+            return next(it)
+        kind, items = s
+        if kind == "dict":
+            return {k: build(v) for k, v in items}
+        seq = [build(v) for v in items]
+        return tuple(seq) if kind == "tuple" else seq
+
+    return build(spec)
+
+
+@dataclass(frozen=True)
+class _Meta:
+    spec: Any
+    tensors: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
+
+
+class P2P:
+    """This rank's transfers. ``send`` returns at once (the data is in flight); ``recv`` blocks for the
+    data. ``wait_sends`` waits for everything still in flight."""
+
+    def __init__(self, group=None, device: torch.device | None = None, timeout_s: float = 300.0):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.device = device or torch.device("cpu")
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._sent_meta: dict[tuple[int, int], _Meta] = {}
+        self._recv_meta: dict[tuple[int, int], _Meta] = {}
+        self._inflight: list[tuple[dist.Work, Any]] = []  # keep sent buffers alive until done
+        self._grad_buffers: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._next_header: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # posted ahead, by source
+
+    def _peer(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def _isend(self, t: torch.Tensor, dst: int) -> None:
+        self._inflight.append((dist.isend(t, self._peer(dst), group=self.group), t))
+
+    def _recv(self, t: torch.Tensor, src: int, what: str) -> None:
+        self._wait(dist.irecv(t, self._peer(src), group=self.group), src, what)
+
+    def send(self, obj: Any, dst: int, kind: int, mb: int, chunk: int) -> None:
+        tensors, spec = flatten(obj)
+        meta = _Meta(spec, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors))
+        payload = b""
+        if self._sent_meta.get((dst, kind)) != meta:
+            payload = pickle.dumps(meta)
+            self._sent_meta[(dst, kind)] = meta
+        self._isend(torch.tensor([kind, mb, chunk, len(payload)], dtype=torch.int64, device=self.device), dst)
+        if payload:
+            self._isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device), dst)
+        for t in tensors:
+            self._isend(t.detach().contiguous(), dst)
+
+    def _wait(self, work, src: int, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise PipelineTimeoutError(f"rank {self.rank} waited more than {self.timeout.total_seconds():.0f} s for "
+                                       f"{what} from rank {src}: {e}") from None
+
+    def recv(self, src: int, kind: int, mb: int, chunk: int, expect_more: bool = False) -> Any:
+        """Receive what ``src`` sent for (kind, micro-batch, chunk). ``expect_more``: another message
+        from ``src`` follows in this step, so its header is posted now and arrives while this rank
+        computes (one round trip fewer on the critical path)."""
+        what = f"the {'activation' if kind == KIND_ACT else 'gradient'} of micro-batch {mb} (chunk {chunk})"
+        pending = self._next_header.pop(src, None)
+        if pending is None:
+            header = torch.empty(4, dtype=torch.int64, device=self.device)
+            self._recv(header, src, what)
+        else:
+            work, header = pending
+            self._wait(work, src, what)
+        h_kind, h_mb, h_chunk, n_meta = (int(x) for x in header.tolist())
+        if h_kind == KIND_ABORT:
+            n = n_meta
+            msg = torch.empty(n, dtype=torch.uint8, device=self.device)
+            self._recv(msg, src, "the abort message")
+            err = PipelineAbortError(bytes(msg.cpu().tolist()).decode(errors="replace"))
+            err.source = src
+            raise err
+        if (h_kind, h_mb, h_chunk) != (kind, mb, chunk):
+            raise RuntimeError(f"rank {self.rank} expected {what} from rank {src} but got kind {h_kind}, "
+                               f"micro-batch {h_mb}, chunk {h_chunk}: the schedules of the two ranks disagree")
+        if n_meta:
+            raw = torch.empty(n_meta, dtype=torch.uint8, device=self.device)
+            self._recv(raw, src, what)
+            self._recv_meta[(src, kind)] = pickle.loads(bytes(raw.cpu().tolist()))
+        meta = self._recv_meta[(src, kind)]
+        if kind == KIND_GRAD:
+            # gradients are consumed by one backward call: reuse their buffers while shapes hold
+            bufs = self._grad_buffers.get((src, chunk))
+            if bufs is None or [tuple(b.shape) for b in bufs] != [m[0] for m in meta.tensors] or \
+                    [b.dtype for b in bufs] != [m[1] for m in meta.tensors]:
+                bufs = [torch.empty(s, dtype=d, device=self.device) for s, d, _ in meta.tensors]
+                self._grad_buffers[(src, chunk)] = bufs
+        else:
+            # activations are saved by autograd for backward: each needs its own storage
+            bufs = [torch.empty(s, dtype=d, device=self.device) for s, d, _ in meta.tensors]
+        for b in bufs:
+            self._recv(b, src, what)
+        if expect_more:
+            nxt = torch.empty(4, dtype=torch.int64, device=self.device)
+            self._next_header[src] = (dist.irecv(nxt, self._peer(src), group=self.group), nxt)
+        if kind == KIND_ACT:
+            for b, (_, _, rg) in zip(bufs, meta.tensors):
+                b.requires_grad_(rg and b.is_floating_point())
+        return unflatten(bufs, meta.spec)
+
+    def wait_sends(self) -> None:
+        for work, _ in self._inflight:
+            if not work.wait(self.timeout):
+                raise PipelineTimeoutError(f"rank {self.rank}: a send did not complete within "
+                                           f"{self.timeout.total_seconds():.0f} s")
+        self._inflight.clear()
+
+    def abort(self, peers: list[int], message: str, wait_s: float = 5.0) -> None:
+        """Tell ``peers`` this stage failed. Best effort: waits up to ``wait_s`` for each peer to take
+        the message (a peer blocked on another rank will hear it from that rank instead)."""
+        data = message.encode()[:4000]
+        works = []
+        for p in peers:
+            try:
+                for t in (torch.tensor([KIND_ABORT, -1, -1, len(data)], dtype=torch.int64, device=self.device),
+                          torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)):
+                    works.append((dist.isend(t, self._peer(p), group=self.group), t))
+            except RuntimeError:
+                pass  # the peer may be gone already
+        for work, _ in works:
+            try:
+                work.wait(datetime.timedelta(seconds=wait_s))
+            except RuntimeError:
+                pass

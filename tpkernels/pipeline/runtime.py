@@ -1,0 +1,174 @@
+"""Execute any schedule on real stages.
+
+    stages = split_layers(layers, p, v, first=embedding, last=head)        # same on every rank
+    runtime = PipelineRuntime(chunks_of_rank(stages, rank, p), "1f1b", num_microbatches=8,
+                              loss_fn=lambda out, target: F.cross_entropy(out, target))
+    loss = runtime.step(inputs=batch if rank == 0 else None, targets=labels if rank == p - 1 else None)
+
+Inputs are split into micro-batches along dim 0 on the first stage, targets on the last. The loss
+of each micro-batch is scaled by 1/num_microbatches, so the gradients equal those of the mean loss
+over the batch; ``step`` returns that mean on every rank. For zero-bubble schedules, the Linear
+layers' weight gradients are deferred from B to W (``weight_grad.enable_weight_grad_split``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpkernels.pipeline.p2p import KIND_ACT, KIND_GRAD, P2P, PipelineAbortError, flatten
+from tpkernels.pipeline.schedules import Action, Schedule, ScheduleError, communication, make_schedule, stage_owner
+from tpkernels.pipeline.weight_grad import WeightGradStore, defer_weight_grads, enable_weight_grad_split
+
+
+def split_microbatches(obj: Any, m: int, what: str) -> list[Any]:
+    """Split every tensor of ``obj`` (tensor / tuple / list / dict) into ``m`` equal parts along dim 0."""
+    if isinstance(obj, torch.Tensor):
+        if obj.shape[0] % m:
+            raise ValueError(f"{what}: batch size ({obj.shape[0]}) must be divisible by num_microbatches ({m})")
+        return list(obj.chunk(m, dim=0))
+    if isinstance(obj, (tuple, list)):
+        parts = [split_microbatches(x, m, what) for x in obj]
+        return [type(obj)(p[i] for p in parts) for i in range(m)]
+    if isinstance(obj, dict):
+        parts = {k: split_microbatches(x, m, what) for k, x in obj.items()}
+        return [{k: parts[k][i] for k in parts} for i in range(m)]
+    raise TypeError(f"{what} must be a tensor or a tuple/list/dict of tensors, not {type(obj).__name__}")
+
+
+class PipelineRuntime:
+    """Runs this rank's part of a pipeline schedule.
+
+    chunks: this rank's model chunks by chunk index (one unless interleaved).
+    schedule: a name ("gpipe", "1f1b", "interleaved", "zb-h1") or explicit per-rank actions.
+    loss_fn(output, target) → scalar, applied on the last virtual stage.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], schedule: str | Schedule, num_microbatches: int, *,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, group=None,
+                 device: torch.device | None = None, timeout_s: float = 300.0):
+        self.group = group
+        self.rank, self.p = dist.get_rank(group), dist.get_world_size(group)
+        self.chunks = list(chunks)
+        self.v = len(self.chunks)
+        self.m = num_microbatches
+        if isinstance(schedule, str):
+            self.name = schedule
+            self.schedule = make_schedule(schedule, self.p, num_microbatches, self.v)
+        else:
+            self.name, self.schedule = "custom", schedule
+            if len(schedule) != self.p:
+                raise ScheduleError(f"schedule has {len(schedule)} ranks but the group has {self.p}")
+        self.split_backward = any(a.kind == "W" for a in self.schedule[self.rank])
+        if self.split_backward:
+            for c in self.chunks:
+                enable_weight_grad_split(c)
+        self.last_vs = self.p * self.v - 1
+        self.is_last = stage_owner(self.last_vs, self.p)[0] == self.rank
+        if self.is_last and loss_fn is None:
+            raise ValueError("loss_fn is required on the rank that runs the last stage")
+        self.loss_fn = loss_fn
+        self.p2p = P2P(group, device, timeout_s)
+        # for each receive: does another message from the same peer follow in this step?
+        ops = [(op, a, peer) for op, a, peer in communication(self.schedule, self.v)[self.rank] if op.startswith("recv")]
+        self._more_after: dict[tuple[str, int, int], bool] = {}
+        for i, (op, a, peer) in enumerate(ops):
+            self._more_after[(a.kind, a.mb, a.chunk)] = any(q == peer for _, _, q in ops[i + 1:])
+        self.timeline: list[tuple[Action, float, float]] = []
+
+    def _vs(self, chunk: int) -> int:
+        return chunk * self.p + self.rank
+
+    def step(self, inputs: Any = None, targets: Any = None, return_loss: bool = True) -> float | None:
+        """One step over ``num_microbatches`` micro-batches: forwards, backwards (gradients accumulate
+        in the parameters' .grad) and, if asked, the mean loss on every rank."""
+        xs = split_microbatches(inputs, self.m, "inputs") if self.rank == 0 else None
+        if self.rank == 0 and inputs is None:
+            raise ValueError("inputs are required on rank 0 (the first pipeline stage)")
+        ys = split_microbatches(targets, self.m, "targets") if self.is_last else None
+        if self.is_last and targets is None:
+            raise ValueError(f"targets are required on rank {self.rank} (the last pipeline stage)")
+        saved: dict[tuple[int, int], tuple] = {}
+        stores: dict[tuple[int, int], WeightGradStore] = {}
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        self.timeline = []
+        try:
+            for a in self.schedule[self.rank]:
+                # timeline spans start once the inputs have arrived: waiting is bubble, not work
+                if a.kind == "F":
+                    loss = self._forward(a, xs, ys, saved)
+                    if loss is not None:
+                        loss_sum += loss
+                elif a.kind == "B":
+                    self._backward(a, saved, stores)
+                else:
+                    t0 = time.perf_counter()
+                    stores.pop((a.mb, a.chunk)).flush()
+                    self.timeline.append((a, t0, time.perf_counter()))
+            self.p2p.wait_sends()
+        except PipelineAbortError as e:
+            self.p2p.abort([n for n in self._neighbours() if n != e.source], str(e))  # pass it on
+            raise
+        except Exception as e:
+            msg = f"pipeline stage on rank {self.rank} raised {type(e).__name__}: {e}"
+            self.p2p.abort(self._neighbours(), msg)
+            raise
+        if not return_loss:
+            return None
+        src = stage_owner(self.last_vs, self.p)[0]
+        out = loss_sum.clone() if self.is_last else torch.zeros((), dtype=torch.float64)
+        if self.p > 1:
+            peer = src if self.group is None else dist.get_global_rank(self.group, src)
+            dist.broadcast(out, peer, group=self.group)
+        return float(out)
+
+    def _neighbours(self) -> list[int]:
+        """Ranks this one exchanges activations or gradients with (wrapping round only when interleaved)."""
+        r, p = self.rank, self.p
+        if self.v > 1:
+            return sorted({(r - 1) % p, (r + 1) % p} - {r})
+        return [n for n in (r - 1, r + 1) if 0 <= n < p]
+
+    def _forward(self, a: Action, xs, ys, saved) -> float | None:
+        vs = self._vs(a.chunk)
+        if vs == 0:
+            x = xs[a.mb]
+        else:
+            x = self.p2p.recv(stage_owner(vs - 1, self.p)[0], KIND_ACT, a.mb, vs, self._more_after[("F", a.mb, a.chunk)])
+        t0 = time.perf_counter()
+        out = self.chunks[a.chunk](x)
+        if vs == self.last_vs:
+            loss = self.loss_fn(out, ys[a.mb]) / self.m
+            saved[(a.mb, a.chunk)] = (x, loss)
+            self.timeline.append((a, t0, time.perf_counter()))
+            return float(loss.detach())
+        self.p2p.send(out, stage_owner(vs + 1, self.p)[0], KIND_ACT, a.mb, vs + 1)
+        saved[(a.mb, a.chunk)] = (x, out)
+        self.timeline.append((a, t0, time.perf_counter()))
+        return None
+
+    def _backward(self, a: Action, saved, stores) -> None:
+        vs = self._vs(a.chunk)
+        x, out = saved.pop((a.mb, a.chunk))
+        if vs == self.last_vs:
+            outs, grads = [out], [None]
+        else:
+            g = self.p2p.recv(stage_owner(vs + 1, self.p)[0], KIND_GRAD, a.mb, vs, self._more_after[("B", a.mb, a.chunk)])
+            outs = [t for t in flatten(out)[0] if t.requires_grad]
+            grads = list(g)
+        x_leaves = [t for t in flatten(x)[0] if t.requires_grad] if vs > 0 else []
+        t0 = time.perf_counter()
+        if self.split_backward:
+            store = stores[(a.mb, a.chunk)] = WeightGradStore()
+            with defer_weight_grads(store):
+                torch.autograd.backward(outs, grads)
+        else:
+            torch.autograd.backward(outs, grads)
+        if vs > 0:
+            dx = [t.grad if t.grad is not None else torch.zeros_like(t) for t in x_leaves]
+            self.p2p.send(dx, stage_owner(vs - 1, self.p)[0], KIND_GRAD, a.mb, vs - 1)
+        self.timeline.append((a, t0, time.perf_counter()))

@@ -1,0 +1,192 @@
+"""Pipeline schedules as data: pure functions (stages, micro-batches, virtual stages) → per-rank
+lists of actions.
+
+An action is F (forward), B (backward; with zero-bubble schedules only the input gradient) or W
+(weight gradient, zero-bubble only) of micro-batch ``mb`` on model chunk ``chunk`` of this rank.
+Rank r's chunk c is virtual stage ``c·p + r`` (Megatron's round-robin assignment), so activations
+flow rank 0 → 1 → … → p−1 → 0 (next chunk) → …. The sends and receives an action implies
+(``communication``) follow from that.
+
+    gpipe(p, m)                 all forwards, then all backwards          bubble (p−1)/(m+p−1)
+    one_f_one_b(p, m)           PipeDream-flush: p−r−1 warm-up forwards   bubble (p−1)/(m+p−1), memory p
+    interleaved_1f1b(p, m, v)   Megatron's virtual pipeline               bubble (p−1)/(v·m) of compute
+    zb_h1(p, m)                 Qi et al. 2023 zero bubble, 1F1B memory   about a third of 1F1B's bubble
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+class PipelineFillWarning(UserWarning):
+    """Fewer micro-batches than stages: most of the step is bubble."""
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run (bad sizes, missing or misordered actions, deadlock)."""
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    kind: str  # "F", "B" or "W"
+    mb: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+Schedule = list[list[Action]]  # per rank
+
+
+def _check(p: int, m: int, v: int = 1) -> None:
+    for name, value in (("num_stages", p), ("num_microbatches", m), ("virtual_stages", v)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"{name} ({value!r}) must be a positive integer")
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    _check(p, m)
+    return [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(p)]
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """Rank r runs min(p−r−1, m) warm-up forwards, then alternates F and B, then drains the Bs."""
+    _check(p, m)
+    out = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        acts = [Action("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            acts += [Action("F", warm + i), Action("B", i)]
+        acts += [Action("B", i) for i in range(m - warm, m)]
+        out.append(acts)
+    return out
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Megatron-LM's interleaved schedule. Micro-batches go through the chunks in groups of p:
+    forward k touches chunk (k // p) % v of micro-batch (k // (p·v))·p + k % p; backwards visit the
+    chunks in reverse. Rank r warms up with 2·(p−r−1) + (v−1)·p forwards."""
+    _check(p, m, v)
+    if v == 1:
+        return one_f_one_b(p, m)
+    if p == 1:
+        raise ScheduleError(f"virtual_stages ({v}) > 1 requires num_stages > 1")
+    if m % p:
+        raise ScheduleError(f"num_microbatches ({m}) must be a multiple of num_stages ({p}) for the interleaved "
+                            "schedule (Megatron-LM's rule)")
+    total = m * v
+
+    def fwd(k):
+        return Action("F", (k // (p * v)) * p + k % p, (k // p) % v)
+
+    def bwd(k):
+        return Action("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+    out = []
+    for r in range(p):
+        warm = min((p - r - 1) * 2 + (v - 1) * p, total)
+        acts = [fwd(k) for k in range(warm)]
+        for k in range(total - warm):
+            acts += [fwd(warm + k), bwd(k)]
+        acts += [bwd(k) for k in range(total - warm, total)]
+        out.append(acts)
+    return out
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1: 1F1B's order of F and B (B = input gradient only), with each W deferred so that it fills
+    the gaps 1F1B leaves. Built by list scheduling with unit costs F = B = W (the paper's
+    assumption): a rank runs a ready B first, else a ready F while fewer than p micro-batches hold
+    activations (forwarded, W not yet run: 1F1B's peak, which its first stage reaches), else its
+    oldest pending W. Later stages may thus hold more micro-batches than under 1F1B, never more
+    than 1F1B's fullest stage."""
+    _check(p, m)
+    done: dict[tuple[str, int, int], int] = {}  # (kind, mb, rank) -> finish time
+    order: Schedule = [[] for _ in range(p)]
+    next_f, next_b, pending_w = [0] * p, [0] * p, [[] for _ in range(p)]
+    live = [0] * p  # micro-batches forwarded whose W has not run
+    t = 0
+    while any(len(a) < 3 * m for a in order):
+        for r in range(p):
+            b, f = next_b[r], next_f[r]
+            b_ready = b < m and b < f and (r == p - 1 or done.get(("B", b, r + 1), 1 << 30) <= t)
+            f_ready = f < m and live[r] < p and (r == 0 or done.get(("F", f, r - 1), 1 << 30) <= t)
+            if b_ready:
+                act, next_b[r] = Action("B", b), b + 1
+                pending_w[r].append(b)
+            elif f_ready:
+                act, next_f[r] = Action("F", f), f + 1
+                live[r] += 1
+            elif pending_w[r]:
+                act = Action("W", pending_w[r].pop(0))
+                live[r] -= 1
+            else:
+                continue
+            order[r].append(act)
+            done[(act.kind, act.mb, r)] = t + 1
+        t += 1
+    return order
+
+
+def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    if name == "gpipe":
+        sched = gpipe(p, m)
+    elif name == "1f1b":
+        sched = one_f_one_b(p, m)
+    elif name == "interleaved":
+        sched = interleaved_1f1b(p, m, v)
+    elif name == "zb-h1":
+        sched = zb_h1(p, m)
+    else:
+        raise ScheduleError(f"schedule ({name!r}) must be one of {', '.join(SCHEDULES)}")
+    if name != "interleaved" and v != 1:
+        raise ScheduleError(f"virtual_stages ({v}) > 1 needs the interleaved schedule, not {name!r}")
+    msg = warn_if_cannot_fill(p, m)
+    if msg:
+        warnings.warn(msg, PipelineFillWarning, stacklevel=2)
+    return sched
+
+
+def virtual_stage(rank: int, chunk: int, p: int) -> int:
+    return chunk * p + rank
+
+
+def stage_owner(vs: int, p: int) -> tuple[int, int]:
+    """(rank, chunk) of virtual stage ``vs``."""
+    return vs % p, vs // p
+
+
+def communication(sched: Schedule, v: int = 1) -> list[list[tuple[str, Action, int]]]:
+    """Per rank, the transfers in the order its actions produce or need them:
+    ("recv_act"/"send_act"/"recv_grad"/"send_grad", action, peer rank)."""
+    p = len(sched)
+    last = p * v - 1
+    out = []
+    for r, acts in enumerate(sched):
+        ops = []
+        for a in acts:
+            vs = virtual_stage(r, a.chunk, p)
+            if a.kind == "F":
+                if vs > 0:
+                    ops.append(("recv_act", a, stage_owner(vs - 1, p)[0]))
+                if vs < last:
+                    ops.append(("send_act", a, stage_owner(vs + 1, p)[0]))
+            elif a.kind == "B":
+                if vs < last:
+                    ops.append(("recv_grad", a, stage_owner(vs + 1, p)[0]))
+                if vs > 0:
+                    ops.append(("send_grad", a, stage_owner(vs - 1, p)[0]))
+        out.append(ops)
+    return out
+
+
+def warn_if_cannot_fill(p: int, m: int) -> str | None:
+    if p > 1 and m < p:
+        return (f"pipeline cannot fill: num_microbatches ({m}) < num_stages ({p}); "
+                f"bubble is {100 * (p - 1) / (m + p - 1):.0f}% of the step")
+    return None
