@@ -16,6 +16,7 @@ from tpkernels.functional.gemm_comm import (
     poison_receive_buffers,
 )
 from tpkernels.parallel.trace import CommTrace
+from tpkernels.testing.errors import error_messages
 from tpkernels.testing.tolerance import assert_fa_close
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -96,19 +97,12 @@ def test_matmul_reduce_scatter_bf16_avg(rank_pool, fresh_seed, world, algo):
 
 
 def _errors_worker(rank, world):
-    msgs = []
-    for call in (
+    return error_messages([
         lambda: matmul_reduce_scatter(torch.randn(2 * world + 1, 4), torch.randn(4, 3), None),
         lambda: all_gather_matmul(torch.randn(3, 4), [torch.randn(5, 2)], None),
         lambda: all_gather_matmul(torch.randn(3, 4), [torch.randn(4, 2)], None, gather_dim=1),
         lambda: matmul_reduce_scatter(torch.randn(world, 4), torch.randn(4, 3), None, algo="fast"),
-    ):
-        try:
-            call()
-            msgs.append(None)
-        except ValueError as e:
-            msgs.append(str(e))
-    return msgs
+    ])
 
 
 @pytest.mark.parametrize("world", [2, 3])

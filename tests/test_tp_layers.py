@@ -18,6 +18,7 @@ from tpkernels.functional.gemm_comm import poison_receive_buffers
 from tpkernels.functional.vocab_parallel import vocab_parallel_cross_entropy
 from tpkernels.nn import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpkernels.parallel.mappings import all_gather_dim
+from tpkernels.testing.errors import error_messages
 from tpkernels.testing.tolerance import assert_fa_close
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -214,21 +215,14 @@ def test_tp_model_trains_like_dense(rank_pool, fresh_seed, world, sp, force):
 
 
 def _config_errors_worker(rank, world):
-    msgs = []
-    for make in (
+    return error_messages([
         lambda: ColumnParallelLinear(8, 1000, tp_group=None),
         lambda: RowParallelLinear(1001, 8, tp_group=None),
         lambda: RowParallelLinear(4 * world, 8, sequence_parallel=True)(torch.randn(2 * world + 1, 2, 4)),
         lambda: VocabParallelEmbedding(12, 4, sequence_parallel=True)(torch.zeros(2 * world + 1, 2, dtype=torch.long)),
         lambda: ColumnParallelLinear(8, 12, gather_output=True, sequence_parallel=True),
         lambda: ColumnParallelLinear(8, 12)(torch.randn(3, 7)),
-    ):
-        try:
-            make()
-            msgs.append(None)
-        except ValueError as e:
-            msgs.append(str(e))
-    return msgs
+    ])
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -47,6 +47,13 @@ class _TPLinear(nn.Module):
         self.tp_rank, self.tp_size = group_rank_size(tp_group)
         self.sequence_parallel, self.overlap_comm, self.sequence_dim = sequence_parallel, overlap_comm, sequence_dim
 
+    def _load_shard(self, weight: torch.Tensor, bias: torch.Tensor | None) -> "_TPLinear":
+        with torch.no_grad():
+            self.weight.copy_(weight)
+            if self.bias is not None:
+                self.bias.copy_(bias)
+        return self
+
     @property
     def algo(self) -> str:
         return "auto" if self.overlap_comm else "collective"
@@ -91,11 +98,7 @@ class ColumnParallelLinear(_TPLinear):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group,
                     device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
         rows = slice(layer.tp_rank * layer.out_per_rank, (layer.tp_rank + 1) * layer.out_per_rank)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[rows])
-            if layer.bias is not None:
-                layer.bias.copy_(linear.bias[rows])
-        return layer
+        return layer._load_shard(linear.weight[rows], None if linear.bias is None else linear.bias[rows])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The dense layer's weight (out, in) and bias (out,), gathered on every rank (collective)."""
@@ -154,11 +157,7 @@ class RowParallelLinear(_TPLinear):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group,
                     device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
         cols = slice(layer.tp_rank * layer.in_per_rank, (layer.tp_rank + 1) * layer.in_per_rank)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, cols])
-            if layer.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
+        return layer._load_shard(linear.weight[:, cols], linear.bias)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         sd = {"weight": all_gather_dim(self.weight.detach(), 1, self.tp_group)}
