@@ -134,8 +134,7 @@ class P2P:
             self._wait(work, src, what)
         h_kind, h_mb, h_chunk, n_meta = (int(x) for x in header.tolist())
         if h_kind == KIND_ABORT:
-            n = n_meta
-            msg = torch.empty(n, dtype=torch.uint8, device=self.device)
+            msg = torch.empty(n_meta, dtype=torch.uint8, device=self.device)
             self._recv(msg, src, "the abort message")
             err = PipelineAbortError(bytes(msg.cpu().tolist()).decode(errors="replace"))
             err.source = src

@@ -126,7 +126,7 @@ def _microbatch_time(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig
             one += (t - 1) / t * msg / (cluster.intra_gbs * 1e9 * eff.link)
         p2p = 2 * cfg.virtual_stages * one
     return {"gemm": gemm, "elementwise": elementwise, "tp_comm": tp_comm, "tp_exposed": tp_exposed, "p2p": p2p,
-            "flops": flops, "backward": (gemm + elementwise) * 2.0 / 3.0,
+            "backward": (gemm + elementwise) * 2.0 / 3.0,
             "total": gemm + elementwise + tp_exposed + p2p}
 
 
