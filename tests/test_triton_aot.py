@@ -27,8 +27,21 @@ def test_all_triton_kernels_compile_for_sm80_and_sm90():
         rows += json.loads(out.strip().splitlines()[-1])
     failed = [f"{r['arch']} {r['kernel']} {r['constants']}: {r['error']}" for r in rows if not r["ok"]]
     assert not failed, "\n".join(failed)
-    from tpkernels.kernels.triton import bias_gelu
+    import importlib
 
-    assert len(rows) == 2 * len(bias_gelu.compile_specs())
+    from tpkernels.kernels.triton import KERNEL_MODULES, flash_attn
+
+    assert len(rows) == sum(len(importlib.import_module(m).compile_specs(arch)) for m in KERNEL_MODULES
+                            for arch in (80, 90))
     assert {r["arch"] for r in rows} == {"sm_80", "sm_90"}
     assert all(r["cubin_bytes"] > 0 for r in rows)
+    # every shipped FlashAttention config (autotuner lists included) was compiled for its arch
+    for arch, major in ((80, 8), (90, 9)):
+        compiled = {(r["kernel"], r["constants"], r["num_warps"], r["num_stages"]) for r in rows
+                    if r["arch"] == f"sm_{arch}" and r["module"].endswith("flash_attn")}
+        for role, kernel in (("fwd", "_flash_fwd_kernel"), ("dkdv", "_flash_bwd_dkdv_kernel"),
+                             ("dq", "_flash_bwd_dq_kernel")):
+            for configs in flash_attn.CONFIGS[role][major].values():
+                for bm, bn, warps, stages in configs:
+                    assert any(c[0] == kernel and f"BLOCK_M={bm},BLOCK_N={bn}," in c[1] and c[2:] == (warps, stages)
+                               for c in compiled), (arch, role, bm, bn, warps, stages)

@@ -3,6 +3,10 @@
 Public API (this release):
     tpkernels.bias_gelu(x, bias, approximate="none")   fused gelu(x + bias) with autograd
     tpkernels.nn.BiasGeLU                              module owning the bias
+    tpkernels.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, return_lse)
+    tpkernels.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
+                                                       FlashAttention-2 forward/backward, GQA, causal, varlen
+    tpkernels.nn.FlashAttention                        core attention module (q, k, v -> out)
     tpkernels.backends                                 dispatch rule, TPKERNELS_BACKEND
     tpkernels.build_info()                             what tpkernels._C was built with
     tpkernels.all_gather_matmul / matmul_reduce_scatter  TP communication fused with GEMMs (ring overlap)
@@ -24,9 +28,12 @@ from tpkernels import backends, nn  # noqa: E402  (nn imports functional)
 from tpkernels.functional import (
     all_gather_matmul,
     bias_gelu,
+    flash_attn_func,
+    flash_attn_varlen_func,
     matmul_reduce_scatter,
     vocab_parallel_cross_entropy,
 )
 
-__all__ = ["__version__", "all_gather_matmul", "backends", "bias_gelu", "build_info", "matmul_reduce_scatter", "nn",
+__all__ = ["__version__", "all_gather_matmul", "backends", "bias_gelu", "build_info", "flash_attn_func",
+           "flash_attn_varlen_func", "matmul_reduce_scatter", "nn",
            "vocab_parallel_cross_entropy"]

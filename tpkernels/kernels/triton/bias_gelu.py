@@ -157,10 +157,12 @@ def bias_gelu_bwd(grad: Tensor, x: Tensor, bias: Tensor, approximate: str, grad_
     return dx, db
 
 
-def compile_specs():
-    """Every (kernel, signature, constexprs, num_warps) this module can launch, for AOT compile checks."""
+def compile_specs(arch: int, full: bool = False):
+    """Every (kernel, signature, constexprs, options) this module can launch, for AOT compile checks
+    (the same for every ``arch``; ``full`` adds nothing: the list is already complete)."""
     # Every tile shape in fp32; the 16-bit dtypes (other load/store paths) at the two extreme tiles.
     specs = []
+    options = {"num_warps": NUM_WARPS}
     for dtype in ("fp32", "fp16", "bf16"):
         block_ns = BLOCK_N_CHOICES if dtype == "fp32" else (BLOCK_N_CHOICES[0], BLOCK_N_CHOICES[-1])
         for block_n in block_ns:
@@ -170,11 +172,11 @@ def compile_specs():
                 p = f"*{dtype}"
                 specs.append((_bias_gelu_fwd_kernel,
                               {"x_ptr": p, "b_ptr": p, "y_ptr": p, "M": "i32", "N": "i32", "stride_xm": "i32",
-                               "stride_ym": "i32", **{k: "constexpr" for k in const}}, const, NUM_WARPS))
+                               "stride_ym": "i32", **{k: "constexpr" for k in const}}, const, options))
                 specs.append((_bias_gelu_bwd_kernel,
                               {"g_ptr": p, "x_ptr": p, "b_ptr": p, "dx_ptr": p, "partial_ptr": "*fp32", "M": "i32",
                                "N": "i32", "stride_gm": "i32", "stride_xm": "i32", "stride_dxm": "i32",
-                               "rows_per_program": "i32", **{k: "constexpr" for k in const}}, const, NUM_WARPS))
+                               "rows_per_program": "i32", **{k: "constexpr" for k in const}}, const, options))
     return specs
 
 

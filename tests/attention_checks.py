@@ -1,0 +1,131 @@
+"""Shared checks of attention kernels against the float64 oracle (FlashAttention tolerance rule).
+
+Every check draws fresh random inputs, poisons the output buffers with NaN where the caller can
+hand them over, and compares the output, the log-sum-exp and all three gradients (with a
+gradient flowing into the lse too) against ``attention_naive`` in float64, with ``ref_lp`` the same
+naive math in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tpkernels.kernels.reference import attention_naive
+from tpkernels.testing.tolerance import assert_fa_close
+
+# Scores grow with headdim; inputs are scaled so softmax is neither flat nor one-hot.
+INPUT_STD = 1.0
+
+
+def make_qkv(shape_q, shape_kv, dtype, device, requires_grad=True):
+    q = (torch.randn(shape_q, dtype=torch.float64) * INPUT_STD).to(dtype).to(device)
+    k = (torch.randn(shape_kv, dtype=torch.float64) * INPUT_STD).to(dtype).to(device)
+    v = torch.randn(shape_kv, dtype=torch.float64).to(dtype).to(device)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def oracle(q, k, v, do, dlse, scale, causal, dtype):
+    """(o, lse, dq, dk, dv) of the naive math in ``dtype``, computed on q's device, returned on the CPU.
+    q: (b, sq, h, d)."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    o, lse = attention_naive(*leaves, scale, causal)
+    grads = torch.autograd.grad([o, lse], leaves, [do.detach().to(dtype), dlse.detach().to(lse.device, lse.dtype)])
+    return tuple(t.detach().cpu() for t in (o, lse, *grads))
+
+
+def lse_cotangent(lse_shape, seen_mask):
+    """A random gradient for the lse, 0 where the row sees no key (its lse is -inf there)."""
+    g = torch.randn(lse_shape, dtype=torch.float64)
+    return torch.where(seen_mask, g, torch.zeros_like(g))
+
+
+def _floor_ulps(dtype) -> float:
+    # In fp32 (and fp64) the floor decides. The naive fp32 math can be luckier than any blocked algorithm: with
+    # one key, softmax's backward cancels exactly, while FA2's dS = P·(dP − delta) subtracts two
+    # d-long dot products (an error of a few 1e-7 at unit scale). 32 ulps (3.8e-6) still catches any
+    # real bug (errors of 1e-3 and up). In 16-bit dtypes ref_lp's own error dominates.
+    return 32.0 if dtype in (torch.float32, torch.float64) else 8.0
+
+
+def compare(ours, ref64, ref_lp, names=("out", "lse", "dq", "dk", "dv")):
+    """ours/ref64/ref_lp: (o, lse, dq, dk, dv) tuples. lse rows that are -inf must match exactly."""
+    ulps = _floor_ulps(ours[0].dtype)
+    for name, a, r64, rlp in zip(names, ours, ref64, ref_lp):
+        a = a.detach().cpu()
+        if name == "lse":
+            inf = torch.isinf(r64)
+            assert torch.equal(torch.isinf(a), inf), "lse: -inf rows (queries that see no key) differ"
+            assert bool((a[inf] < 0).all()), "lse: rows that see no key must be -inf"
+            a, r64, rlp = a[~inf], r64[~inf], rlp[~inf]
+            # the lse is fp32 whatever the input dtype: compare at fp32's floor
+            assert_fa_close(a.float(), r64, rlp, name=name, ulps=ulps)
+            continue
+        assert_fa_close(a, r64, rlp, grad=name.startswith("d"), name=name, ulps=ulps)
+
+
+def check_dense(run, b, sq, sk, h, hk, d, causal, dtype, device, scale=None, lse_grad=True):
+    """run(q, k, v, do, dlse, scale, causal) -> (o, lse, dq, dk, dv) for dense (b, s, h, d) inputs.
+    ``lse_grad=False``: the lse's cotangent is zero (the usual training case)."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    q, k, v = make_qkv((b, sq, h, d), (b, sk, hk, d), dtype, device)
+    do = torch.randn((b, sq, h, d), dtype=torch.float64).to(dtype).to(device)
+    seen = torch.arange(sq)[:, None] + (sk - sq) >= 0 if causal else torch.ones(sq, 1, dtype=torch.bool)
+    dlse = lse_cotangent((b, h, sq), seen[:, 0].expand(b, h, sq)).to(device)
+    if not lse_grad:
+        dlse = torch.zeros_like(dlse)
+    ours = run(q, k, v, do, dlse, scale, causal)
+    ref64 = oracle(q, k, v, do, dlse, scale, causal, torch.float64)
+    ref_lp = oracle(q, k, v, do, dlse, scale, causal, dtype)
+    compare(ours, ref64, ref_lp)
+    return ours
+
+
+def random_lengths(n, lo=1, hi=70):
+    """n odd-leaning random lengths in [lo, hi]."""
+    return [int(x) for x in torch.randint(lo, hi + 1, (n,))]
+
+
+def cu_seqlens(lengths, device):
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+
+
+def check_varlen(run_varlen, run_dense, lens_q, lens_k, h, hk, d, causal, dtype, device):
+    """Packed sequences against the oracle per sequence, and equal to ``run_dense`` on each sequence alone.
+
+    run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, do, dlse, scale, causal) -> (o, lse (h, total), dq, dk, dv).
+    """
+    scale = 1.0 / math.sqrt(d)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q, k, v = make_qkv((tq, h, d), (tk, hk, d), dtype, device)
+    do = torch.randn((tq, h, d), dtype=torch.float64).to(dtype).to(device)
+    cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
+    seen = torch.cat([(torch.arange(lq) + (lk - lq) >= 0) if causal else torch.ones(lq, dtype=torch.bool)
+                      for lq, lk in zip(lens_q, lens_k)]) if tq else torch.zeros(0, dtype=torch.bool)
+    seen = seen & torch.tensor([lk > 0 for lq, lk in zip(lens_q, lens_k) for _ in range(lq)], dtype=torch.bool)
+    dlse = lse_cotangent((h, tq), seen[None, :].expand(h, tq)).to(device)
+    ours = run_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), do, dlse, scale, causal)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        mine = (ours[0][qs], ours[1][:, qs], ours[2][qs], ours[3][ks], ours[4][ks])
+        if lq == 0:
+            continue
+        if lk == 0:  # no key at all: output 0, lse -inf, no gradient
+            assert bool((mine[0] == 0).all()) and bool(torch.isinf(mine[1]).all()) and bool((mine[2] == 0).all())
+            continue
+        args = [t[None] for t in (q[qs], k[ks], v[ks], do[qs])] + [dlse[None, :, qs]]
+        ref64 = oracle(*args, scale, causal, torch.float64)
+        ref_lp = oracle(*args, scale, causal, dtype)
+        per_seq = tuple(t[0] for t in ref64[:1]) + (ref64[1][0],) + tuple(t[0] for t in ref64[2:])
+        per_lp = tuple(t[0] for t in ref_lp[:1]) + (ref_lp[1][0],) + tuple(t[0] for t in ref_lp[2:])
+        compare(mine, per_seq, per_lp)
+        alone = run_dense(*args[:3], args[3], args[4], scale, causal)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), mine, alone):
+            b = b[0]
+            same = torch.equal(torch.isinf(a), torch.isinf(b)) and torch.allclose(
+                torch.nan_to_num(a.float(), neginf=0.0), torch.nan_to_num(b.float(), neginf=0.0),
+                rtol=0, atol=4 * torch.finfo(dtype).eps * max(1.0, b[~torch.isinf(b)].abs().max().item()))
+            assert same, f"sequence {i} ({lq} queries, {lk} keys): varlen {name} differs from the sequence run alone"
+    return ours

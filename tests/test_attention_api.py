@@ -1,0 +1,268 @@
+"""Public attention API: flash_attn_func / flash_attn_varlen_func / nn.FlashAttention on the
+reference (CPU) path, dispatch, validation errors, torch.library registration and torch.compile,
+and FA2's memory contract (no seqlen² tensor is saved for backward)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpkernels
+from attention_checks import check_dense, check_varlen, cu_seqlens, make_qkv, random_lengths
+from tpkernels import backends
+from tpkernels.functional import attention as attn
+from tpkernels.kernels import reference
+
+
+def api_dense(backend=None):
+    def run(q, k, v, do, dlse, scale, causal):
+        o, lse = tpkernels.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_lse=True,
+                                           backend=backend)
+        grads = torch.autograd.grad([o, lse], [q, k, v], [do, dlse.to(lse.dtype)])
+        return (o, lse, *grads)
+
+    return run
+
+
+def api_varlen(backend=None):
+    def run(q, k, v, cu_q, cu_k, max_q, max_k, do, dlse, scale, causal):
+        o, lse = tpkernels.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale,
+                                                  causal=causal, return_lse=True, backend=backend)
+        grads = torch.autograd.grad([o, lse], [q, k, v], [do, dlse.to(lse.dtype)])
+        return (o, lse, *grads)
+
+    return run
+
+
+# ---- the reference (CPU) path: same semantics, any dtype the CPU has ----
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal", [
+    (2, 17, 17, 4, 2, 32, True), (1, 129, 64, 4, 1, 96, True), (2, 40, 129, 2, 2, 64, False),
+    (1, 64, 17, 4, 4, 64, True), (1, 1, 1, 2, 1, 32, True), (3, 33, 65, 6, 3, 128, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
+@pytest.mark.parametrize("torch_kernel", [True, False], ids=["torch-cpu-kernel", "chunked-math"])
+def test_reference_path_matches_oracle(b, sq, sk, h, hk, d, causal, dtype, torch_kernel, monkeypatch):
+    # With the lse's gradient zero the backward runs torch's CPU kernel too; with it, the chunked math.
+    monkeypatch.setattr(reference, "USE_TORCH_CPU_KERNEL", torch_kernel)
+    check_dense(api_dense("reference"), b, sq, sk, h, hk, d, causal, dtype, "cpu", lse_grad=False)
+    check_dense(api_dense("reference"), b, sq, sk, h, hk, d, causal, dtype, "cpu", lse_grad=True)
+
+
+def test_reference_path_chunks_queries(monkeypatch):
+    # Small chunks (7 rows here) exercise the O(seqlen)-memory loop, including a ragged last chunk.
+    monkeypatch.setattr(reference, "USE_TORCH_CPU_KERNEL", False)
+    monkeypatch.setattr(reference, "ATTN_CHUNK_ELEMENTS", 7 * 2 * 4 * 53)
+    check_dense(api_dense("reference"), 2, 50, 53, 4, 2, 32, True, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("nseq,causal", [(1, True), (3, False), (5, True)])
+@pytest.mark.parametrize("torch_kernel", [True, False], ids=["torch-cpu-kernel", "chunked-math"])
+def test_reference_varlen_matches_each_sequence_alone(nseq, causal, torch_kernel, monkeypatch):
+    monkeypatch.setattr(reference, "USE_TORCH_CPU_KERNEL", torch_kernel)
+    lens_q = random_lengths(nseq)
+    lens_k = random_lengths(nseq) if nseq == 3 else lens_q
+    check_varlen(api_varlen("reference"), api_dense("reference"), lens_q, lens_k, 4, 2, 32, causal, torch.float32,
+                 "cpu")
+
+
+def test_matches_torch_sdpa():
+    # Drop-in check against the peer: SDPA takes (b, h, s, d); causal agrees when seqlen_q == seqlen_k.
+    q, k, v = make_qkv((2, 45, 8, 64), (2, 45, 2, 64), torch.float32, "cpu", requires_grad=False)
+    ours = tpkernels.flash_attn_func(q, k, v, causal=True)
+    sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                          enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(ours, sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_default_scale_and_return_types():
+    q, k, v = make_qkv((1, 9, 2, 16), (1, 11, 2, 16), torch.float32, "cpu", requires_grad=False)
+    out = tpkernels.flash_attn_func(q, k, v)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape and out.is_contiguous()
+    explicit = tpkernels.flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(16))
+    assert torch.equal(out, explicit)
+    out2, lse = tpkernels.flash_attn_func(q, k, v, return_lse=True)
+    assert lse.shape == (1, 2, 9) and lse.dtype == torch.float32 and torch.equal(out, out2)
+
+
+# ---- dispatch ----
+
+def test_cpu_tensors_use_the_reference_path_by_default(monkeypatch):
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    q = torch.randn(1, 3, 2, 16)
+    assert attn.select_backend(q) == "reference"
+    assert "flash_attn" in backends.registered_ops()
+
+
+@pytest.mark.skipif(backends.why_not("triton", "flash_attn", torch.device("cpu")) is not None,
+                    reason="needs TRITON_INTERPRET=1 and triton")
+def test_forced_triton_on_cpu_runs_the_interpreter_and_agrees(monkeypatch):
+    monkeypatch.setenv(backends.ENV_VAR, "triton")
+    assert attn.select_backend(torch.randn(1, 3, 2, 16)) == "triton"
+    check_dense(api_dense(), 1, 29, 31, 4, 2, 32, True, torch.float32, "cpu")
+    lens = random_lengths(3)
+    check_varlen(api_varlen(), api_dense(), lens, lens, 2, 1, 32, True, torch.float32, "cpu")
+
+
+def test_forced_triton_refuses_what_it_cannot_run(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.randn(1, 3, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(backends.BackendUnavailableError, match="computes bfloat16 wrongly"):
+        tpkernels.flash_attn_func(q, q, q, backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(backends.BackendUnavailableError, match="need CUDA tensors"):
+        tpkernels.flash_attn_func(q.float(), q.float(), q.float(), backend="triton")
+    with pytest.raises(backends.BackendUnavailableError, match="has no cpp kernel"):
+        tpkernels.flash_attn_func(q, q, q, backend="cpp")
+
+
+# ---- validation: every message names the parameter, its value and the rule ----
+
+def _t(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def _cu(*offsets, dtype=torch.int32):
+    return torch.tensor(offsets, dtype=dtype)
+
+
+BAD_DENSE = [
+    (lambda: tpkernels.flash_attn_func(_t(2, 5, 12, 16), _t(2, 5, 5, 16), _t(2, 5, 5, 16)),
+     ValueError, r"nheads \(12\) must be divisible by nheads_kv \(5\)"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16), dropout_p=0.1),
+     ValueError, r"dropout_p \(0.1\) must be 0.0: attention dropout is not supported"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 300), _t(1, 5, 2, 300), _t(1, 5, 2, 300)),
+     ValueError, r"headdim \(300\) must be between 1 and 256"),
+    (lambda: tpkernels.flash_attn_func(_t(5, 2, 16), _t(5, 2, 16), _t(5, 2, 16)),
+     ValueError, r"q must be 4-D \(batch, seqlen, nheads, headdim\), got shape \(5, 2, 16\)"),
+    (lambda: tpkernels.flash_attn_func(_t(2, 5, 2, 16), _t(3, 5, 2, 16), _t(3, 5, 2, 16)),
+     ValueError, r"batch of k \(3\) must equal batch of q \(2\)"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 6, 2, 16)),
+     ValueError, r"k shape \(1, 5, 2, 16\) must equal v shape \(1, 6, 2, 16\)"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 32), _t(1, 5, 2, 32)),
+     ValueError, r"headdim of k \(32\) must equal headdim of q \(16\)"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 0, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16)),
+     ValueError, r"seqlen_q \(0\) and seqlen_k \(5\) must be >= 1"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16, dtype=torch.float64),
+                                       _t(1, 5, 2, 16, dtype=torch.float64)),
+     TypeError, r"k dtype \(torch.float64\) must equal q dtype \(torch.float32\)"),
+    (lambda: tpkernels.flash_attn_func(torch.ones(1, 5, 2, 16, dtype=torch.int32),
+                                       torch.ones(1, 5, 2, 16, dtype=torch.int32),
+                                       torch.ones(1, 5, 2, 16, dtype=torch.int32)),
+     TypeError, r"q dtype \(torch.int32\) must be float16, bfloat16 or float32"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16).to("meta"), _t(1, 5, 2, 16).to("meta")),
+     ValueError, r"k device \(meta\) must equal q device \(cpu\)"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16), softmax_scale=-1.0),
+     ValueError, r"softmax_scale \(-1.0\) must be a finite number > 0"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16), causal="yes"),
+     TypeError, r"causal \('yes'\) must be a bool"),
+]
+
+BAD_VARLEN = [
+    (lambda: tpkernels.flash_attn_varlen_func(_t(7, 2, 16), _t(7, 2, 16), _t(7, 2, 16), _cu(0, 7, dtype=torch.int64),
+                                              _cu(0, 7), 7, 7),
+     TypeError, r"cu_seqlens_q must be a 1-D int32 tensor \(batch \+ 1,\), got torch.int64"),
+    (lambda: tpkernels.flash_attn_varlen_func(_t(7, 2, 16), _t(7, 2, 16), _t(7, 2, 16), _cu(0, 3, 7), _cu(0, 7),
+                                              7, 7),
+     ValueError, r"cu_seqlens_q \(3 offsets\) and cu_seqlens_k \(2 offsets\) must describe the same number"),
+    (lambda: tpkernels.flash_attn_varlen_func(_t(7, 2, 16), _t(7, 2, 16), _t(7, 2, 16), _cu(1, 7), _cu(0, 7), 7, 7),
+     ValueError, r"cu_seqlens_q\[0\] \(1\) must be 0"),
+    (lambda: tpkernels.flash_attn_varlen_func(_t(7, 2, 16), _t(7, 2, 16), _t(7, 2, 16), _cu(0, 5, 3, 7),
+                                              _cu(0, 2, 4, 7), 7, 7),
+     ValueError, r"cu_seqlens_q must be non-decreasing, but cu_seqlens_q\[2\] \(3\) < cu_seqlens_q\[1\] \(5\)"),
+    (lambda: tpkernels.flash_attn_varlen_func(_t(7, 2, 16), _t(7, 2, 16), _t(7, 2, 16), _cu(0, 6), _cu(0, 7), 7, 7),
+     ValueError, r"cu_seqlens_q\[-1\] \(6\) must equal the number of tokens \(7\)"),
+    (lambda: tpkernels.flash_attn_varlen_func(_t(7, 2, 16), _t(7, 2, 16), _t(7, 2, 16), _cu(0, 2, 7), _cu(0, 3, 7),
+                                              4, 5),
+     ValueError, r"max_seqlen_q \(4\) must be >= the longest sequence in cu_seqlens_q \(5\)"),
+    (lambda: tpkernels.flash_attn_varlen_func(_t(7, 2, 16), _t(7, 2, 16), _t(7, 2, 16), _cu(0, 7), _cu(0, 7), -1, 7),
+     ValueError, r"max_seqlen_q \(-1\) must be an int >= 0"),
+    (lambda: tpkernels.flash_attn_varlen_func(_t(1, 7, 2, 16), _t(7, 2, 16), _t(7, 2, 16), _cu(0, 7), _cu(0, 7),
+                                              7, 7),
+     ValueError, r"q must be 3-D \(total_tokens, nheads, headdim\)"),
+]
+
+
+@pytest.mark.parametrize("call,exc,message", BAD_DENSE + BAD_VARLEN, ids=lambda x: "" if callable(x) else None)
+def test_bad_input_gets_a_clear_error(call, exc, message):
+    with pytest.raises(exc, match=message):
+        call()
+
+
+# ---- torch.library registration and torch.compile ----
+
+def test_custom_ops_pass_opcheck():
+    # Schema, fake impls (shapes, dtypes, strides), autograd registration, all checked by PyTorch.
+    q, k, v = make_qkv((2, 9, 4, 16), (2, 11, 2, 16), torch.float32, "cpu")
+    torch.library.opcheck(torch.ops.tpkernels.flash_attn_forward.default,
+                          (q, k, v, None, None, 9, 11, 0.25, True, ""))
+    lens = [5, 0, 4]
+    qv, kv, vv = make_qkv((9, 4, 16), (9, 2, 16), torch.float32, "cpu")
+    cu = cu_seqlens(lens, "cpu")
+    torch.library.opcheck(torch.ops.tpkernels.flash_attn_forward.default, (qv, kv, vv, cu, cu, 5, 5, 0.25, False, ""))
+    o, lse = torch.ops.tpkernels.flash_attn_forward(q, k, v, None, None, 9, 11, 0.25, True, "")
+    torch.library.opcheck(torch.ops.tpkernels.flash_attn_backward.default,
+                          (torch.randn_like(o), q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), None,
+                           None, None, 9, 11, 0.25, True, ""))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    torch._dynamo.reset()
+
+    def block(x, wq, wk, wv):  # projections around the opaque attention op
+        b, s, _ = x.shape
+        q = (x @ wq).view(b, s, 4, 16)
+        k = (x @ wk).view(b, s, 2, 16)
+        v = (x @ wv).view(b, s, 2, 16)
+        return tpkernels.flash_attn_func(q, k, v, causal=True).reshape(b, s, -1).square().sum()
+
+    x = torch.randn(2, 13, 32)
+    ws = [torch.randn(32, n, requires_grad=True) / 6 for n in (64, 32, 32)]
+    ws = [w.detach().requires_grad_() for w in ws]
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    loss_c = compiled(x, *ws)
+    grads_c = torch.autograd.grad(loss_c, ws)
+    loss_e = block(x, *ws)
+    grads_e = torch.autograd.grad(loss_e, ws)
+    torch.testing.assert_close(loss_c, loss_e)
+    for gc, ge in zip(grads_c, grads_e):
+        torch.testing.assert_close(gc, ge)
+
+
+# ---- memory: FA2 saves O(seqlen), never the probabilities ----
+
+def test_backward_saves_no_seqlen_squared_tensor():
+    b, sq, sk, h, hk, d = 1, 96, 80, 4, 2, 16
+    q, k, v = make_qkv((b, sq, h, d), (b, sk, hk, d), torch.float32, "cpu")
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = tpkernels.flash_attn_func(q, k, v, causal=True)
+    assert max(saved) < b * h * sq * sk, f"a saved tensor holds {max(saved)} elements: the (sq, sk) scores?"
+    # exactly q, k, v, out and the lse
+    assert sum(saved) == q.numel() + k.numel() + v.numel() + out.numel() + b * h * sq, saved
+    out.sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+# ---- the module ----
+
+def test_module_is_the_function():
+    mod = tpkernels.nn.FlashAttention(causal=True, softmax_scale=0.2)
+    assert "causal=True" in repr(mod) and "softmax_scale=0.2" in repr(mod)
+    assert list(mod.parameters()) == []
+    q, k, v = make_qkv((2, 7, 4, 16), (2, 9, 2, 16), torch.float32, "cpu", requires_grad=False)
+    assert torch.equal(mod(q, k, v), tpkernels.flash_attn_func(q, k, v, softmax_scale=0.2, causal=True))
+    lens = [3, 4]
+    qv, kv, vv = q[0], k[0, :7], v[0, :7]
+    cu = cu_seqlens(lens, "cpu")
+    assert torch.equal(mod(qv, kv, vv, cu, cu, 4, 4),
+                       tpkernels.flash_attn_varlen_func(qv, kv, vv, cu, cu, 4, 4, softmax_scale=0.2, causal=True))
+    with pytest.raises(ValueError, match="needs all of cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k"):
+        mod(qv, kv, vv, cu)
+    with pytest.raises(ValueError, match=r"softmax_scale \(0\) must be a finite number > 0"):
+        tpkernels.nn.FlashAttention(softmax_scale=0)

@@ -1,0 +1,124 @@
+"""Triton FlashAttention kernels against the float64 oracle: under TRITON_INTERPRET=1 on the CPU
+(fp32, fp16), on the GPU when present. Outputs and gradients are poisoned with NaN before the
+kernels write them. bf16 is GPU-only (tests/test_gpu_attention.py): the interpreter computes bf16
+on raw bits.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from attention_checks import check_dense, check_varlen, random_lengths
+from tpkernels import backends
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_WHY = backends.why_not("triton", "flash_attn", torch.device(DEVICE))
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"triton cannot run here: {_WHY}")
+if _WHY is None:
+    from tpkernels.kernels.triton import flash_attn as tk
+
+NAN = float("nan")
+
+
+def triton_dense(config=None):
+    """A runner for attention_checks: the kernel launchers, with NaN-poisoned outputs and gradients."""
+    config = config or {}
+
+    def run(q, k, v, do, dlse, scale, causal):
+        q, k, v = q.detach(), k.detach(), v.detach()
+        b, sq, h, _ = q.shape
+        out, lse = torch.full_like(q, NAN), torch.full((b, h, sq), NAN, device=q.device)
+        o, lse = tk.flash_attn_fwd(q, k, v, scale, causal, config=config.get("fwd"), out=out, lse=lse)
+        grads = [torch.full_like(t, NAN) for t in (q, k, v)]
+        dq, dk, dv = tk.flash_attn_bwd(do, q, k, v, o, lse, scale, causal, dlse=dlse, config=config,
+                                       dq=grads[0], dk=grads[1], dv=grads[2])
+        assert o is out and dq is grads[0] and dk is grads[1] and dv is grads[2]
+        return o, lse, dq, dk, dv
+
+    return run
+
+
+def triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, do, dlse, scale, causal):
+    q, k, v = q.detach(), k.detach(), v.detach()
+    out, lse = torch.full_like(q, NAN), torch.full((q.shape[1], q.shape[0]), NAN, device=q.device)
+    o, lse = tk.flash_attn_fwd(q, k, v, scale, causal, cu_q, cu_k, max_q, max_k, out=out, lse=lse)
+    grads = [torch.full_like(t, NAN) for t in (q, k, v)]
+    dq, dk, dv = tk.flash_attn_bwd(do, q, k, v, o, lse, scale, causal, cu_q, cu_k, max_q, max_k, dlse=dlse,
+                                   dq=grads[0], dk=grads[1], dv=grads[2])
+    return o, lse, dq, dk, dv
+
+
+# The issue's grid: every (seqlen, headdim, causal); the GQA ratio and dtype rotate through it so each
+# value meets every seqlen. Under the interpreter one case costs about a second.
+SEQLENS, HEADDIMS, GROUPS, DTYPES = (1, 17, 64, 129), (32, 64, 96), (1, 2, 4), (torch.float32, torch.float16)
+GRID = [(s, d, c, GROUPS[i % 3], DTYPES[(i // 3) % 2])
+        for i, (s, d, c) in enumerate(itertools.product(SEQLENS, HEADDIMS, (False, True)))]
+
+
+@pytest.mark.parametrize("seqlen,headdim,causal,group,dtype", GRID, ids=str)
+def test_forward_backward_grid(seqlen, headdim, causal, group, dtype):
+    nheads_kv = 2 if group < 4 else 1
+    check_dense(triton_dense(), 2, seqlen, seqlen, group * nheads_kv, nheads_kv, headdim, causal, dtype, DEVICE)
+
+
+# seqlen_q != seqlen_k both ways: bottom-right causal alignment, and (sq > sk) rows that see no key.
+@pytest.mark.parametrize("sq,sk", [(17, 129), (129, 17), (1, 64), (64, 1), (40, 33)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqlen_q_differs_from_seqlen_k(sq, sk, causal):
+    check_dense(triton_dense(), 1, sq, sk, 4, 2, 64, causal, torch.float32, DEVICE)
+
+
+@pytest.mark.parametrize("config", [
+    {"fwd": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)},
+    {"fwd": (16, 64, 4, 1), "dkdv": (64, 16, 4, 1), "dq": (16, 64, 4, 1)},
+    {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)},
+], ids=["16x16", "tall-keys", "tall-queries"])
+@pytest.mark.parametrize("sq,sk", [(129, 129), (70, 131), (131, 70)])
+def test_tile_shapes_cross_the_causal_diagonal(config, sq, sk):
+    # The split between unmasked and masked blocks depends on BLOCK_M, BLOCK_N and sk - sq.
+    check_dense(triton_dense(config), 1, sq, sk, 2, 1, 32, True, torch.float32, DEVICE)
+
+
+@pytest.mark.parametrize("headdim", [8, 80, 128, 200, 256])
+def test_other_head_dims_pad_inside_the_kernel(headdim):
+    check_dense(triton_dense(), 1, 33, 47, 2, 1, headdim, True, torch.float32, DEVICE)
+
+
+def test_mqa_and_custom_scale():
+    check_dense(triton_dense(), 2, 37, 37, 8, 1, 32, False, torch.float32, DEVICE, scale=0.3)
+
+
+def test_large_scores_do_not_overflow():
+    # scale 4 on N(0,1) inputs: scores of several hundred; exp would overflow without the running max.
+    check_dense(triton_dense(), 1, 65, 65, 2, 2, 64, True, torch.float32, DEVICE, scale=4.0)
+
+
+def test_strided_inputs_from_a_packed_qkv_tensor():
+    # (b, s, 3, h, d) packed QKV: q/k/v are views with non-contiguous seq/head strides, read in place.
+    b, s, h, d = 2, 37, 3, 32
+    qkv = torch.randn(b, s, 3, h, d, device=DEVICE)
+
+    def run(q, k, v, do, dlse, scale, causal):
+        packed = torch.stack([q.detach(), k.detach(), v.detach()], dim=2)
+        assert not packed[:, :, 0].is_contiguous()
+        o, lse = tk.flash_attn_fwd(packed[:, :, 0], packed[:, :, 1], packed[:, :, 2], scale, causal)
+        return (o, lse, *tk.flash_attn_bwd(do, packed[:, :, 0], packed[:, :, 1], packed[:, :, 2], o, lse, scale,
+                                           causal, dlse=dlse))
+
+    del qkv
+    check_dense(run, b, s, s, h, h, d, True, torch.float32, DEVICE)
+
+
+@pytest.mark.parametrize("nseq", [1, 3, 5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_matches_each_sequence_alone(nseq, causal):
+    lens_q = random_lengths(nseq, 1, 70)
+    lens_k = lens_q if nseq != 3 else random_lengths(nseq, 1, 70)  # 3 sequences: seqlen_q != seqlen_k
+    check_varlen(triton_varlen, triton_dense(), lens_q, lens_k, 4, 2, 32, causal, torch.float32, DEVICE)
+
+
+def test_varlen_fp16_and_empty_sequences():
+    # A sequence with no keys (outputs 0, lse -inf) and one with no queries, between normal ones.
+    check_varlen(triton_varlen, triton_dense(), [17, 5, 0, 33], [9, 0, 12, 33], 2, 1, 64, True, torch.float16,
+                 DEVICE)

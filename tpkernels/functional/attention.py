@@ -1,0 +1,299 @@
+"""FlashAttention-style attention with FlashAttention's interface: ``flash_attn_func`` and
+``flash_attn_varlen_func``, forward and backward, GQA/MQA, bottom-right causal masks.
+
+Layers, top to bottom:
+    flash_attn_func / flash_attn_varlen_func
+                          public functions: validate shapes, dtypes and devices, call the op
+    torch.ops.tpkernels.flash_attn_forward / flash_attn_backward
+                          torch.library custom ops with fake impls (torch.compile traces them
+                          as opaque calls) and registered autograd
+    kernels               triton (kernels/triton/flash_attn.py) on CUDA tensors, or on CPU
+                          tensors under TRITON_INTERPRET=1; reference (kernels/reference.py:
+                          chunked PyTorch math, O(seqlen) memory) on any device
+
+Memory (FlashAttention-2): the forward saves q, k, v, the output and the fp32 log-sum-exp
+(batch, nheads, seqlen_q); never the (seqlen_q, seqlen_k) probabilities. The backward recomputes
+them block by block.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from tpkernels import backends
+from tpkernels.kernels import reference
+
+OP = "flash_attn"
+MAX_HEADDIM = 256
+backends.register_op(OP, ("triton", "reference"))
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---- validation (every message names the parameter, its value and the rule) ----
+
+def _check_scalars(dropout_p, softmax_scale, causal) -> None:
+    if not isinstance(dropout_p, (int, float)) or dropout_p != 0.0:
+        raise ValueError(f"dropout_p ({dropout_p}) must be 0.0: attention dropout is not supported (modern LLM "
+                         "training does not use it); apply dropout outside the attention if you need it")
+    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale)
+                                      or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale ({softmax_scale}) must be a finite number > 0, or None for 1/sqrt(headdim)")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal ({causal!r}) must be a bool")
+
+
+def _check_tensors(q, k, v, dims: int, layout: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != dims:
+            raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"q dtype ({q.dtype}) must be float16, bfloat16 or float32 (float64 on the reference path)")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype ({t.dtype}) must equal q dtype ({q.dtype})")
+        if t.device != q.device:
+            raise ValueError(f"{name} device ({t.device}) must equal q device ({q.device})")
+    if k.shape != v.shape:
+        raise ValueError(f"k shape {tuple(k.shape)} must equal v shape {tuple(v.shape)}")
+    d, nheads, nheads_kv = q.shape[-1], q.shape[-2], k.shape[-2]
+    if k.shape[-1] != d:
+        raise ValueError(f"headdim of k ({k.shape[-1]}) must equal headdim of q ({d})")
+    if not 1 <= d <= MAX_HEADDIM:
+        raise ValueError(f"headdim ({d}) must be between 1 and {MAX_HEADDIM}")
+    if nheads_kv < 1 or nheads < 1:
+        raise ValueError(f"nheads ({nheads}) and nheads_kv ({nheads_kv}) must be >= 1")
+    if nheads % nheads_kv != 0:
+        raise ValueError(f"nheads ({nheads}) must be divisible by nheads_kv ({nheads_kv})")
+
+
+def _check_dense(q, k, v) -> None:
+    _check_tensors(q, k, v, 4, "(batch, seqlen, nheads, headdim)")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"batch of k ({k.shape[0]}) must equal batch of q ({q.shape[0]})")
+    if q.shape[0] < 1:
+        raise ValueError(f"batch ({q.shape[0]}) must be >= 1")
+    if q.shape[1] < 1 or k.shape[1] < 1:
+        raise ValueError(f"seqlen_q ({q.shape[1]}) and seqlen_k ({k.shape[1]}) must be >= 1")
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    _check_tensors(q, k, v, 3, "(total_tokens, nheads, headdim)")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
+            got = (f"{cu.dtype} shape {tuple(cu.shape)}" if isinstance(cu, Tensor) else type(cu).__name__)
+            raise TypeError(f"{name} must be a 1-D int32 tensor (batch + 1,), got {got}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} device ({cu.device}) must equal q device ({q.device})")
+        if cu.numel() < 2:
+            raise ValueError(f"{name} must hold batch + 1 >= 2 offsets, got {cu.numel()}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q ({cu_seqlens_q.numel()} offsets) and cu_seqlens_k ({cu_seqlens_k.numel()} "
+                         "offsets) must describe the same number of sequences")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"{name} ({m!r}) must be an int >= 0")
+
+
+def check_cu_seqlens(cu: Tensor, total: int, max_seqlen: int, name: str) -> None:
+    """The values of cu_seqlens (one small host copy): start at 0, never decrease, end at the token
+    count, no sequence longer than max_seqlen (a longer one would be silently cut by the kernel grid)."""
+    offs = cu.tolist()
+    if offs[0] != 0:
+        raise ValueError(f"{name}[0] ({offs[0]}) must be 0")
+    lengths = [b - a for a, b in zip(offs, offs[1:])]
+    bad = next((i for i, n in enumerate(lengths) if n < 0), None)
+    if bad is not None:
+        raise ValueError(f"{name} must be non-decreasing, but {name}[{bad + 1}] ({offs[bad + 1]}) < "
+                         f"{name}[{bad}] ({offs[bad]})")
+    if offs[-1] != total:
+        raise ValueError(f"{name}[-1] ({offs[-1]}) must equal the number of tokens ({total})")
+    longest = max(lengths)
+    max_name = "max_seqlen_" + name[-1]
+    if longest > max_seqlen:
+        raise ValueError(f"{max_name} ({max_seqlen}) must be >= the longest sequence in {name} ({longest})")
+
+
+# ---- backend choice ----
+
+def _triton_dtype_problem(q: Tensor) -> str | None:
+    if q.device.type == "cuda":
+        if q.dtype in (torch.float16, torch.bfloat16):
+            return None
+        return f"the Triton kernels take float16 or bfloat16 CUDA tensors, got {q.dtype}"
+    if q.dtype in (torch.float16, torch.float32):
+        return None
+    return f"the Triton interpreter runs float16 and float32 (it computes bfloat16 wrongly), got {q.dtype}"
+
+
+def select_backend(q: Tensor, backend: str | None = None) -> str:
+    """The kernel that runs attention on q's device and dtype. Triton when it applies; float32/float64
+    CUDA tensors go to the reference path unless a backend is forced (then the error says why)."""
+    name = backends.select(OP, q.device, backend)
+    if name == "triton":
+        problem = _triton_dtype_problem(q)
+        if problem is not None:
+            if backend or backends.forced_backend():
+                source = "backend argument" if backend else f"{backends.ENV_VAR}=triton"
+                raise backends.BackendUnavailableError(f"{source} cannot run {OP}: {problem}")
+            return "reference"
+    return name
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-sum-exp is float32, or float64 for float64 inputs (so the fp64 path stays exact)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _unit_last_stride(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def attention_fwd(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=None, cu_seqlens_k=None,
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, *, backend: str | None = None):
+    """Forward launcher (no autograd) -> (o contiguous like q, lse (batch, nheads, seqlen_q) or
+    (nheads, total_q), dtype ``lse_dtype(q.dtype)``). Checks cu_seqlens values (varlen) before any kernel runs."""
+    if cu_seqlens_q is not None:
+        check_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
+        check_cu_seqlens(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    name = select_backend(q, backend)
+    if name == "triton":
+        from tpkernels.kernels.triton import flash_attn as tk  # noqa: PLC0415  (triton import is slow)
+
+        return tk.flash_attn_fwd(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k)
+    return reference.flash_attn_fwd(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k)
+
+
+def attention_bwd(do, q, k, v, o, lse, softmax_scale: float, causal: bool, cu_seqlens_q=None, cu_seqlens_k=None,
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, dlse=None, *, backend: str | None = None):
+    """Backward launcher -> (dq, dk, dv) contiguous like q, k, v."""
+    q, k, v, do = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), _unit_last_stride(do)
+    name = select_backend(q, backend)
+    if name == "triton":
+        from tpkernels.kernels.triton import flash_attn as tk  # noqa: PLC0415
+
+        return tk.flash_attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
+                                 max_seqlen_q, max_seqlen_k, dlse=dlse)
+    return reference.flash_attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, dlse)
+
+
+# ---- torch.library registration: opaque to torch.compile, with fake impls and autograd ----
+# `backend` is "" for the dispatch rule, else a backend name (op schemas take no None for str).
+
+@torch.library.custom_op("tpkernels::flash_attn_forward", mutates_args=())
+def _forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+                backend: str) -> tuple[Tensor, Tensor]:
+    return attention_fwd(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         backend=backend or None)
+
+
+@_forward_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend):
+    shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return q.new_empty(q.shape), q.new_empty(shape, dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("tpkernels::flash_attn_backward", mutates_args=())
+def _backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
+                 cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                 softmax_scale: float, causal: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return attention_bwd(do, q, k, v, o, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, dlse, backend=backend or None)
+
+
+@_backward_op.register_fake
+def _(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+      backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, backend = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, scale, causal, backend)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    max_q, max_k, scale, causal, backend = ctx.args
+    if not any(ctx.needs_input_grad[:3]):
+        return (None,) * 10
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = _backward_op(do, q, k, v, o, lse, dlse, cu_q, cu_k, max_q, max_k, scale, causal, backend)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 7
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- public API ----
+
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                    causal: bool = False, return_lse: bool = False, *, backend: str | None = None):
+    """Attention with FlashAttention's interface and semantics, differentiable.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim) with
+           nheads % nheads_kv == 0 (GQA/MQA; K/V are never repeated). float16 / bfloat16 on CUDA
+           (float32 runs on the reference path there); float16 / float32 / float64 on CPU. Any
+           strides; a copy is made only when the last dim is not unit-stride.
+        dropout_p: must be 0.0 (attention dropout is not supported).
+        softmax_scale: defaults to 1 / sqrt(headdim).
+        causal: query i sees key j iff j <= i + seqlen_k - seqlen_q (bottom-right aligned, as
+           FlashAttention >= 2.1); a query that sees no key outputs 0.
+        return_lse: also return the log-sum-exp (batch, nheads, seqlen_q), fp32 (fp64 for fp64
+           inputs), natural log
+           (-inf for a query that sees no key). It is differentiable.
+        backend: "triton" or "reference" for this call; by default :mod:`tpkernels.backends`
+           decides (``TPKERNELS_BACKEND`` forces one globally).
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim), contiguous, dtype of q; or (out, lse).
+    """
+    _check_scalars(dropout_p, softmax_scale, causal)
+    _check_dense(q, k, v)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _forward_op(q, k, v, None, None, q.shape[1], k.shape[1], scale, causal, backend or "")
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
+                           causal: bool = False, return_lse: bool = False, *, backend: str | None = None):
+    """Attention over packed sequences (FlashAttention's varlen interface), differentiable.
+
+    Args:
+        q: (total_q, nheads, headdim), the tokens of all sequences concatenated; k, v:
+           (total_k, nheads_kv, headdim).
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 on q's device, cumulative sequence
+           starts: sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]. No attention crosses a
+           sequence boundary; causal masks align each sequence's bottom-right corner.
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (checked, one small host copy).
+        softmax_scale, causal, backend: as in :func:`flash_attn_func`.
+        return_lse: also return the log-sum-exp (nheads, total_q), fp32.
+
+    Returns:
+        out (total_q, nheads, headdim), contiguous, dtype of q; or (out, lse).
+    """
+    _check_scalars(0.0, softmax_scale, causal)
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                           backend or "")
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["attention_bwd", "attention_fwd", "check_cu_seqlens", "flash_attn_func", "flash_attn_varlen_func",
+           "select_backend"]

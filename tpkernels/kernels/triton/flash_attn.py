@@ -1,0 +1,576 @@
+"""FlashAttention-2 in Triton: forward (online softmax over K/V blocks) and backward (P recomputed
+from the saved log-sum-exp; dK/dV and dQ in two kernels, no atomics, so results are deterministic).
+
+Layouts (FlashAttention's): q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k,
+nheads_kv, headdim), any strides with a unit last-dim stride (packed QKV views work without a
+copy); varlen: q (total_q, nheads, headdim) with cu_seqlens_q (batch + 1,) int32.
+
+* GQA/MQA: query head h reads KV head h // (nheads / nheads_kv). The dK/dV kernel owns one KV
+  head and loops over the query heads of its group, so K/V are never repeated and dK/dV are
+  reduced over the group in registers (no atomics).
+* Causal masking is aligned to the bottom-right (FlashAttention >= 2.1): query i sees key j iff
+  j <= i + seqlen_k - seqlen_q. A query row that sees no key outputs 0 and lse = -inf.
+* Every K/V loop runs in two phases: blocks that every row of the tile sees entirely (no mask
+  math at all) and the few blocks on the causal diagonal or the ragged end (masked). The mask
+  costs ALU work on every score, the scarce unit next to the tensor cores.
+* Head dims that are not a power of two are padded to BLOCK_D inside the kernel (masked loads);
+  HEADDIM is a compile-time constant, so the common even case carries no mask.
+
+Floors per (sequence, head) with s_q queries, s_k keys, head dim d, 16-bit data:
+  forward  FLOPs 4·s_q·s_k·d (halved when causal), compulsory bytes 2·d·(2·s_q + 2·s_k) + 4·s_q (lse);
+  backward FLOPs 2.5x the forward (QK^T recomputed, dV, dP, dQ, dK), compulsory bytes
+           2·d·(4·s_q + 4·s_k) + 8·s_q (q, k, v, do read; dq, dk, dv written; lse, delta).
+At these sizes attention is compute-bound (intensity ~ s_k/2 FLOP/byte), so kernels are judged in
+TFLOP/s against the GPU's dense 16-bit peak: benchmarks/bench_attention.py reports the fraction.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x·log2 e): exp2 is the hardware unit
+MAX_HEADDIM = 256
+AUTOTUNE_ENV = "TPKERNELS_FLASH_AUTOTUNE"  # "0": always the first (default) config, no tuning
+
+
+# ---------------------------------------------------------------- helpers shared by the kernels
+
+@triton.jit
+def _load_tile(base, rows, stride, offs_d, row_ok, d_ok, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """(len(rows), BLOCK_D) tile of a (rows, headdim) matrix; masked lanes read 0."""
+    ptrs = base + rows[:, None] * stride + offs_d[None, :]
+    if ROW_MASK:
+        if EVEN_D:
+            t = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            t = tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            t = tl.load(ptrs)
+        else:
+            t = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    return t
+
+
+@triton.jit
+def _store_tile(base, rows, stride, offs_d, row_ok, d_ok, value, EVEN_D: tl.constexpr):
+    ptrs = base + rows[:, None] * stride + offs_d[None, :]
+    if EVEN_D:
+        tl.store(ptrs, value, mask=row_ok[:, None])
+    else:
+        tl.store(ptrs, value, mask=row_ok[:, None] & d_ok[None, :])
+
+
+# ---------------------------------------------------------------- forward
+
+@triton.jit
+def _fwd_kv_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d, d_ok,
+                   sq, sk, lo, hi, qk_scale,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax over key blocks [lo, hi). Scores are kept in log2 units (s·scale·log2 e)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        n_ok = cols < sk
+        k = _load_tile(k_base, cols, stride_ks, offs_d, n_ok, d_ok, MASKED, EVEN_D)
+        s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            ok = n_ok[None, :]
+            if CAUSAL:
+                ok = ok & (cols[None, :] <= offs_m[:, None] + (sk - sq))
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep exp2 finite
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0, so max commutes with it
+            m_use = m_new
+        p = tl.exp2(s * qk_scale - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_base, cols, stride_vs, offs_d, n_ok, d_ok, MASKED, EVEN_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
+                      stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                      stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                      SEQ_Q, SEQ_K, NHEADS, GROUP, sm_scale, TUNE_SEQ,
+                      HEADDIM: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (query block, sequence, head). TUNE_SEQ only keys the autotuner."""
+    EVEN_D: tl.constexpr = HEADDIM == BLOCK_D
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // NHEADS
+    h = pid_bh % NHEADS
+    hk = h // GROUP
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        sq = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        sk = tl.load(CU_K + b + 1) - k_start
+        q_base = Q + q_start.to(tl.int64) * stride_qs + h * stride_qh
+        k_base = K + k_start.to(tl.int64) * stride_ks + hk * stride_kh
+        v_base = V + k_start.to(tl.int64) * stride_vs + hk * stride_vh
+        o_base = O + q_start.to(tl.int64) * stride_os + h * stride_oh
+        l_base = LSE + h * stride_lh + q_start
+    else:
+        sq = SEQ_Q
+        sk = SEQ_K
+        q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh
+        k_base = K + b.to(tl.int64) * stride_kb + hk * stride_kh
+        v_base = V + b.to(tl.int64) * stride_vb + hk * stride_vh
+        o_base = O + b.to(tl.int64) * stride_ob + h * stride_oh
+        l_base = LSE + b.to(tl.int64) * stride_lb + h * stride_lh
+    m0 = pid_m * BLOCK_M
+    if m0 < sq:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_ok = offs_m < sq
+        d_ok = offs_d < HEADDIM
+        q = _load_tile(q_base, offs_m, stride_qs, offs_d, m_ok, d_ok, True, EVEN_D)
+        qk_scale = sm_scale * _LOG2E
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        # Keys every row of this tile sees: all of [0, sk), or under the causal rule the keys the
+        # tile's first row sees. The rest up to `hi` needs the mask.
+        if CAUSAL:
+            hi_full = tl.minimum(sk, m0 + (sk - sq) + 1)
+            hi = tl.minimum(sk, m0 + BLOCK_M + (sk - sq))
+        else:
+            hi_full = sk
+            hi = sk
+        hi_full = (tl.maximum(hi_full, 0) // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _fwd_kv_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n,
+                                       offs_d, d_ok, sq, sk, 0, hi_full, qk_scale, False, CAUSAL, EVEN_D, BLOCK_N)
+        acc, l_i, m_i = _fwd_kv_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n,
+                                       offs_d, d_ok, sq, sk, hi_full, hi, qk_scale, True, CAUSAL, EVEN_D, BLOCK_N)
+        seen = l_i > 0.0
+        l_safe = tl.where(seen, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        lse = tl.where(seen, (m_i + tl.log2(l_safe)) / _LOG2E, float("-inf"))
+        _store_tile(o_base, offs_m, stride_os, offs_d, m_ok, d_ok, out.to(O.dtype.element_ty), EVEN_D)
+        tl.store(l_base + offs_m, lse, mask=m_ok)
+
+
+# ---------------------------------------------------------------- backward: dK, dV
+
+@triton.jit
+def _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_os,
+                   offs_n, offs_m0, offs_d, d_ok, sq, sk, lo, hi, qk_scale,
+                   MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of one head.
+    Rows past sq read lse = +inf, so their P is exactly 0 without a mask."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        m_ok = offs_m < sq
+        q = _load_tile(q_base, offs_m, stride_qs, offs_d, m_ok, d_ok, True, EVEN_D)
+        do = _load_tile(do_base, offs_m, stride_os, offs_d, m_ok, d_ok, True, EVEN_D)
+        lse2 = tl.load(l_base + offs_m, mask=m_ok, other=float("inf")) * _LOG2E
+        delta = tl.load(d_base + offs_m, mask=m_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+        if MASKED:  # the causal diagonal (the key block's ragged end never matters: see the caller)
+            s = tl.where(offs_n[None, :] <= offs_m[:, None] + (sk - sq), s, float("-inf"))
+        p = tl.exp2(s)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    return dk, dv
+
+
+@triton.jit
+def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
+                           stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                           stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                           stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                           SEQ_Q, SEQ_K, NHEADS_K, GROUP, sm_scale, TUNE_SEQ,
+                           HEADDIM: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (key block, sequence, KV head), looping over the GROUP query heads that share
+    the KV head and over the query blocks that see the key block. dS = P·(dP − delta).
+
+    Key columns past sk are loaded as zeros and never masked: column j of P, dP and dS only feeds
+    row j of dK and dV, and those rows are not stored."""
+    EVEN_D: tl.constexpr = HEADDIM == BLOCK_D
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // NHEADS_K
+    hk = pid_bh % NHEADS_K
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        sq = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        sk = tl.load(CU_K + b + 1) - k_start
+        q_off = q_start.to(tl.int64) * stride_qs
+        o_off = q_start.to(tl.int64) * stride_os
+        l_off = q_start.to(tl.int64)
+        k_off = k_start.to(tl.int64) * stride_ks
+        v_off = k_start.to(tl.int64) * stride_vs
+        dk_off = k_start.to(tl.int64) * stride_dks
+        dv_off = k_start.to(tl.int64) * stride_dvs
+    else:
+        sq = SEQ_Q
+        sk = SEQ_K
+        q_off = b.to(tl.int64) * stride_qb
+        o_off = b.to(tl.int64) * stride_ob
+        l_off = b.to(tl.int64) * stride_lb
+        k_off = b.to(tl.int64) * stride_kb
+        v_off = b.to(tl.int64) * stride_vb
+        dk_off = b.to(tl.int64) * stride_dkb
+        dv_off = b.to(tl.int64) * stride_dvb
+    n0 = pid_n * BLOCK_N
+    if n0 < sk:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_m0 = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        n_ok = offs_n < sk
+        d_ok = offs_d < HEADDIM
+        k = _load_tile(K + k_off + hk * stride_kh, offs_n, stride_ks, offs_d, n_ok, d_ok, True, EVEN_D)
+        v = _load_tile(V + v_off + hk * stride_vh, offs_n, stride_vs, offs_d, n_ok, d_ok, True, EVEN_D)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        qk_scale = sm_scale * _LOG2E
+        if CAUSAL:
+            # Rows before n0 − (sk − sq) see none of these keys; rows from n0 + BLOCK_N − 1 − (sk − sq)
+            # on see all of them. Query blocks in between need the mask.
+            lo = (tl.maximum(0, n0 - (sk - sq)) // BLOCK_M) * BLOCK_M
+            full = tl.maximum(n0 + BLOCK_N - 1 - (sk - sq) - lo, 0)
+            mid = tl.minimum(lo + tl.cdiv(full, BLOCK_M) * BLOCK_M, sq)
+        else:
+            lo = 0
+            mid = 0
+        for g in range(0, GROUP):
+            h = hk * GROUP + g
+            q_base = Q + q_off + h * stride_qh
+            do_base = DO + o_off + h * stride_oh
+            l_base = LSE + l_off + h * stride_lh
+            d_base = DELTA + l_off + h * stride_lh
+            dk, dv = _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_os, offs_n,
+                                    offs_m0, offs_d, d_ok, sq, sk, lo, mid, qk_scale, True, EVEN_D, BLOCK_M)
+            dk, dv = _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_os, offs_n,
+                                    offs_m0, offs_d, d_ok, sq, sk, mid, sq, qk_scale, False, EVEN_D, BLOCK_M)
+        dk = dk * sm_scale
+        _store_tile(DK + dk_off + hk * stride_dkh, offs_n, stride_dks, offs_d, n_ok, d_ok,
+                    dk.to(DK.dtype.element_ty), EVEN_D)
+        _store_tile(DV + dv_off + hk * stride_dvh, offs_n, stride_dvs, offs_d, n_ok, d_ok,
+                    dv.to(DV.dtype.element_ty), EVEN_D)
+
+
+# ---------------------------------------------------------------- backward: dQ
+
+@triton.jit
+def _dq_kv_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d, d_ok,
+                  sq, sk, lo, hi, qk_scale,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        n_ok = cols < sk
+        k = _load_tile(k_base, cols, stride_ks, offs_d, n_ok, d_ok, MASKED, EVEN_D)
+        v = _load_tile(v_base, cols, stride_vs, offs_d, n_ok, d_ok, MASKED, EVEN_D)
+        s = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+        if MASKED:
+            ok = n_ok[None, :]
+            if CAUSAL:
+                ok = ok & (cols[None, :] <= offs_m[:, None] + (sk - sq))
+            s = tl.where(ok, s, float("-inf"))
+        p = tl.exp2(s)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
+                         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                         stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                         stride_dqb, stride_dqs, stride_dqh,
+                         SEQ_Q, SEQ_K, NHEADS, GROUP, sm_scale, TUNE_SEQ,
+                         HEADDIM: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (query block, sequence, head): dQ = scale · Σ_blocks dS·K, P recomputed from lse."""
+    EVEN_D: tl.constexpr = HEADDIM == BLOCK_D
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // NHEADS
+    h = pid_bh % NHEADS
+    hk = h // GROUP
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        sq = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        sk = tl.load(CU_K + b + 1) - k_start
+        q_off = q_start.to(tl.int64) * stride_qs
+        o_off = q_start.to(tl.int64) * stride_os
+        l_off = q_start.to(tl.int64)
+        k_off = k_start.to(tl.int64) * stride_ks
+        v_off = k_start.to(tl.int64) * stride_vs
+        dq_off = q_start.to(tl.int64) * stride_dqs
+    else:
+        sq = SEQ_Q
+        sk = SEQ_K
+        q_off = b.to(tl.int64) * stride_qb
+        o_off = b.to(tl.int64) * stride_ob
+        l_off = b.to(tl.int64) * stride_lb
+        k_off = b.to(tl.int64) * stride_kb
+        v_off = b.to(tl.int64) * stride_vb
+        dq_off = b.to(tl.int64) * stride_dqb
+    m0 = pid_m * BLOCK_M
+    if m0 < sq:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_ok = offs_m < sq
+        d_ok = offs_d < HEADDIM
+        q = _load_tile(Q + q_off + h * stride_qh, offs_m, stride_qs, offs_d, m_ok, d_ok, True, EVEN_D)
+        do = _load_tile(DO + o_off + h * stride_oh, offs_m, stride_os, offs_d, m_ok, d_ok, True, EVEN_D)
+        # Rows past sq read lse = +inf: their P is 0, so they add nothing and are not stored.
+        lse2 = tl.load(LSE + l_off + h * stride_lh + offs_m, mask=m_ok, other=float("inf")) * _LOG2E
+        delta = tl.load(DELTA + l_off + h * stride_lh + offs_m, mask=m_ok, other=0.0)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        qk_scale = sm_scale * _LOG2E
+        k_base = K + k_off + hk * stride_kh
+        v_base = V + v_off + hk * stride_vh
+        if CAUSAL:
+            hi_full = tl.minimum(sk, m0 + (sk - sq) + 1)
+            hi = tl.minimum(sk, m0 + BLOCK_M + (sk - sq))
+        else:
+            hi_full = sk
+            hi = sk
+        hi_full = (tl.maximum(hi_full, 0) // BLOCK_N) * BLOCK_N
+        dq = _dq_kv_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+                           d_ok, sq, sk, 0, hi_full, qk_scale, False, CAUSAL, EVEN_D, BLOCK_N)
+        dq = _dq_kv_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+                           d_ok, sq, sk, hi_full, hi, qk_scale, True, CAUSAL, EVEN_D, BLOCK_N)
+        dq = dq * sm_scale
+        _store_tile(DQ + dq_off + h * stride_dqh, offs_m, stride_dqs, offs_d, m_ok, d_ok,
+                    dq.to(DQ.dtype.element_ty), EVEN_D)
+
+
+# ---------------------------------------------------------------- configs
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the default; on a GPU
+# the autotuner times the list once per (dtype, head dim, causal, varlen, seqlen bucket). BLOCK_M of
+# the dK/dV kernel is the query block of its inner loop, BLOCK_N its key block.
+# No GPU was at hand when these were chosen: they were pruned from ~70 candidates with
+# `python -m tpkernels.kernels.triton.aot_check`, which compiles each for sm_80/sm_90 and reads the
+# cubin's resources. Every entry fits the arch's shared memory, and each list leads with the largest
+# tiles that need no (or < 100 B of) register spill stack; e.g. the dK/dV kernel at head dim 128 with
+# (64, 128) tiles spills 1 KB per thread, so it is not shipped.
+CONFIGS = {
+    # kernel: {arch major: {head-dim bucket: [configs]}}
+    "fwd": {
+        9: {64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
+            128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3)],
+            256: [(128, 32, 8, 2), (32, 64, 4, 2), (64, 32, 8, 2)]},
+        8: {64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+            128: [(64, 32, 4, 3), (64, 64, 4, 2), (128, 32, 8, 3)],
+            256: [(64, 32, 8, 2), (64, 64, 8, 1)]},
+    },
+    "dkdv": {
+        9: {64: [(32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
+            128: [(32, 64, 8, 2), (64, 64, 8, 2), (16, 64, 4, 2)],
+            256: [(32, 32, 8, 2), (16, 64, 8, 2), (16, 32, 4, 2)]},
+        8: {64: [(64, 64, 8, 2), (32, 64, 4, 2)],
+            128: [(32, 64, 8, 2), (64, 64, 8, 2)],
+            256: [(32, 32, 8, 2), (16, 32, 4, 2)]},
+    },
+    "dq": {
+        9: {64: [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)],
+            128: [(128, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3)],
+            256: [(32, 32, 4, 2), (32, 32, 8, 2)]},
+        8: {64: [(128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3)],
+            128: [(64, 64, 8, 2), (64, 32, 4, 2)],
+            256: [(32, 32, 4, 2), (64, 32, 8, 2)]},
+    },
+}
+# Under TRITON_INTERPRET=1 (CPU) programs run one by one in numpy: small tiles, and BLOCK_M != BLOCK_N
+# so tests cross the causal diagonal inside a tile.
+INTERPRETER_CONFIG = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
+_KERNELS = {}  # filled below: role -> JITFunction
+
+
+def block_d(headdim: int) -> int:
+    return max(16, triton.next_power_of_2(headdim))
+
+
+def _headdim_bucket(headdim: int) -> int:
+    return 64 if headdim <= 64 else (128 if headdim <= 128 else 256)
+
+
+def _arch_major(device: torch.device) -> int:
+    return 9 if torch.cuda.get_device_capability(device)[0] >= 9 else 8
+
+
+def configs_for(role: str, headdim: int, device: torch.device) -> list[tuple[int, int, int, int]]:
+    if device.type != "cuda":
+        return [INTERPRETER_CONFIG[role]]
+    return CONFIGS[role][_arch_major(device)][_headdim_bucket(headdim)]
+
+
+def _tune_seq(seqlen: int) -> int:
+    """Seqlen bucket that keys the autotuner: tune once per power of two, not once per length."""
+    return min(max(triton.next_power_of_2(max(seqlen, 1)), 128), 16384)
+
+
+_TUNED: dict = {}
+
+
+def _launch(role: str, grid_of, args: tuple, headdim: int, device: torch.device, consts: dict,
+            config: tuple | None = None) -> None:
+    """Launch kernel ``role`` with an explicit config, the default one, or the autotuner (GPU)."""
+    kernel = _KERNELS[role]
+    choices = [config] if config is not None else configs_for(role, headdim, device)
+    if len(choices) == 1 or os.environ.get(AUTOTUNE_ENV, "1") == "0":
+        bm, bn, warps, stages = choices[0]
+        kernel[grid_of({"BLOCK_M": bm, "BLOCK_N": bn})](*args, **consts, BLOCK_M=bm, BLOCK_N=bn,
+                                                        num_warps=warps, num_stages=stages)
+        return
+    key = (role, _arch_major(device), _headdim_bucket(headdim))
+    tuned = _TUNED.get(key)
+    if tuned is None:
+        tuned = _TUNED[key] = triton.autotune(
+            [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in choices],
+            key=["TUNE_SEQ", "HEADDIM", "CAUSAL", "VARLEN"])(kernel)
+    tuned[grid_of](*args, **consts)
+
+
+# ---------------------------------------------------------------- launchers
+
+def _layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+    """(batch, seq_q, seq_k, nheads, nheads_k, headdim, varlen) of dense or packed inputs."""
+    if cu_seqlens_q is not None:
+        _, nheads, d = q.shape
+        return cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, nheads, k.shape[1], d, True
+    batch, seq_q, nheads, d = q.shape
+    return batch, seq_q, k.shape[1], nheads, k.shape[2], d, False
+
+
+def _bsh(t, varlen):
+    """(batch, seq, head) strides; batch stride 0 for packed (varlen) tensors."""
+    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _lse_strides(lse, varlen):
+    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+
+def flash_attn_fwd(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=None, cu_seqlens_k=None,
+                   max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, config=None, out=None,
+                   lse=None):
+    """Forward. q: (batch, seqlen_q, nheads, d) or varlen (total_q, nheads, d); k, v likewise with
+    nheads_kv; last-dim stride 1. Returns (o: like q; lse: fp32 (batch, nheads, seqlen_q), or
+    (nheads, total_q) for varlen), written into ``out``/``lse`` when given (tests poison them).
+    ``config`` (BLOCK_M, BLOCK_N, warps, stages) pins a tile (tests)."""
+    batch, seq_q, seq_k, nheads, nheads_k, d, varlen = _layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    lse_shape = (nheads, q.shape[0]) if varlen else (batch, nheads, seq_q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if lse is None else lse
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)  # placeholders: VARLEN is constexpr False
+    args = (q, k, v, o, lse, cu_q, cu_k, *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(o, varlen),
+            *_lse_strides(lse, varlen), seq_q, seq_k, nheads, nheads // nheads_k, softmax_scale,
+            _tune_seq(max(seq_q, seq_k)))
+    consts = dict(HEADDIM=d, VARLEN=varlen, CAUSAL=causal, BLOCK_D=block_d(d))
+    _launch("fwd", lambda meta: (triton.cdiv(max(seq_q, 1), meta["BLOCK_M"]), batch * nheads), args, d, q.device,
+            consts, config)
+    return o, lse
+
+
+def flash_attn_bwd(do, q, k, v, o, lse, softmax_scale: float, causal: bool, cu_seqlens_q=None,
+                   cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                   dlse=None, config=None, dq=None, dk=None, dv=None):
+    """Backward. Returns (dq, dk, dv), contiguous, shaped like q, k, v.
+
+    delta = rowsum(dO·O) is one small fp32 pass in PyTorch. A gradient ``dlse`` flowing into the
+    log-sum-exp folds into it: d lse_i / d s_ij = P_ij, so dS = P·(dP − (delta − dlse)).
+    ``config``: {"dkdv": (...), "dq": (...)} pins tiles; ``dq``/``dk``/``dv`` receive the results
+    (tests poison them)."""
+    batch, seq_q, seq_k, nheads, nheads_k, d, varlen = _layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
+    delta = (o.float() * do.float()).sum(-1)  # (b, s, h) or (total, h)
+    delta = (delta.t() if varlen else delta.transpose(1, 2)).contiguous()  # laid out like lse
+    if dlse is not None:
+        delta = delta - dlse.float()
+    lse = lse.contiguous()
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
+    common = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(do, varlen), *_lse_strides(lse, varlen))
+    consts = dict(HEADDIM=d, VARLEN=varlen, CAUSAL=causal, BLOCK_D=block_d(d))
+    tune = _tune_seq(max(seq_q, seq_k))
+    config = config or {}
+    _launch("dkdv", lambda meta: (triton.cdiv(max(seq_k, 1), meta["BLOCK_N"]), batch * nheads_k),
+            (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, *common, *_bsh(dk, varlen), *_bsh(dv, varlen),
+             seq_q, seq_k, nheads_k, nheads // nheads_k, softmax_scale, tune), d, q.device, consts, config.get("dkdv"))
+    _launch("dq", lambda meta: (triton.cdiv(max(seq_q, 1), meta["BLOCK_M"]), batch * nheads),
+            (q, k, v, do, lse, delta, dq, cu_q, cu_k, *common, *_bsh(dq, varlen),
+             seq_q, seq_k, nheads, nheads // nheads_k, softmax_scale, tune), d, q.device, consts, config.get("dq"))
+    return dq, dk, dv
+
+
+_KERNELS.update(fwd=_flash_fwd_kernel, dkdv=_flash_bwd_dkdv_kernel, dq=_flash_bwd_dq_kernel)
+
+
+# ---------------------------------------------------------------- ahead-of-time compile checks
+
+_POINTER_ARGS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
+
+
+def _signature(kernel, dtype: str, const: dict, varlen: bool) -> dict:
+    import inspect  # noqa: PLC0415
+
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ("LSE", "DELTA"):
+            sig[name] = "*fp32"
+        elif name in ("CU_Q", "CU_K"):
+            sig[name] = "*i32" if varlen else f"*{dtype}"
+        elif name in _POINTER_ARGS:
+            sig[name] = f"*{dtype}"
+        elif name == "sm_scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_specs(arch: int, full: bool = False):
+    """(kernel, signature, constexprs, options) for every config shipped for ``arch`` (80 or 90).
+
+    Each config is compiled once, with dtype (fp16/bf16), causal and varlen rotating across the
+    configs of a kernel so every variant is compiled too; head dim 96 stands for the padded case.
+    ``full=True`` gives the whole cross product (slow: minutes)."""
+    major = 9 if arch >= 90 else 8
+    specs = []
+    for role, kernel in _KERNELS.items():
+        i = 0
+        for bucket, configs in CONFIGS[role][major].items():
+            dims = {64: (64, 32), 128: (128, 96), 256: (256,)}[bucket]
+            for bm, bn, warps, stages in configs:
+                variants = ([(dt, c, vl, d) for dt in ("fp16", "bf16") for c in (False, True) for vl in (False, True)
+                             for d in dims] if full else
+                            [(("fp16", "bf16")[i % 2], bool(i // 2 % 2), bool(i // 4 % 2), dims[i % len(dims)])])
+                i += 1
+                for dtype, causal, varlen, d in variants:
+                    const = {"HEADDIM": d, "VARLEN": varlen, "CAUSAL": causal, "BLOCK_M": bm, "BLOCK_N": bn,
+                             "BLOCK_D": block_d(d)}
+                    specs.append((kernel, _signature(kernel, dtype, const, varlen), const,
+                                  {"num_warps": warps, "num_stages": stages}))
+    return specs
+
+
+__all__ = ["AUTOTUNE_ENV", "CONFIGS", "INTERPRETER_CONFIG", "MAX_HEADDIM", "block_d", "compile_specs",
+           "configs_for", "flash_attn_bwd", "flash_attn_fwd"]
