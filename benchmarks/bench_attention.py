@@ -109,7 +109,7 @@ def bench(device, headdims, seqlens, causals, modes, tokens, hidden, dtype, reps
                         rows.append({**meta, "dtype": str(dtype).replace("torch.", ""), "headdim": headdim,
                                      "nheads": nheads, "batch": batch, "seqlen": seqlen, "causal": causal,
                                      "mode": mode, "provider": name, "ms": round(ms, 4),
-                                     "tflops": round(flops / ms / 1e9, 2) if ms == ms else math.nan,
+                                     "tflops": float(f"{flops / ms / 1e9:.4g}") if ms == ms else math.nan,
                                      "peak_pct": round(100 * flops / ms / 1e9 / peak, 1) if peak and ms == ms
                                      else ""})
                     # ours row: the first peer's time over ours (> 1: ours is faster)

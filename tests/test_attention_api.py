@@ -189,6 +189,24 @@ def test_bad_input_gets_a_clear_error(call, exc, message):
         call()
 
 
+def test_cu_seqlens_are_checked_once_per_tensor_and_again_after_a_change():
+    # The check copies cu_seqlens to the host (a sync on GPUs): once per tensor, not once per layer.
+    cu = cu_seqlens([4, 5], "cpu")
+    attn.check_cu_seqlens(cu, 9, 5, "cu_seqlens_q")
+
+    def no_host_copy():
+        raise AssertionError("cu_seqlens copied to the host again")
+
+    cu.tolist = no_host_copy
+    attn.check_cu_seqlens(cu, 9, 5, "cu_seqlens_q")
+    del cu.tolist
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] \(9\) must equal the number of tokens \(10\)"):
+        attn.check_cu_seqlens(cu, 10, 5, "cu_seqlens_q")
+    cu[1] = 2  # changed in place: its version counter moves, so it is checked again
+    with pytest.raises(ValueError, match=r"max_seqlen_q \(5\) must be >= the longest sequence in cu_seqlens_q \(7\)"):
+        attn.check_cu_seqlens(cu, 9, 5, "cu_seqlens_q")
+
+
 # ---- torch.library registration and torch.compile ----
 
 def test_custom_ops_pass_opcheck():

@@ -122,3 +122,32 @@ def test_varlen_fp16_and_empty_sequences():
     # A sequence with no keys (outputs 0, lse -inf) and one with no queries, between normal ones.
     check_varlen(triton_varlen, triton_dense(), [17, 5, 0, 33], [9, 0, 12, 33], 2, 1, 64, True, torch.float16,
                  DEVICE)
+
+
+def test_autotuner_path_under_the_interpreter(monkeypatch):
+    # The GPU path: several configs per kernel, Triton's Autotuner picks one per key. A CPU timer
+    # stands in for do_bench; every config of every kernel must run and give the right answer.
+    if DEVICE == "cuda":
+        pytest.skip("the GPU runs the real tuner in tests/test_gpu_attention.py")
+    import time
+
+    timed = []
+
+    def cpu_bench(fn, quantiles=None, **_):
+        t0 = time.perf_counter()
+        fn()
+        timed.append(1)
+        ms = (time.perf_counter() - t0) * 1e3
+        return [ms, ms, ms] if quantiles else ms
+
+    configs = {"fwd": [(32, 16, 4, 1), (64, 32, 4, 1)], "dkdv": [(16, 32, 4, 1), (32, 16, 4, 1)],
+               "dq": [(32, 16, 4, 1), (16, 64, 4, 1)]}
+    monkeypatch.setattr(tk, "configs_for", lambda role, headdim, device: configs[role])
+    monkeypatch.setattr(tk, "_arch_major", lambda device: 9)
+    monkeypatch.setattr(tk, "AUTOTUNE_DO_BENCH", cpu_bench)
+    monkeypatch.setattr(tk, "_TUNED", {})
+    monkeypatch.setenv(tk.AUTOTUNE_ENV, "1")
+    check_dense(triton_dense(), 2, 45, 51, 4, 2, 32, True, torch.float32, DEVICE)
+    assert len(timed) == 6  # two configs for each of the three kernels
+    assert sorted(k[0] for k in tk._TUNED) == ["dkdv", "dq", "fwd"]
+    assert all(t.best_config is not None for t in tk._TUNED.values())

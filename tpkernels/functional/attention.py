@@ -19,6 +19,7 @@ them block by block.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -101,9 +102,23 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise ValueError(f"{name} ({m!r}) must be an int >= 0")
 
 
+# cu_seqlens tensors already checked: id -> (weakref, version, total, max_seqlen). A model reuses one
+# cu_seqlens for all its layers, so the host copy (a device sync on GPUs) happens once per batch,
+# not once per layer. The weakref and the tensor's version counter rule out stale hits.
+_CHECKED: dict = {}
+
+
+def _checked_before(cu: Tensor, total: int, max_seqlen: int) -> bool:
+    entry = _CHECKED.get(id(cu))
+    return entry is not None and entry[0]() is cu and entry[1:] == (cu._version, total, max_seqlen)
+
+
 def check_cu_seqlens(cu: Tensor, total: int, max_seqlen: int, name: str) -> None:
-    """The values of cu_seqlens (one small host copy): start at 0, never decrease, end at the token
-    count, no sequence longer than max_seqlen (a longer one would be silently cut by the kernel grid)."""
+    """The values of cu_seqlens (one small host copy, once per tensor): start at 0, never decrease, end
+    at the token count, no sequence longer than max_seqlen (a longer one would be silently cut by the
+    kernel grid)."""
+    if _checked_before(cu, total, max_seqlen):
+        return
     offs = cu.tolist()
     if offs[0] != 0:
         raise ValueError(f"{name}[0] ({offs[0]}) must be 0")
@@ -118,6 +133,9 @@ def check_cu_seqlens(cu: Tensor, total: int, max_seqlen: int, name: str) -> None
     max_name = "max_seqlen_" + name[-1]
     if longest > max_seqlen:
         raise ValueError(f"{max_name} ({max_seqlen}) must be >= the longest sequence in {name} ({longest})")
+    if len(_CHECKED) > 64:
+        _CHECKED.clear()
+    _CHECKED[id(cu)] = (weakref.ref(cu), cu._version, total, max_seqlen)
 
 
 # ---- backend choice ----

@@ -423,6 +423,7 @@ def _tune_seq(seqlen: int) -> int:
 
 
 _TUNED: dict = {}
+AUTOTUNE_DO_BENCH = None  # None: Triton's GPU timer. Tests put a CPU timer here to run the tuner under the interpreter.
 
 
 def _launch(role: str, grid_of, args: tuple, headdim: int, device: torch.device, consts: dict,
@@ -438,9 +439,10 @@ def _launch(role: str, grid_of, args: tuple, headdim: int, device: torch.device,
     key = (role, _arch_major(device), _headdim_bucket(headdim))
     tuned = _TUNED.get(key)
     if tuned is None:
+        bench = {} if AUTOTUNE_DO_BENCH is None else {"do_bench": AUTOTUNE_DO_BENCH}
         tuned = _TUNED[key] = triton.autotune(
             [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in choices],
-            key=["TUNE_SEQ", "HEADDIM", "CAUSAL", "VARLEN"])(kernel)
+            key=["TUNE_SEQ", "HEADDIM", "CAUSAL", "VARLEN"], **bench)(kernel)
     tuned[grid_of](*args, **consts)
 
 
