@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, device_slug, print_table, run_metadata, time_ms, write_csv  # noqa: E402
+from common import RESULTS_DIR, device_slug, print_table, pyplot, run_metadata, time_ms, write_csv  # noqa: E402
 
 import tpkernels  # noqa: E402
 
@@ -122,13 +122,8 @@ def bench(device, headdims, seqlens, causals, modes, tokens, hidden, dtype, reps
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib not installed: no PNG")
+    plt = pyplot()
+    if plt is None:
         return
     panels = sorted({(r["headdim"], r["causal"], r["mode"]) for r in rows}, key=lambda t: (t[2], t[0], t[1]))
     cols = min(4, len(panels))

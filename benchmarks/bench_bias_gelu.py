@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, copy_bandwidth_gbs, device_slug, print_table, run_metadata, time_ms, write_csv  # noqa: E402
+from common import (RESULTS_DIR, copy_bandwidth_gbs, device_slug, print_table, pyplot, run_metadata,  # noqa: E402
+                    time_ms, write_csv)
 
 import tpkernels  # noqa: E402
 from tpkernels import backends  # noqa: E402
@@ -85,13 +86,8 @@ def bench(device: torch.device, sizes_m: list[int], dtypes: list[torch.dtype], r
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     keys = sorted({(r["dtype"], r["mode"]) for r in rows})
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)

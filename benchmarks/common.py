@@ -77,3 +77,16 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     print("  ".join(c.rjust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(str(r[c]).rjust(widths[c]) for c in columns))
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a note) when matplotlib is not installed."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return None
+    return plt

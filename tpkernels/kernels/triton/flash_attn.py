@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x·log2 e): exp2 is the hardware unit
-MAX_HEADDIM = 256
 AUTOTUNE_ENV = "TPKERNELS_FLASH_AUTOTUNE"  # "0": always the first (default) config, no tuning
 
 
@@ -63,6 +62,23 @@ def _store_tile(base, rows, stride, offs_d, row_ok, d_ok, value, EVEN_D: tl.cons
         tl.store(ptrs, value, mask=row_ok[:, None])
     else:
         tl.store(ptrs, value, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _sequence(CU_Q, CU_K, b, SEQ_Q, SEQ_K, VARLEN: tl.constexpr):
+    """(q_row0, seqlen_q, k_row0, seqlen_k) of sequence b. Varlen: its first rows in the packed tensors
+    (whose batch strides are passed as 0); dense: row 0, the batch stride finds the sequence."""
+    if VARLEN:
+        q0 = tl.load(CU_Q + b)
+        k0 = tl.load(CU_K + b)
+        sq = tl.load(CU_Q + b + 1) - q0
+        sk = tl.load(CU_K + b + 1) - k0
+    else:
+        q0 = b * 0
+        k0 = b * 0
+        sq = SEQ_Q
+        sk = SEQ_K
+    return q0.to(tl.int64), sq, k0.to(tl.int64), sk
 
 
 # ---------------------------------------------------------------- forward
@@ -110,24 +126,13 @@ def _flash_fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
     b = pid_bh // NHEADS
     h = pid_bh % NHEADS
     hk = h // GROUP
-    if VARLEN:
-        q_start = tl.load(CU_Q + b)
-        sq = tl.load(CU_Q + b + 1) - q_start
-        k_start = tl.load(CU_K + b)
-        sk = tl.load(CU_K + b + 1) - k_start
-        q_base = Q + q_start.to(tl.int64) * stride_qs + h * stride_qh
-        k_base = K + k_start.to(tl.int64) * stride_ks + hk * stride_kh
-        v_base = V + k_start.to(tl.int64) * stride_vs + hk * stride_vh
-        o_base = O + q_start.to(tl.int64) * stride_os + h * stride_oh
-        l_base = LSE + h * stride_lh + q_start
-    else:
-        sq = SEQ_Q
-        sk = SEQ_K
-        q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh
-        k_base = K + b.to(tl.int64) * stride_kb + hk * stride_kh
-        v_base = V + b.to(tl.int64) * stride_vb + hk * stride_vh
-        o_base = O + b.to(tl.int64) * stride_ob + h * stride_oh
-        l_base = LSE + b.to(tl.int64) * stride_lb + h * stride_lh
+    q0, sq, k0, sk = _sequence(CU_Q, CU_K, b, SEQ_Q, SEQ_K, VARLEN)
+    b64 = b.to(tl.int64)
+    q_base = Q + b64 * stride_qb + q0 * stride_qs + h * stride_qh
+    k_base = K + b64 * stride_kb + k0 * stride_ks + hk * stride_kh
+    v_base = V + b64 * stride_vb + k0 * stride_vs + hk * stride_vh
+    o_base = O + b64 * stride_ob + q0 * stride_os + h * stride_oh
+    l_base = LSE + b64 * stride_lb + q0 + h * stride_lh
     m0 = pid_m * BLOCK_M
     if m0 < sq:
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -205,28 +210,15 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     pid_bh = tl.program_id(1)
     b = pid_bh // NHEADS_K
     hk = pid_bh % NHEADS_K
-    if VARLEN:
-        q_start = tl.load(CU_Q + b)
-        sq = tl.load(CU_Q + b + 1) - q_start
-        k_start = tl.load(CU_K + b)
-        sk = tl.load(CU_K + b + 1) - k_start
-        q_off = q_start.to(tl.int64) * stride_qs
-        o_off = q_start.to(tl.int64) * stride_os
-        l_off = q_start.to(tl.int64)
-        k_off = k_start.to(tl.int64) * stride_ks
-        v_off = k_start.to(tl.int64) * stride_vs
-        dk_off = k_start.to(tl.int64) * stride_dks
-        dv_off = k_start.to(tl.int64) * stride_dvs
-    else:
-        sq = SEQ_Q
-        sk = SEQ_K
-        q_off = b.to(tl.int64) * stride_qb
-        o_off = b.to(tl.int64) * stride_ob
-        l_off = b.to(tl.int64) * stride_lb
-        k_off = b.to(tl.int64) * stride_kb
-        v_off = b.to(tl.int64) * stride_vb
-        dk_off = b.to(tl.int64) * stride_dkb
-        dv_off = b.to(tl.int64) * stride_dvb
+    q0, sq, k0, sk = _sequence(CU_Q, CU_K, b, SEQ_Q, SEQ_K, VARLEN)
+    b64 = b.to(tl.int64)
+    q_off = b64 * stride_qb + q0 * stride_qs
+    o_off = b64 * stride_ob + q0 * stride_os
+    l_off = b64 * stride_lb + q0
+    k_off = b64 * stride_kb + k0 * stride_ks
+    v_off = b64 * stride_vb + k0 * stride_vs
+    dk_off = b64 * stride_dkb + k0 * stride_dks
+    dv_off = b64 * stride_dvb + k0 * stride_dvs
     n0 = pid_n * BLOCK_N
     if n0 < sk:
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -304,26 +296,14 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
     b = pid_bh // NHEADS
     h = pid_bh % NHEADS
     hk = h // GROUP
-    if VARLEN:
-        q_start = tl.load(CU_Q + b)
-        sq = tl.load(CU_Q + b + 1) - q_start
-        k_start = tl.load(CU_K + b)
-        sk = tl.load(CU_K + b + 1) - k_start
-        q_off = q_start.to(tl.int64) * stride_qs
-        o_off = q_start.to(tl.int64) * stride_os
-        l_off = q_start.to(tl.int64)
-        k_off = k_start.to(tl.int64) * stride_ks
-        v_off = k_start.to(tl.int64) * stride_vs
-        dq_off = q_start.to(tl.int64) * stride_dqs
-    else:
-        sq = SEQ_Q
-        sk = SEQ_K
-        q_off = b.to(tl.int64) * stride_qb
-        o_off = b.to(tl.int64) * stride_ob
-        l_off = b.to(tl.int64) * stride_lb
-        k_off = b.to(tl.int64) * stride_kb
-        v_off = b.to(tl.int64) * stride_vb
-        dq_off = b.to(tl.int64) * stride_dqb
+    q0, sq, k0, sk = _sequence(CU_Q, CU_K, b, SEQ_Q, SEQ_K, VARLEN)
+    b64 = b.to(tl.int64)
+    q_off = b64 * stride_qb + q0 * stride_qs
+    o_off = b64 * stride_ob + q0 * stride_os
+    l_off = b64 * stride_lb + q0
+    k_off = b64 * stride_kb + k0 * stride_ks
+    v_off = b64 * stride_vb + k0 * stride_vs
+    dq_off = b64 * stride_dqb + q0 * stride_dqs
     m0 = pid_m * BLOCK_M
     if m0 < sq:
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -574,5 +554,5 @@ def compile_specs(arch: int, full: bool = False):
     return specs
 
 
-__all__ = ["AUTOTUNE_ENV", "CONFIGS", "INTERPRETER_CONFIG", "MAX_HEADDIM", "block_d", "compile_specs",
+__all__ = ["AUTOTUNE_ENV", "CONFIGS", "INTERPRETER_CONFIG", "block_d", "compile_specs",
            "configs_for", "flash_attn_bwd", "flash_attn_fwd"]
