@@ -80,6 +80,13 @@ def test_tile_shapes_cross_the_causal_diagonal(config, sq, sk):
     check_dense(triton_dense(config), 1, sq, sk, 2, 1, 32, True, torch.float32, DEVICE)
 
 
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dkdv_split_over_the_query_heads_of_a_group(split, causal):
+    # The dK/dV kernel split across programs (fp32 partial sums), as chosen for under-filled GPUs.
+    check_dense(triton_dense({"split": split}), 2, 45, 53, 8, 2, 32, causal, torch.float32, DEVICE)
+
+
 @pytest.mark.parametrize("headdim", [8, 80, 128, 200, 256])
 def test_other_head_dims_pad_inside_the_kernel(headdim):
     check_dense(triton_dense(), 1, 33, 47, 2, 1, headdim, True, torch.float32, DEVICE)
@@ -151,3 +158,17 @@ def test_autotuner_path_under_the_interpreter(monkeypatch):
     assert len(timed) == 6  # two configs for each of the three kernels
     assert sorted(k[0] for k in tk._TUNED) == ["dkdv", "dq", "fwd"]
     assert all(t.best_config is not None for t in tk._TUNED.values())
+
+
+def test_group_split_fills_the_gpu_only_when_needed(monkeypatch):
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(tk.torch.cuda, "get_device_properties", lambda device: Props())
+    gpu = torch.device("cuda")
+    assert tk._group_split(1024, 4, gpu) == 1  # plenty of programs: no partial sums
+    assert tk._group_split(128, 4, gpu) == 4  # TP8 Llama-3-8B, 8k keys: 128 programs -> 4 parts
+    assert tk._group_split(100, 6, gpu) == 3  # the smallest divisor reaching 2 programs per SM
+    assert tk._group_split(64, 8, gpu) == 8
+    assert tk._group_split(10, 1, gpu) == 1  # no group to split
+    assert tk._group_split(10, 8, torch.device("cpu")) == 1

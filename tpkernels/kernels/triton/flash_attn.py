@@ -7,7 +7,10 @@ copy); varlen: q (total_q, nheads, headdim) with cu_seqlens_q (batch + 1,) int32
 
 * GQA/MQA: query head h reads KV head h // (nheads / nheads_kv). The dK/dV kernel owns one KV
   head and loops over the query heads of its group, so K/V are never repeated and dK/dV are
-  reduced over the group in registers (no atomics).
+  reduced over the group in registers (no atomics). When that grid is too small for the GPU
+  (TP-sharded GQA leaves one KV head per rank), the group is split over programs that write fp32
+  partial sums, added in a fixed order: still deterministic.
+* Causal: the query blocks with the most keys are launched first, so the grid's tail is short work.
 * Causal masking is aligned to the bottom-right (FlashAttention >= 2.1): query i sees key j iff
   j <= i + seqlen_k - seqlen_q. A query row that sees no key outputs 0 and lse = -inf.
 * Every K/V loop runs in two phases: blocks that every row of the tile sees entirely (no mask
@@ -81,6 +84,17 @@ def _sequence(CU_Q, CU_K, b, SEQ_Q, SEQ_K, VARLEN: tl.constexpr):
     return q0.to(tl.int64), sq, k0.to(tl.int64), sk
 
 
+@triton.jit
+def _query_block(CAUSAL: tl.constexpr):
+    """The query block of this program. Causal: the last query blocks see the most keys, so they are
+    launched first, and the short ones fill the tail of the grid instead of the long ones."""
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    return pid_m
+
+
 # ---------------------------------------------------------------- forward
 
 @triton.jit
@@ -121,7 +135,7 @@ def _flash_fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (query block, sequence, head). TUNE_SEQ only keys the autotuner."""
     EVEN_D: tl.constexpr = HEADDIM == BLOCK_D
-    pid_m = tl.program_id(0)
+    pid_m = _query_block(CAUSAL)
     pid_bh = tl.program_id(1)
     b = pid_bh // NHEADS
     h = pid_bh % NHEADS
@@ -166,6 +180,60 @@ def _flash_fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
         tl.store(l_base + offs_m, lse, mask=m_ok)
 
 
+# ---------------------------------------------------------------- backward: delta
+
+@triton.jit
+def _flash_bwd_delta_kernel(O, DO, DLSE, DELTA, stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
+                            stride_lb, stride_lh, SEQ, NHEADS,
+                            HEADDIM: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
+    """delta = rowsum(O·dO) − dlse, fp32, laid out like the lse. One pass over O and dO: the backward's
+    only memory-bound step (2 reads of (rows, d), one fp32 write per row)."""
+    EVEN_D: tl.constexpr = HEADDIM == BLOCK_D
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // NHEADS).to(tl.int64)
+    h = pid_bh % NHEADS
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < SEQ
+    d_ok = offs_d < HEADDIM
+    o = _load_tile(O + b * stride_ob + h * stride_oh, offs_m, stride_os, offs_d, m_ok, d_ok, True, EVEN_D)
+    do = _load_tile(DO + b * stride_dob + h * stride_doh, offs_m, stride_dos, offs_d, m_ok, d_ok, True, EVEN_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    l_ptrs = b * stride_lb + h * stride_lh + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + l_ptrs, mask=m_ok, other=0.0)
+    tl.store(DELTA + l_ptrs, delta, mask=m_ok)
+
+
+DELTA_TILE = 4096  # elements of O (and of dO) per program: 8 KB each in 16-bit, 32 fp32 registers per thread
+
+
+def _delta_rows(headdim: int) -> int:
+    return DELTA_TILE // block_d(headdim)
+
+
+def _delta(o, do, dlse, lse, varlen: bool):
+    """delta (fp32, shaped and strided like the contiguous lse) from o, do: (b, s, h, d) or (total, h, d)."""
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+    if varlen:  # one "sequence" of all tokens; lse is (h, total)
+        batch, seq, nheads, d = 1, o.shape[0], o.shape[1], o.shape[2]
+        os_, dos = (0, o.stride(0), o.stride(1)), (0, do.stride(0), do.stride(1))
+        ls = (0, lse.stride(0))
+    else:
+        batch, seq, nheads, d = o.shape
+        os_, dos = o.stride()[:3], do.stride()[:3]
+        ls = (lse.stride(0), lse.stride(1))
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+    rows = _delta_rows(d)
+    _flash_bwd_delta_kernel[(triton.cdiv(max(seq, 1), rows), batch * nheads)](
+        o, do, dlse if dlse is not None else delta, delta, *os_, *dos, *ls, seq, nheads, HEADDIM=d,
+        HAS_DLSE=dlse is not None, BLOCK_M=rows, BLOCK_D=block_d(d), num_warps=4)
+    return delta
+
+
 # ---------------------------------------------------------------- backward: dK, dV
 
 @triton.jit
@@ -197,19 +265,23 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                            stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                            stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                           SEQ_Q, SEQ_K, NHEADS_K, GROUP, sm_scale, TUNE_SEQ,
+                           SEQ_Q, SEQ_K, NHEADS_K, GROUP, SPLIT, stride_split, sm_scale, TUNE_SEQ,
                            HEADDIM: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per (key block, sequence, KV head), looping over the GROUP query heads that share
-    the KV head and over the query blocks that see the key block. dS = P·(dP − delta).
+    """One program per (key block, sequence, KV head, part), looping over GROUP / SPLIT of the query
+    heads that share the KV head and over the query blocks that see the key block. dS = P·(dP − delta).
+    SPLIT = 1: dK/dV are final. SPLIT > 1 (too few programs to fill the GPU, e.g. TP-sharded GQA with
+    one KV head per rank): part p writes fp32 partial sums at DK + p·stride_split, summed afterwards.
 
     Key columns past sk are loaded as zeros and never masked: column j of P, dP and dS only feeds
     row j of dK and dV, and those rows are not stored."""
     EVEN_D: tl.constexpr = HEADDIM == BLOCK_D
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // NHEADS_K
-    hk = pid_bh % NHEADS_K
+    pid_bhp = tl.program_id(1)
+    part = pid_bhp % SPLIT
+    b = pid_bhp // SPLIT // NHEADS_K
+    hk = pid_bhp // SPLIT % NHEADS_K
+    heads = GROUP // SPLIT
     q0, sq, k0, sk = _sequence(CU_Q, CU_K, b, SEQ_Q, SEQ_K, VARLEN)
     b64 = b.to(tl.int64)
     q_off = b64 * stride_qb + q0 * stride_qs
@@ -217,8 +289,8 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     l_off = b64 * stride_lb + q0
     k_off = b64 * stride_kb + k0 * stride_ks
     v_off = b64 * stride_vb + k0 * stride_vs
-    dk_off = b64 * stride_dkb + k0 * stride_dks
-    dv_off = b64 * stride_dvb + k0 * stride_dvs
+    dk_off = b64 * stride_dkb + k0 * stride_dks + part.to(tl.int64) * stride_split
+    dv_off = b64 * stride_dvb + k0 * stride_dvs + part.to(tl.int64) * stride_split
     n0 = pid_n * BLOCK_N
     if n0 < sk:
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -240,7 +312,7 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
         else:
             lo = 0
             mid = 0
-        for g in range(0, GROUP):
+        for g in range(part * heads, (part + 1) * heads):
             h = hk * GROUP + g
             q_base = Q + q_off + h * stride_qh
             do_base = DO + o_off + h * stride_oh
@@ -291,7 +363,7 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (query block, sequence, head): dQ = scale · Σ_blocks dS·K, P recomputed from lse."""
     EVEN_D: tl.constexpr = HEADDIM == BLOCK_D
-    pid_m = tl.program_id(0)
+    pid_m = _query_block(CAUSAL)
     pid_bh = tl.program_id(1)
     b = pid_bh // NHEADS
     h = pid_bh % NHEADS
@@ -397,6 +469,19 @@ def configs_for(role: str, headdim: int, device: torch.device) -> list[tuple[int
     return CONFIGS[role][_arch_major(device)][_headdim_bucket(headdim)]
 
 
+def _group_split(programs: int, group: int, device: torch.device) -> int:
+    """How many programs share one KV head's query-head group in the dK/dV kernel: 1 unless the
+    grid (``programs`` at 64 keys per program) would leave SMs idle, then the smallest divisor of
+    ``group`` that gives two programs per SM."""
+    if device.type != "cuda" or group == 1:
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    for split in range(1, group + 1):
+        if group % split == 0 and programs * split >= target:
+            return split
+    return group
+
+
 def _tune_seq(seqlen: int) -> int:
     """Seqlen bucket that keys the autotuner: tune once per power of two, not once per length."""
     return min(max(triton.next_power_of_2(max(seqlen, 1)), 128), 16384)
@@ -472,8 +557,8 @@ def flash_attn_bwd(do, q, k, v, o, lse, softmax_scale: float, causal: bool, cu_s
                    dlse=None, config=None, dq=None, dk=None, dv=None):
     """Backward. Returns (dq, dk, dv), contiguous, shaped like q, k, v.
 
-    delta = rowsum(dO·O) is one small fp32 pass in PyTorch. A gradient ``dlse`` flowing into the
-    log-sum-exp folds into it: d lse_i / d s_ij = P_ij, so dS = P·(dP − (delta − dlse)).
+    delta = rowsum(dO·O) is one small pass (_flash_bwd_delta_kernel). A gradient ``dlse`` flowing
+    into the log-sum-exp folds into it: d lse_i / d s_ij = P_ij, so dS = P·(dP − (delta − dlse)).
     ``config``: {"dkdv": (...), "dq": (...)} pins tiles; ``dq``/``dk``/``dv`` receive the results
     (tests poison them)."""
     batch, seq_q, seq_k, nheads, nheads_k, d, varlen = _layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
@@ -482,19 +567,30 @@ def flash_attn_bwd(do, q, k, v, o, lse, softmax_scale: float, causal: bool, cu_s
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
-    delta = (o.float() * do.float()).sum(-1)  # (b, s, h) or (total, h)
-    delta = (delta.t() if varlen else delta.transpose(1, 2)).contiguous()  # laid out like lse
-    if dlse is not None:
-        delta = delta - dlse.float()
     lse = lse.contiguous()
+    if o.stride(-1) != 1:
+        o = o.contiguous()
+    delta = _delta(o, do, dlse, lse, varlen)
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
     common = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(do, varlen), *_lse_strides(lse, varlen))
     consts = dict(HEADDIM=d, VARLEN=varlen, CAUSAL=causal, BLOCK_D=block_d(d))
     tune = _tune_seq(max(seq_q, seq_k))
     config = config or {}
-    _launch("dkdv", lambda meta: (triton.cdiv(max(seq_k, 1), meta["BLOCK_N"]), batch * nheads_k),
-            (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, *common, *_bsh(dk, varlen), *_bsh(dv, varlen),
-             seq_q, seq_k, nheads_k, nheads // nheads_k, softmax_scale, tune), d, q.device, consts, config.get("dkdv"))
+    group = nheads // nheads_k
+    split = config.get("split") or _group_split(batch * nheads_k * triton.cdiv(max(seq_k, 1), 64), group, q.device)
+    if split > 1:  # fp32 partial sums, one slice per part, reduced in a fixed order: still deterministic
+        dk_part = torch.empty((split, *k.shape), dtype=torch.float32, device=k.device)
+        dv_part = torch.empty((split, *v.shape), dtype=torch.float32, device=v.device)
+        dk_w, dv_w, stride_split = dk_part[0], dv_part[0], dk_part.stride(0)
+    else:
+        dk_w, dv_w, stride_split = dk, dv, 0
+    _launch("dkdv", lambda meta: (triton.cdiv(max(seq_k, 1), meta["BLOCK_N"]), batch * nheads_k * split),
+            (q, k, v, do, lse, delta, dk_w, dv_w, cu_q, cu_k, *common, *_bsh(dk_w, varlen), *_bsh(dv_w, varlen),
+             seq_q, seq_k, nheads_k, group, split, stride_split, softmax_scale, tune), d, q.device, consts,
+            config.get("dkdv"))
+    if split > 1:
+        dk.copy_(dk_part.sum(0))
+        dv.copy_(dv_part.sum(0))
     _launch("dq", lambda meta: (triton.cdiv(max(seq_q, 1), meta["BLOCK_M"]), batch * nheads),
             (q, k, v, do, lse, delta, dq, cu_q, cu_k, *common, *_bsh(dq, varlen),
              seq_q, seq_k, nheads, nheads // nheads_k, softmax_scale, tune), d, q.device, consts, config.get("dq"))
@@ -509,17 +605,19 @@ _KERNELS.update(fwd=_flash_fwd_kernel, dkdv=_flash_bwd_dkdv_kernel, dq=_flash_bw
 _POINTER_ARGS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
 
 
-def _signature(kernel, dtype: str, const: dict, varlen: bool) -> dict:
+def _signature(kernel, dtype: str, const: dict, varlen: bool, fp32_dkdv: bool = False) -> dict:
     import inspect  # noqa: PLC0415
 
     sig = {}
     for name in inspect.signature(kernel.fn).parameters:
         if name in const:
             sig[name] = "constexpr"
-        elif name in ("LSE", "DELTA"):
+        elif name in ("LSE", "DELTA", "DLSE"):
             sig[name] = "*fp32"
         elif name in ("CU_Q", "CU_K"):
             sig[name] = "*i32" if varlen else f"*{dtype}"
+        elif name in ("DK", "DV") and fp32_dkdv:  # the split dK/dV kernel writes fp32 partial sums
+            sig[name] = "*fp32"
         elif name in _POINTER_ARGS:
             sig[name] = f"*{dtype}"
         elif name == "sm_scale":
@@ -549,8 +647,15 @@ def compile_specs(arch: int, full: bool = False):
                 for dtype, causal, varlen, d in variants:
                     const = {"HEADDIM": d, "VARLEN": varlen, "CAUSAL": causal, "BLOCK_M": bm, "BLOCK_N": bn,
                              "BLOCK_D": block_d(d)}
-                    specs.append((kernel, _signature(kernel, dtype, const, varlen), const,
-                                  {"num_warps": warps, "num_stages": stages}))
+                    # dK/dV: every other config also as the split variant (fp32 partial sums)
+                    for fp32_dkdv in ((False, True) if role == "dkdv" and (full or i % 2) else (False,)):
+                        specs.append((kernel, _signature(kernel, dtype, const, varlen, fp32_dkdv), const,
+                                      {"num_warps": warps, "num_stages": stages}))
+    for i, d in enumerate((64, 96, 128, 256)):
+        const = {"HEADDIM": d, "HAS_DLSE": bool(i % 2), "BLOCK_M": _delta_rows(d), "BLOCK_D": block_d(d)}
+        for dtype in (("fp16", "bf16") if full else (("fp16", "bf16")[i // 2],)):
+            specs.append((_flash_bwd_delta_kernel, _signature(_flash_bwd_delta_kernel, dtype, const, False), const,
+                          {"num_warps": 4}))
     return specs
 
 
