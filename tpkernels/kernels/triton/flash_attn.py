@@ -542,7 +542,7 @@ def flash_attn_fwd(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=Non
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     lse_shape = (nheads, q.shape[0]) if varlen else (batch, nheads, seq_q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if lse is None else lse
-    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)  # placeholders: VARLEN is constexpr False
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)  # unused pointer args when VARLEN is constexpr False
     args = (q, k, v, o, lse, cu_q, cu_k, *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(o, varlen),
             *_lse_strides(lse, varlen), seq_q, seq_k, nheads, nheads // nheads_k, softmax_scale,
             _tune_seq(max(seq_q, seq_k)))
