@@ -156,6 +156,8 @@ BAD_DENSE = [
      ValueError, r"softmax_scale \(-1.0\) must be a finite number > 0"),
     (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16), causal="yes"),
      TypeError, r"causal \('yes'\) must be a bool"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16), 0.0, None, True, (-1, -1)),
+     TypeError, r"return_lse \(\(-1, -1\)\) must be a bool \(window_size, softcap"),
 ]
 
 BAD_VARLEN = [

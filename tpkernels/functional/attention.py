@@ -37,7 +37,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # ---- validation (every message names the parameter, its value and the rule) ----
 
-def _check_scalars(dropout_p, softmax_scale, causal) -> None:
+def _check_scalars(dropout_p, softmax_scale, causal, return_lse=False) -> None:
     if not isinstance(dropout_p, (int, float)) or dropout_p != 0.0:
         raise ValueError(f"dropout_p ({dropout_p}) must be 0.0: attention dropout is not supported (modern LLM "
                          "training does not use it); apply dropout outside the attention if you need it")
@@ -46,6 +46,9 @@ def _check_scalars(dropout_p, softmax_scale, causal) -> None:
         raise ValueError(f"softmax_scale ({softmax_scale}) must be a finite number > 0, or None for 1/sqrt(headdim)")
     if not isinstance(causal, bool):
         raise TypeError(f"causal ({causal!r}) must be a bool")
+    if not isinstance(return_lse, bool):  # e.g. flash-attn's 7th positional argument, window_size
+        raise TypeError(f"return_lse ({return_lse!r}) must be a bool (window_size, softcap, alibi_slopes and the "
+                        "other flash-attn options after causal are not supported)")
 
 
 def _check_tensors(q, k, v, dims: int, layout: str) -> None:
@@ -280,7 +283,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     Returns:
         out (batch, seqlen_q, nheads, headdim), contiguous, dtype of q; or (out, lse).
     """
-    _check_scalars(dropout_p, softmax_scale, causal)
+    _check_scalars(dropout_p, softmax_scale, causal, return_lse)
     _check_dense(q, k, v)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = _forward_op(q, k, v, None, None, q.shape[1], k.shape[1], scale, causal, backend or "")
@@ -305,7 +308,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     Returns:
         out (total_q, nheads, headdim), contiguous, dtype of q; or (out, lse).
     """
-    _check_scalars(0.0, softmax_scale, causal)
+    _check_scalars(0.0, softmax_scale, causal, return_lse)
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
