@@ -106,7 +106,6 @@ def test_large_scores_do_not_overflow():
 def test_strided_inputs_from_a_packed_qkv_tensor():
     # (b, s, 3, h, d) packed QKV: q/k/v are views with non-contiguous seq/head strides, read in place.
     b, s, h, d = 2, 37, 3, 32
-    qkv = torch.randn(b, s, 3, h, d, device=DEVICE)
 
     def run(q, k, v, do, dlse, scale, causal):
         packed = torch.stack([q.detach(), k.detach(), v.detach()], dim=2)
@@ -115,7 +114,6 @@ def test_strided_inputs_from_a_packed_qkv_tensor():
         return (o, lse, *tk.flash_attn_bwd(do, packed[:, :, 0], packed[:, :, 1], packed[:, :, 2], o, lse, scale,
                                            causal, dlse=dlse))
 
-    del qkv
     check_dense(run, b, s, s, h, h, d, True, torch.float32, DEVICE)
 
 

@@ -513,7 +513,7 @@ def _launch(role: str, grid_of, args: tuple, headdim: int, device: torch.device,
 
 # ---------------------------------------------------------------- launchers
 
-def _layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+def _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
     """(batch, seq_q, seq_k, nheads, nheads_k, headdim, varlen) of dense or packed inputs."""
     if cu_seqlens_q is not None:
         _, nheads, d = q.shape
@@ -538,7 +538,7 @@ def flash_attn_fwd(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=Non
     nheads_kv; last-dim stride 1. Returns (o: like q; lse: fp32 (batch, nheads, seqlen_q), or
     (nheads, total_q) for varlen), written into ``out``/``lse`` when given (tests poison them).
     ``config`` (BLOCK_M, BLOCK_N, warps, stages) pins a tile (tests)."""
-    batch, seq_q, seq_k, nheads, nheads_k, d, varlen = _layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    batch, seq_q, seq_k, nheads, nheads_k, d, varlen = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     lse_shape = (nheads, q.shape[0]) if varlen else (batch, nheads, seq_q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if lse is None else lse
@@ -561,7 +561,7 @@ def flash_attn_bwd(do, q, k, v, o, lse, softmax_scale: float, causal: bool, cu_s
     into the log-sum-exp folds into it: d lse_i / d s_ij = P_ij, so dS = P·(dP − (delta − dlse)).
     ``config``: {"dkdv": (...), "dq": (...)} pins tiles; ``dq``/``dk``/``dv`` receive the results
     (tests poison them)."""
-    batch, seq_q, seq_k, nheads, nheads_k, d, varlen = _layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    batch, seq_q, seq_k, nheads, nheads_k, d, varlen = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     if do.stride(-1) != 1:
         do = do.contiguous()
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
