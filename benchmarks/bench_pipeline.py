@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--layer-ms", type=float, default=10.0)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    from tpkernels.testing.distributed import RankPool  # noqa: PLC0415
+    from tpkernels.parallel.local_ranks import RankPool  # noqa: PLC0415
 
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     meta = run_metadata(torch.device("cpu"))

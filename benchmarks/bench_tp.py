@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    from tpkernels.testing.distributed import RankPool  # noqa: PLC0415
+    from tpkernels.parallel.local_ranks import RankPool  # noqa: PLC0415
 
     gpus = torch.cuda.device_count()
     device_type = "cuda" if gpus >= 2 else "cpu"

@@ -117,15 +117,32 @@ def test_bad_inputs_raise_on_every_rank(rank_pool, world):
 
 
 def test_auto_picks_plain_matmul_collective_or_ring(monkeypatch):
+    monkeypatch.delenv("TPKERNELS_BACKEND", raising=False)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        assert choose_algo(op, "auto", 1, 1e15, cpu) == "local"
+        assert choose_algo(op, "ring", 1, 1e3, cpu) == "local"
+        assert choose_algo(op, "auto", 4, 1e3, cpu) == "collective"
+        assert choose_algo(op, "auto", 4, 1e12, cpu) == "ring"
+        assert choose_algo(op, "auto", 4, 1e10, cuda) == "collective"  # below the GPU threshold
+        assert choose_algo(op, "auto", 4, 3e8, cpu) == "collective" and choose_algo(op, "auto", 2, 3e8, cpu) == "ring"
+        assert choose_algo(op, "auto", 4, 1e12, cpu, overlap=False) == "collective"  # the serial form
+
+
+def test_explicit_algo_beats_the_environment(monkeypatch):
     cpu = torch.device("cpu")
-    assert choose_algo("auto", 1, 1e15, cpu) == "local"
-    assert choose_algo("ring", 1, 1e3, cpu) == "local"
-    assert choose_algo("auto", 4, 1e3, cpu) == "collective"
-    assert choose_algo("auto", 4, 1e12, cpu) == "ring"
-    assert choose_algo("auto", 4, 1e10, torch.device("cuda", 0)) == "collective"  # below the GPU threshold
-    assert choose_algo("auto", 4, 3e8, cpu) == "collective" and choose_algo("auto", 2, 3e8, cpu) == "ring"
-    monkeypatch.setenv("TPKERNELS_GEMM_COMM_ALGO", "collective")
-    assert choose_algo("auto", 4, 1e12, cpu) == "collective"
+    monkeypatch.setenv("TPKERNELS_BACKEND", "gemm_comm=collective")
+    assert choose_algo("all_gather_matmul", "auto", 4, 1e12, cpu) == "collective"  # the environment decides "auto"
+    assert choose_algo("all_gather_matmul", "ring", 4, 1e3, cpu) == "ring"  # an explicit algo wins
+    monkeypatch.setenv("TPKERNELS_BACKEND", "matmul_reduce_scatter=ring,gemm_comm=collective")
+    assert choose_algo("matmul_reduce_scatter", "auto", 4, 1e3, cpu) == "ring"  # the op's own entry wins
+    assert choose_algo("all_gather_matmul", "auto", 4, 1e12, cpu) == "collective"
+    monkeypatch.setenv("TPKERNELS_BACKEND", "ring")  # a bare algorithm name: every GEMM-comm op
+    assert choose_algo("all_gather_matmul", "auto", 4, 1e3, cpu) == "ring"
+    monkeypatch.setenv("TPKERNELS_BACKEND", "reference")  # a kernel name: GEMM-comm ops are not kernels
+    assert choose_algo("all_gather_matmul", "auto", 4, 1e3, cpu) == "collective"
+    with pytest.raises(ValueError, match=r"algo \('ring'\) overlaps communication by construction; overlap=False"):
+        choose_algo("all_gather_matmul", "ring", 4, 1e3, cpu, overlap=False)
 
 
 def _trace_worker(rank, world, path):

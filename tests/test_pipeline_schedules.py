@@ -16,9 +16,9 @@ from tpkernels.pipeline.schedules import (
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
-    warn_if_cannot_fill,
     zb_h1,
 )
+from tpkernels.parallel import ParallelConfig, ParallelConfigError
 from tpkernels.pipeline.simulator import Costs, simulate, validate
 
 CASES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 9, 16)]
@@ -72,22 +72,49 @@ def test_random_costs_and_comm_never_deadlock(fresh_seed):
         assert sends == recvs == 2 * m * (p * (v if name == "interleaved" else 1) - 1)
 
 
-def test_errors_name_the_rule():
-    with pytest.raises(ScheduleError, match=r"num_microbatches \(6\) must be a multiple of num_stages \(4\)"):
-        interleaved_1f1b(4, 6, 2)
-    with pytest.raises(ScheduleError, match=r"virtual_stages \(2\) > 1 requires num_stages > 1"):
-        interleaved_1f1b(1, 4, 2)
-    with pytest.raises(ScheduleError, match=r"num_microbatches \(0\) must be a positive integer"):
-        one_f_one_b(2, 0)
+def _config_errors(**kw) -> list[str]:
+    with pytest.raises(ParallelConfigError) as e:
+        ParallelConfig(**kw).validate()
+    return e.value.errors
+
+
+def test_errors_are_parallel_configs_rules():
+    # one rule, one message: the schedules raise exactly what ParallelConfig says for the same layout
+    cases = [
+        (lambda: interleaved_1f1b(4, 6, 2), dict(pp=4, virtual_stages=2, num_microbatches=6),
+         "num_microbatches (6) must be a multiple of pipeline_parallel_size (4) with the interleaved schedule "
+         "(virtual_stages=2), as in Megatron-LM"),
+        (lambda: interleaved_1f1b(1, 4, 2), dict(pp=1, virtual_stages=2, num_microbatches=4),
+         "virtual_stages (2) > 1 requires pipeline_parallel_size > 1 (interleaving splits each pipeline rank's "
+         "layers into chunks)"),
+        (lambda: one_f_one_b(2, 0), dict(pp=2, num_microbatches=0), "num_microbatches (0) must be a positive integer"),
+        (lambda: zb_h1(-1, 3), dict(pp=-1, num_microbatches=3), "pipeline_parallel_size (-1) must be a positive integer"),
+    ]
+    for call, layout, message in cases:
+        with pytest.raises(ScheduleError) as e:
+            call()
+        assert str(e.value) == message
+        assert message in _config_errors(**layout)
     with pytest.raises(ScheduleError, match=r"schedule \('pipedream'\) must be one of"):
         make_schedule("pipedream", 2, 2)
     with pytest.raises(ScheduleError, match="needs the interleaved schedule"):
         make_schedule("1f1b", 2, 4, 2)
-    assert warn_if_cannot_fill(4, 2) == ("pipeline cannot fill: num_microbatches (2) < num_stages (4); "
-                                         "bubble is 60% of the step")
-    assert warn_if_cannot_fill(4, 4) is None
-    with pytest.warns(PipelineFillWarning, match=r"pipeline cannot fill: num_microbatches \(3\) < num_stages \(8\)"):
+    with pytest.warns(PipelineFillWarning) as w:
         make_schedule("1f1b", 8, 3)
+    assert [str(x.message) for x in w] == ParallelConfig(pp=8, num_microbatches=3).warnings() == [
+        "pipeline cannot fill: num_microbatches (3) < pipeline_parallel_size (8); bubble is 70% of the step"]
+
+
+def test_simulator_costs_must_be_non_negative_and_not_all_zero():
+    sched = one_f_one_b(2, 2)
+    with pytest.raises(ValueError, match=r"costs.f \(-1.0\) must be a finite number >= 0"):
+        simulate(sched, 2, costs=Costs(f=-1.0))
+    with pytest.raises(ValueError, match=r"costs.comm \(nan\) must be a finite number >= 0"):
+        simulate(sched, 2, costs=Costs(comm=float("nan")))
+    with pytest.raises(ValueError, match=r"costs \(f=0.0, b=0.0, w=0.0\): at least one of f, b, w must be > 0"):
+        simulate(sched, 2, costs=Costs(0.0, 0.0, 0.0))
+    r = simulate(zb_h1(2, 3), 3, costs=Costs(f=1.0, b=0.0, w=0.0))  # zero B and W are fine
+    assert 0 <= r.bubble_fraction < 1
 
 
 def test_simulator_rejects_broken_schedules():

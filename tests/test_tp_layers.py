@@ -30,16 +30,17 @@ def _shard(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _forced_algo(algo):
-    """Force every fused op to one algorithm (the tiny test shapes would make "auto" pick collective)."""
-    old = os.environ.get("TPKERNELS_GEMM_COMM_ALGO")
+    """Force every GEMM-comm op to one algorithm through the environment (the tiny test shapes would
+    make "auto" pick collective); the layers pass algo="auto", so the environment decides."""
+    old = os.environ.get("TPKERNELS_BACKEND")
     if algo:
-        os.environ["TPKERNELS_GEMM_COMM_ALGO"] = algo
+        os.environ["TPKERNELS_BACKEND"] = f"gemm_comm={algo}"
     try:
         yield
     finally:
-        os.environ.pop("TPKERNELS_GEMM_COMM_ALGO", None)
+        os.environ.pop("TPKERNELS_BACKEND", None)
         if old is not None:
-            os.environ["TPKERNELS_GEMM_COMM_ALGO"] = old
+            os.environ["TPKERNELS_BACKEND"] = old
 
 
 def _pair_worker(rank, world, seed, sp, seq_dim, bias, overlap, regather, gather_output, input_is_parallel, force,

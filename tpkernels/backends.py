@@ -1,7 +1,23 @@
-"""Which kernel runs an op: the one dispatch rule of the package.
+"""Which implementation runs an op: the one dispatch rule of the package.
 
-Every op has one public entry (e.g. :func:`tpkernels.bias_gelu`) that asks :func:`select` for
-a backend given the op and the device of its inputs:
+Every op has one public entry (e.g. :func:`tpkernels.bias_gelu`) that asks :func:`select` which
+implementation runs the call. The rule is the same for every op, kernels and GEMM-communication
+algorithms alike:
+
+1. an explicit argument of the call (``backend=`` of a kernel op, ``algo=`` of a GEMM-comm op;
+   ``algo="auto"`` means no choice);
+2. else the environment, ``TPKERNELS_BACKEND``: a bare name forces that implementation for every
+   op of its kind (``TPKERNELS_BACKEND=reference``: every kernel op; ``=ring``: every GEMM-comm
+   op), ``op=name`` entries force one op (``TPKERNELS_BACKEND=bias_gelu=cuda,flash_attn=triton``;
+   ``gemm_comm=ring`` names both GEMM-comm ops), and an op's own entry beats a bare name;
+3. else the op's default: the first implementation of its default order that can run the call
+   (kernels: by device, then dtype; GEMM-comm: by the size of the GEMM).
+
+A chosen implementation (1 or 2) that cannot run the call raises
+:class:`BackendUnavailableError` naming the op, where the choice came from and why it cannot run;
+nothing falls back silently. :func:`why_not` gives the reason for any implementation.
+
+Kernel implementations:
 
 ============  =====================================================================
 ``cuda``      hand-written CUDA kernels in ``tpkernels._C`` (needs a CUDA tensor and an
@@ -11,10 +27,8 @@ a backend given the op and the device of its inputs:
 ``reference`` pure PyTorch, any device (the fallback and the test oracle)
 ============  =====================================================================
 
-Default order: CUDA tensors try ``cuda`` then ``triton`` then ``reference``; CPU tensors try
-``cpp`` then ``reference`` (the Triton interpreter is for tests, never a default).
-``TPKERNELS_BACKEND=<name>`` forces one backend for every op; if it cannot run the call, a
-:class:`BackendUnavailableError` says why instead of silently falling back.
+GEMM-communication algorithms: ``collective`` (one collective + one GEMM) and ``ring`` (chunks
+travel while the previous chunk is multiplied); see :mod:`tpkernels.functional.gemm_comm`.
 """
 
 from __future__ import annotations
@@ -22,32 +36,54 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from tpkernels._extension import build_info, extension, extension_error
 
-BACKENDS = ("cuda", "triton", "cpp", "reference")
+KERNELS = ("cuda", "triton", "cpp", "reference")
+ALGORITHMS = ("collective", "ring")
 DEFAULT_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpp", "reference")}
 ENV_VAR = "TPKERNELS_BACKEND"
-
-# Which backends implement which op. Ops register themselves when their module is imported.
-_OP_BACKENDS: dict[str, tuple[str, ...]] = {}
+RULE = ("explicit argument (backend=/algo=) > TPKERNELS_BACKEND op=name entry > TPKERNELS_BACKEND bare name "
+        "(every op of its kind) > the op's default; a chosen implementation that cannot run raises")
 
 
 class BackendUnavailableError(RuntimeError):
-    """A forced or requested backend cannot run this call; the message says why."""
+    """A forced or requested implementation cannot run this call; the message says why."""
 
 
-def register_op(op: str, backends: tuple[str, ...]) -> None:
-    unknown = set(backends) - set(BACKENDS)
-    if unknown:
-        raise ValueError(f"register_op({op!r}): unknown backends {sorted(unknown)}; known: {BACKENDS}")
-    _OP_BACKENDS[op] = tuple(backends)
+@dataclass(frozen=True)
+class _Op:
+    name: str
+    impls: tuple[str, ...]
+    family: str | None  # an alias that names several ops in TPKERNELS_BACKEND (e.g. gemm_comm)
+    check: Callable | None  # (impl, device, dtype) -> reason or None: the op's own limits
+    default: Callable | None  # (device, dtype, **context) -> impl; None: DEFAULT_ORDER by device
+    default_doc: dict
+
+
+_OPS: dict[str, _Op] = {}
+
+
+def register_op(op: str, impls: tuple[str, ...], *, family: str | None = None, check: Callable | None = None,
+                default: Callable | None = None, default_doc: dict | None = None) -> None:
+    """Declare op ``op`` and its implementations (ops register themselves when their module is imported)."""
+    kinds = {_kind(i) for i in impls}
+    if None in kinds or len(kinds) != 1:
+        raise ValueError(f"register_op({op!r}): implementations {impls} must all be kernels {KERNELS} or all "
+                         f"algorithms {ALGORITHMS}")
+    _OPS[op] = _Op(op, tuple(impls), family, check, default, dict(default_doc or {}))
+
+
+def _kind(impl: str) -> str | None:
+    return "kernel" if impl in KERNELS else "algorithm" if impl in ALGORITHMS else None
 
 
 def registered_ops() -> dict[str, tuple[str, ...]]:
-    return dict(_OP_BACKENDS)
+    return {name: op.impls for name, op in _OPS.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,12 +97,7 @@ def triton_interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def why_not(backend: str, op: str, device: torch.device) -> str | None:
-    """None when ``backend`` can run ``op`` on ``device``, else the reason it cannot."""
-    if backend not in BACKENDS:
-        return f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}"
-    if backend not in _OP_BACKENDS.get(op, ()):
-        return f"op {op} has no {backend} kernel (it has: {', '.join(_OP_BACKENDS.get(op, ()))})"
+def _kernel_unavailable(backend: str, device: torch.device) -> str | None:
     if backend == "reference":
         return None
     if backend == "cpp":
@@ -81,49 +112,120 @@ def why_not(backend: str, op: str, device: torch.device) -> str | None:
         if not build_info().get("with_cuda"):
             return "tpkernels._C was built without CUDA (CPU-only torch, no nvcc, or TPKERNELS_SKIP_CUDA_BUILD=1)"
         return None
-    # triton
     err = _triton_import_error()
     if err:
         return err
-    if device.type == "cuda":
-        return None
-    if device.type == "cpu" and triton_interpreter_on():
+    if device.type == "cuda" or (device.type == "cpu" and triton_interpreter_on()):
         return None
     return f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got a {device.type} tensor"
 
 
+def why_not(backend: str, op: str, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+    """None when implementation ``backend`` can run ``op`` on ``device`` (and ``dtype``), else why not."""
+    spec = _OPS.get(op)
+    if spec is None:
+        return f"unknown op {op!r}; ops: {', '.join(_OPS)}"
+    if backend not in spec.impls:
+        known = KERNELS + ALGORITHMS
+        if backend not in known:
+            return f"unknown implementation {backend!r}; choose one of {', '.join(spec.impls)}"
+        return f"op {op} has no {backend} implementation (it has: {', '.join(spec.impls)})"
+    if _kind(backend) == "kernel":
+        reason = _kernel_unavailable(backend, device)
+        if reason:
+            return reason
+    if spec.check is not None:
+        return spec.check(backend, device, dtype)
+    return None
+
+
+def parse_env(value: str | None = None) -> tuple[str | None, dict[str, str]]:
+    """``TPKERNELS_BACKEND`` as (bare name or None, {op or family: name})."""
+    value = os.environ.get(ENV_VAR, "") if value is None else value
+    bare, per_op = None, {}
+    for item in filter(None, (s.strip().lower() for s in value.split(","))):
+        if "=" in item:
+            key, name = (s.strip() for s in item.split("=", 1))
+            per_op[key] = name
+        elif bare is None:
+            bare = item
+        else:
+            raise BackendUnavailableError(f"{ENV_VAR} ({value!r}) names two implementations for every op "
+                                          f"({bare!r}, {item!r}); give one, or op=name entries")
+    return bare, per_op
+
+
 def forced_backend() -> str | None:
-    value = os.environ.get(ENV_VAR, "").strip().lower()
-    return value or None
+    """The bare name of ``TPKERNELS_BACKEND`` (the one forced on every op of its kind), if any."""
+    return parse_env()[0]
 
 
-def select(op: str, device: torch.device, backend: str | None = None) -> str:
-    """The backend that runs ``op`` on ``device``: ``backend`` if given, else $TPKERNELS_BACKEND,
-    else the first of the default order that can run. Raises BackendUnavailableError."""
-    wanted = backend or forced_backend()
+def _env_choice(spec: _Op) -> tuple[str | None, str]:
+    """(implementation forced by the environment for this op, how it was written)."""
+    bare, per_op = parse_env()
+    known = set(_OPS) | {o.family for o in _OPS.values() if o.family}
+    unknown = sorted(set(per_op) - known)
+    if unknown:
+        raise BackendUnavailableError(f"{ENV_VAR} names unknown op {unknown[0]!r}; ops: {', '.join(sorted(known))}")
+    for key in (spec.name, spec.family):
+        if key and key in per_op:
+            return per_op[key], f"{ENV_VAR}={key}={per_op[key]}"
+    if bare is not None:
+        kind = _kind(bare)
+        if kind is None:
+            raise BackendUnavailableError(f"{ENV_VAR} ({bare!r}) must name one of {', '.join(KERNELS + ALGORITHMS)}, "
+                                          "or give op=name entries")
+        if kind == _kind(spec.impls[0]):
+            return bare, f"{ENV_VAR}={bare} (every op)"
+    return None, ""
+
+
+def select(op: str, device: torch.device, backend: str | None = None, *, dtype: torch.dtype | None = None,
+           **context) -> str:
+    """The implementation that runs ``op`` on ``device``: ``backend`` if given, else the environment's
+    choice, else the op's default (``context`` feeds the default, e.g. the GEMM-comm FLOPs).
+    Raises BackendUnavailableError."""
+    spec = _OPS.get(op)
+    if spec is None:
+        raise BackendUnavailableError(f"unknown op {op!r}; ops: {', '.join(_OPS)}")
+    source = "backend argument" if _kind(spec.impls[0]) == "kernel" else "algo argument"
+    wanted = backend
+    if wanted is None:
+        wanted, source = _env_choice(spec)
     if wanted is not None:
-        reason = why_not(wanted, op, device)
+        reason = why_not(wanted, op, device, dtype)
         if reason is not None:
-            source = "backend argument" if backend else f"{ENV_VAR}={wanted}"
-            raise BackendUnavailableError(f"{source} cannot run {op} on {device}: {reason}")
+            hint = ""
+            if source.endswith("(every op)"):
+                hint = f"; to force it for one op only, set {ENV_VAR}=<op>={wanted} (e.g. {ENV_VAR}=bias_gelu={wanted})"
+            raise BackendUnavailableError(f"{source} cannot run {op} on {device}"
+                                          f"{'' if dtype is None else f' ({dtype})'}: {reason}{hint}")
         return wanted
+    if spec.default is not None:
+        return spec.default(device, dtype, **context)
     reasons = []
     for name in DEFAULT_ORDER.get(device.type, ("reference",)):
-        reason = why_not(name, op, device)
+        if name not in spec.impls:
+            continue
+        reason = why_not(name, op, device, dtype)
         if reason is None:
             return name
         reasons.append(f"{name}: {reason}")
-    raise BackendUnavailableError(f"no backend can run {op} on {device}: " + "; ".join(reasons))
+    raise BackendUnavailableError(f"no implementation can run {op} on {device}: " + "; ".join(reasons))
 
 
 def default_backends() -> dict[str, dict[str, str]]:
-    """For `tpkernels info`: per op, the backend chosen for a CPU and a CUDA tensor (or why none)."""
+    """For `tpkernels info`: per op, what runs on a CPU and on a CUDA tensor (or why nothing can)."""
     table = {}
-    for op in _OP_BACKENDS:
+    for op, spec in _OPS.items():
         row = {}
         for dev in ("cpu", "cuda"):
             try:
-                row[dev] = select(op, torch.device(dev))
+                forced, _ = _env_choice(spec)
+                if spec.default is not None and forced is None:
+                    row[dev] = spec.default_doc.get(dev, "auto")
+                else:
+                    row[dev] = select(op, torch.device(dev))
             except BackendUnavailableError as e:
                 row[dev] = f"none ({e})"
         table[op] = row

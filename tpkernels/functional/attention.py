@@ -30,7 +30,22 @@ from tpkernels.kernels import reference
 
 OP = "flash_attn"
 MAX_HEADDIM = 256
-backends.register_op(OP, ("triton", "reference"))
+
+
+def _impl_limits(impl: str, device: torch.device, dtype: torch.dtype | None) -> str | None:
+    """The dtypes each implementation runs (the dispatch rule skips, or refuses when forced, the rest)."""
+    if impl != "triton" or dtype is None:
+        return None
+    if device.type == "cuda":
+        if dtype in (torch.float16, torch.bfloat16):
+            return None
+        return f"the Triton kernels take float16 or bfloat16 CUDA tensors, got {dtype}"
+    if dtype in (torch.float16, torch.float32):
+        return None
+    return f"the Triton interpreter runs float16 and float32 (it computes bfloat16 wrongly), got {dtype}"
+
+
+backends.register_op(OP, ("triton", "reference"), check=_impl_limits)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -143,28 +158,10 @@ def check_cu_seqlens(cu: Tensor, total: int, max_seqlen: int, name: str) -> None
 
 # ---- backend choice ----
 
-def _triton_dtype_problem(q: Tensor) -> str | None:
-    if q.device.type == "cuda":
-        if q.dtype in (torch.float16, torch.bfloat16):
-            return None
-        return f"the Triton kernels take float16 or bfloat16 CUDA tensors, got {q.dtype}"
-    if q.dtype in (torch.float16, torch.float32):
-        return None
-    return f"the Triton interpreter runs float16 and float32 (it computes bfloat16 wrongly), got {q.dtype}"
-
-
 def select_backend(q: Tensor, backend: str | None = None) -> str:
-    """The kernel that runs attention on q's device and dtype. Triton when it applies; float32/float64
-    CUDA tensors go to the reference path unless a backend is forced (then the error says why)."""
-    name = backends.select(OP, q.device, backend)
-    if name == "triton":
-        problem = _triton_dtype_problem(q)
-        if problem is not None:
-            if backend or backends.forced_backend():
-                source = "backend argument" if backend else f"{backends.ENV_VAR}=triton"
-                raise backends.BackendUnavailableError(f"{source} cannot run {OP}: {problem}")
-            return "reference"
-    return name
+    """The kernel that runs attention on q's device and dtype, by the dispatch rule of
+    :mod:`tpkernels.backends`: Triton for the dtypes it runs, else the reference path."""
+    return backends.select(OP, q.device, backend, dtype=q.dtype)
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:

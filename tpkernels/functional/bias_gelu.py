@@ -25,7 +25,13 @@ from tpkernels.kernels import reference
 
 OP = "bias_gelu"
 APPROXIMATIONS = ("none", "tanh")
-backends.register_op(OP, ("cuda", "triton", "cpp", "reference"))
+def _impl_limits(impl: str, device: torch.device, dtype: torch.dtype | None) -> str | None:
+    if impl in ("cuda", "triton") and dtype == torch.float64:
+        return f"the {impl} kernels take float32, float16 and bfloat16, got {dtype}"
+    return None
+
+
+backends.register_op(OP, ("cuda", "triton", "cpp", "reference"), check=_impl_limits)
 
 
 def _check(x: Tensor, bias: Tensor, approximate: str) -> None:
@@ -89,7 +95,9 @@ def bias_gelu_fwd(x: Tensor, bias: Tensor, approximate: str = "none", *, backend
     """
     _check(x, bias, approximate)
     n = x.shape[-1]
-    fwd, _ = _launchers(backends.select(OP, x.device, backend))
+    fwd, _ = _launchers(backends.select(OP, x.device, backend, dtype=x.dtype))
+    if x.numel() == 0:  # no rows or no features: nothing to launch (and (-1, 0) cannot be reshaped)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     out2 = None if out is None else out.view(-1, n)
     return fwd(_rows(x, n), bias.contiguous(), approximate, out2).view(x.shape)
 
@@ -103,7 +111,11 @@ def bias_gelu_bwd(grad: Tensor, x: Tensor, bias: Tensor, approximate: str = "non
         raise ValueError(f"grad ({tuple(grad.shape)}, {grad.dtype}, {grad.device}) must match x "
                          f"({tuple(x.shape)}, {x.dtype}, {x.device})")
     n = x.shape[-1]
-    _, bwd = _launchers(backends.select(OP, x.device, backend))
+    _, bwd = _launchers(backends.select(OP, x.device, backend, dtype=x.dtype))
+    if x.numel() == 0:  # the bias saw no rows: its gradient is 0
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if grad_x_out is None else grad_x_out
+        db = torch.zeros_like(bias) if grad_bias_out is None else grad_bias_out.zero_()
+        return dx, db
     dx_out2 = None if grad_x_out is None else grad_x_out.view(-1, n)
     dx, db = bwd(_rows(grad, n), _rows(x, n), bias.contiguous(), approximate, dx_out2, grad_bias_out)
     return dx.view(x.shape), db

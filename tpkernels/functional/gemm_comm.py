@@ -13,32 +13,41 @@ Algorithms (``algo=``):
                 async P2P (batch_isend_irecv) while the previous chunk is multiplied; double
                 buffered. NCCL runs P2P on its own stream, gloo on its own threads, so the
                 transfer of chunk i+1 overlaps the GEMM of chunk i.
-  "auto"        plain matmul for one rank; ring when the per-rank GEMM is large enough to hide the
-                extra per-step latency, collective otherwise (everyone regresses on small problems:
-                see ANCHORS.md). ``TPKERNELS_GEMM_COMM_ALGO`` forces one for every call.
+  "auto"        no choice: ``TPKERNELS_BACKEND`` (``all_gather_matmul=ring``, ``gemm_comm=ring``,
+                ...) if it names one, else plain matmul for one rank, ring when the per-rank GEMM is
+                large enough to hide the extra per-step latency, collective otherwise (everyone
+                regresses on small problems: see ANCHORS.md). The rule is :mod:`tpkernels.backends`'s:
+                an explicit ``algo`` beats the environment.
+
+``overlap=False`` runs the side work (weight-gradient GEMMs of the TP layers) after the
+transfer instead of during it: the plain, serial form, with the collective algorithm.
 
 Work floor (per rank, P ranks, a_shard (m, K), b (K, N)): all_gather_matmul moves (P−1)·m·K
 elements in and computes 2·P·m·K·N FLOPs; matmul_reduce_scatter on a (P·m, K) moves (P−1)·m·N
-fp32 partial sums and computes 2·P·m·K·N FLOPs. The ring hides the transfer when one chunk's
+partial sums and computes 2·P·m·K·N FLOPs. The ring hides the transfer when one chunk's
 GEMM (2·m·K·N FLOPs) takes longer than one chunk's transfer.
 
-Reduce-scatter partial sums are accumulated (and, in the ring, sent) in fp32, whatever the input
-dtype; the result is cast back to the input dtype.
+Reduce-scatter partial sums are accumulated (and, in the ring, sent) in the accumulation dtype of
+``tpkernels.dtypes`` (fp32 for 16-bit inputs, else the input dtype); the result is cast back.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from tpkernels import backends
+from tpkernels.dtypes import widen
+from tpkernels.parallel import consistency
 from tpkernels.parallel.collectives import all_gather_into, reduce_scatter_into
+from tpkernels.parallel.groups import global_rank, group_rank_size
 from tpkernels.parallel.trace import CommSpan, gemm_span
 
 ALGOS = ("auto", "collective", "ring")
+FAMILY = "gemm_comm"
 # FLOPs of one chunk's GEMM (this rank's GEMM / world size) from which "auto" picks the ring:
 # below, one collective beats world_size small steps. CPU: from benchmarks/bench_tp.py on the
 # 2-core development VM (gloo): at 6.7e7 per chunk the collective wins; from ~3e8 up the two are
@@ -46,6 +55,16 @@ ALGOS = ("auto", "collective", "ring")
 # not measured here yet; set from the published fallbacks of Triton-distributed and torch
 # async-TP (plain path under ~100 GFLOP per GEMM on 8 GPUs).
 RING_MIN_CHUNK_FLOPS = {"cpu": 1e8, "cuda": 1.5e10}
+
+
+def _auto(device: torch.device, dtype, flops: float = 0.0, world: int = 1) -> str:
+    threshold = RING_MIN_CHUNK_FLOPS.get(device.type, RING_MIN_CHUNK_FLOPS["cuda"])
+    return "ring" if flops / max(world, 1) >= threshold else "collective"
+
+
+_AUTO_DOC = {dev: f"auto: ring from {t:.0e} FLOP per chunk, else collective" for dev, t in RING_MIN_CHUNK_FLOPS.items()}
+for _op in ("all_gather_matmul", "matmul_reduce_scatter"):
+    backends.register_op(_op, ("collective", "ring"), family=FAMILY, default=_auto, default_doc=_AUTO_DOC)
 
 _POISON = False
 
@@ -69,28 +88,32 @@ def _empty(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
     return t
 
 
-def group_rank_size(group) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is None:
-            return 0, 1
-        raise RuntimeError("torch.distributed is not initialized but a process group was given")
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _peer(group, group_rank: int) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
-def choose_algo(algo: str, world_size: int, flops_per_rank: float, device: torch.device) -> str:
-    algo = os.environ.get("TPKERNELS_GEMM_COMM_ALGO", algo)
+def check_algo(algo: str, overlap: bool = True) -> None:
     if algo not in ALGOS:
         raise ValueError(f"algo ({algo!r}) must be one of {', '.join(ALGOS)}")
-    if world_size == 1:
-        return "local"
-    if algo != "auto":
-        return algo
-    threshold = RING_MIN_CHUNK_FLOPS.get(device.type, RING_MIN_CHUNK_FLOPS["cuda"])
-    return "ring" if flops_per_rank / world_size >= threshold else "collective"
+    if not overlap and algo == "ring":
+        raise ValueError("algo ('ring') overlaps communication by construction; overlap=False (the serial form) "
+                         "needs algo 'auto' or 'collective'")
+
+
+def choose_algo(op: str, algo: str, world_size: int, flops_per_rank: float, device: torch.device,
+                overlap: bool = True) -> str:
+    """The algorithm ``op`` runs: "local" for one rank, else by the dispatch rule of
+    :mod:`tpkernels.backends` (``algo`` unless "auto", then ``TPKERNELS_BACKEND``, then by size)."""
+    check_algo(algo, overlap)
+    if not overlap:
+        algo = "collective"
+    how = backends.select(op, device, None if algo == "auto" else algo, flops=flops_per_rank, world=world_size)
+    return "local" if world_size == 1 else how
+
+
+def _resolve(op: str, algo: str, world: int, flops: float, device: torch.device,
+             overlap: bool = True) -> tuple[str, Exception | None]:
+    """(algorithm, None), or ("invalid", the error) to raise once the ranks have compared notes."""
+    try:
+        return choose_algo(op, algo, world, flops, device, overlap), None
+    except (ValueError, backends.BackendUnavailableError) as e:
+        return "invalid", e
 
 
 def _check_a(a: torch.Tensor, dim: int, what: str, dim_name: str) -> int:
@@ -121,12 +144,19 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
     shard once it is available, chunk laid out with gather_dim first: work placed there overlaps
     the transfer of the next chunk (the row-parallel backward computes its weight gradient so).
     """
+    rank, world = group_rank_size(group)
+    flops = 2.0 * a_shard.numel() * sum(b.shape[-1] for b in bs) * world
+    how, err = _resolve("all_gather_matmul", algo, world, flops, a_shard.device)
+    # before any check that can fail on some ranks only: the others would wait in the transfer
+    consistency.agree(group, "all_gather_matmul", **{"a_shard.shape": a_shard.shape, "a_shard.dtype": a_shard.dtype,
+                                                     "gather_dim": gather_dim, "algo": how, "return_a": return_a},
+                      **{f"bs[{j}].shape": b.shape for j, b in enumerate(bs)},
+                      **{f"bs[{j}].dtype": b.dtype for j, b in enumerate(bs)})
+    if err is not None:
+        raise err
     gd = _check_a(a_shard, gather_dim, "a_shard", "gather_dim")
     for j, b in enumerate(bs):
         _check_b(a_shard, b, f"bs[{j}]")
-    rank, world = group_rank_size(group)
-    flops = 2.0 * a_shard.numel() * sum(b.shape[1] for b in bs) * world
-    how = choose_algo(algo, world, flops, a_shard.device)
     a = a_shard.movedim(gd, 0).contiguous()
     m = a.shape[0]
     if how == "local":
@@ -140,7 +170,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
     outs = [torch.empty(full_shape[:-1] + (b.shape[1],), dtype=a.dtype, device=a.device) for b in bs]
     if how == "collective":
         a_full = _empty(full_shape, a)
-        span = CommSpan("all_gather", bytes=a.numel() * a.element_size() * world)
+        span = CommSpan("all_gather", a.device.type, bytes=a.numel() * a.element_size() * world)
         all_gather_into(a_full, a, group)
         span.done()
         with gemm_span("matmul", a.device.type):
@@ -154,7 +184,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
         if a_full is not None:
             a_full[rank * m:(rank + 1) * m].copy_(a)
         bufs = None if return_a else [_empty(a.shape, a), _empty(a.shape, a)]
-        nxt_peer, prv_peer = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+        nxt_peer, prv_peer = global_rank(group, (rank + 1) % world), global_rank(group, (rank - 1) % world)
         cur = a
         for step in range(world):
             src = (rank - step) % world
@@ -162,7 +192,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
             if step < world - 1:
                 nsrc = (rank - step - 1) % world
                 nxt = a_full[nsrc * m:(nsrc + 1) * m] if return_a else bufs[step % 2]
-                span = CommSpan("ring all_gather chunk", step=step, src=nsrc)
+                span = CommSpan("ring all_gather chunk", a.device.type, step=step, src=nsrc)
                 reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, cur, nxt_peer, group),
                                                dist.P2POp(dist.irecv, nxt, prv_peer, group)])
             with gemm_span("matmul chunk", a.device.type, step=step, src=src):
@@ -180,31 +210,35 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_dim: int = 0,
                           reduce_op: str = "sum", algo: str = "auto",
-                          side_work: Sequence[Callable[[], None]] = ()) -> torch.Tensor:
+                          side_work: Sequence[Callable[[], None]] = (), overlap: bool = True) -> torch.Tensor:
     """This rank's shard of ``reduce_scatter(a @ b)`` along ``scatter_dim``.
 
     a: (..., M, ..., K) with M divisible by the group size P; b: (K, N). Returns (..., M/P, ..., N):
     rank r gets rows [r·M/P, (r+1)·M/P) of the sum (or mean, ``reduce_op="avg"``) over ranks.
     ``side_work`` callables run while transfers are in flight, one per ring step (all of them
-    during the collective's transfer); the column-parallel backward puts its weight-gradient
-    chunks there.
+    during the collective's transfer; after it with ``overlap=False``); the column-parallel
+    backward puts its weight-gradient chunks there.
     """
+    rank, world = group_rank_size(group)
+    how, err = _resolve("matmul_reduce_scatter", algo, world, 2.0 * a.numel() * b.shape[-1], a.device, overlap)
+    consistency.agree(group, "matmul_reduce_scatter", **{"a.shape": a.shape, "a.dtype": a.dtype, "b.shape": b.shape,
+                                                         "b.dtype": b.dtype, "scatter_dim": scatter_dim,
+                                                         "reduce_op": reduce_op, "algo": how})
+    if err is not None:
+        raise err
     sd = _check_a(a, scatter_dim, "a", "scatter_dim")
     _check_b(a, b, "b")
     if reduce_op not in ("sum", "avg"):
         raise ValueError(f"reduce_op ({reduce_op!r}) must be 'sum' or 'avg'")
-    rank, world = group_rank_size(group)
     M = a.shape[sd]
     if M % world:
         raise ValueError(f"a.shape[{scatter_dim}] ({M}) must be divisible by the group size ({world})")
-    how = choose_algo(algo, world, 2.0 * a.numel() * b.shape[1], a.device)
     am = a.movedim(sd, 0)
     m = M // world
 
     def partial(d: int, step: int) -> torch.Tensor:
         with gemm_span("matmul chunk", a.device.type, step=step, dst=d):
-            p = torch.matmul(am[d * m:(d + 1) * m], b)
-        return p if p.dtype == torch.float32 else p.float()
+            return widen(torch.matmul(am[d * m:(d + 1) * m], b))
 
     if how == "local":
         with gemm_span("matmul", a.device.type):
@@ -214,22 +248,23 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
         return out.movedim(0, sd)
     if how == "collective":
         with gemm_span("matmul", a.device.type):
-            full = torch.matmul(am, b)
-        full = full if full.dtype == torch.float32 else full.float()
+            full = widen(torch.matmul(am, b))
         acc = _empty((m,) + tuple(full.shape[1:]), full)
-        span = CommSpan("reduce_scatter", bytes=full.numel() * 4)
+        span = CommSpan("reduce_scatter", a.device.type, bytes=full.numel() * full.element_size())
         handle = reduce_scatter_into(acc, full, group, async_op=True)
+        if not overlap:
+            handle.wait()
         for work in side_work:
             work()
         handle.wait()
         span.done()
     else:
-        nxt_peer, prv_peer = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+        nxt_peer, prv_peer = global_rank(group, (rank + 1) % world), global_rank(group, (rank - 1) % world)
         acc = partial((rank - 1) % world, 0)
         bufs = [_empty(acc.shape, acc), _empty(acc.shape, acc)]
         for step in range(world - 1):
             recv = bufs[step % 2]
-            span = CommSpan("ring reduce_scatter chunk", step=step)
+            span = CommSpan("ring reduce_scatter chunk", a.device.type, step=step)
             reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, acc, nxt_peer, group),
                                            dist.P2POp(dist.irecv, recv, prv_peer, group)])
             mine = partial((rank - step - 2) % world, step + 1)  # overlaps the transfer

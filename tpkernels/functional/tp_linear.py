@@ -15,7 +15,14 @@ Row-parallel, weight (out, in/P), x: (..., in/P):
                    dbias = all_reduce(Σ dy_shard)                (each rank saw only its tokens)
   no SP:  forward  y = all_reduce(x · Wᵀ) + bias
           backward dx = dy · W, dW = dyᵀ·x (dy is replicated)
-Weight gradients accumulate in fp32 over chunks for 16-bit inputs.
+Weight gradients go through :class:`tpkernels.functional.weight_grad.WeightGrad` (fp32 over
+chunks for 16-bit inputs): computed at once, in the shadow of the communication, or, inside a
+zero-bubble schedule's B (``defer_weight_grads``), queued with the tensors they need (the gathered
+input and output gradient) as one GEMM for the W action.
+
+``algo`` picks the GEMM-comm algorithm by the rule of :mod:`tpkernels.backends`; ``overlap``
+is its own flag: False runs every weight-gradient GEMM after the communication it could hide
+behind (the plain serial form, for measuring what the overlap buys).
 """
 
 from __future__ import annotations
@@ -23,40 +30,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tpkernels.functional.gemm_comm import all_gather_matmul, choose_algo, group_rank_size, matmul_reduce_scatter
+from tpkernels.dtypes import widen
+from tpkernels.functional.gemm_comm import all_gather_matmul, check_algo, choose_algo, matmul_reduce_scatter
+from tpkernels.functional.weight_grad import WeightGrad, weight_for_graph
+from tpkernels.parallel.groups import group_rank_size
 from tpkernels.parallel.mappings import all_gather_dim, all_reduce
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
-
-
-class _WeightGrad:
-    """dW = Σ dyᵀ·x, one GEMM per chunk, accumulated in fp32 for 16-bit inputs."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight, self.acc = weight, None
-
-    def add(self, dy: torch.Tensor, x: torch.Tensor) -> None:
-        dy2, x2 = _rows(dy), _rows(x)
-        if self.acc is None:
-            p = torch.matmul(dy2.t(), x2)
-            self.acc = p.float() if p.dtype in (torch.float16, torch.bfloat16) else p
-        elif self.acc.dtype == dy2.dtype:
-            self.acc.addmm_(dy2.t(), x2)
-        else:
-            self.acc.add_(torch.matmul(dy2.t(), x2))
-
-    def result(self) -> torch.Tensor:
-        if self.acc is None:
-            return torch.zeros_like(self.weight)
-        return self.acc.to(self.weight.dtype)
-
-
-def _resolve(algo: str, world: int, flops: float, device) -> str:
-    """The algorithm the op will run (decided here so the weight gradient can follow it)."""
-    how = choose_algo(algo, world, flops, device)
-    return "collective" if how == "local" else how
 
 
 def _seq_chunks(t: torch.Tensor, dim: int, world: int) -> list[torch.Tensor]:
@@ -65,12 +47,13 @@ def _seq_chunks(t: torch.Tensor, dim: int, world: int) -> list[torch.Tensor]:
 
 class ColumnParallelLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, seq_dim, algo, regather_input):
-        ctx.group, ctx.sp, ctx.seq_dim, ctx.algo = group, sequence_parallel, seq_dim, algo
+    def forward(ctx, x, weight, bias, group, sequence_parallel, seq_dim, algo, overlap, regather_input, split):
+        ctx.group, ctx.sp, ctx.seq_dim, ctx.algo, ctx.overlap = group, sequence_parallel, seq_dim, algo, overlap
+        ctx.split = split
         ctx.has_bias, ctx.regather = bias is not None, regather_input
         if sequence_parallel:
-            x_full, (y,) = all_gather_matmul(x, [weight.t()], group, gather_dim=seq_dim, algo=algo,
-                                             return_a=not regather_input)
+            x_full, (y,) = all_gather_matmul(x, [weight.t()], group, gather_dim=seq_dim,
+                                             algo=algo if overlap else "collective", return_a=not regather_input)
             ctx.save_for_backward(x if regather_input else x_full, weight)
         else:
             y = torch.matmul(x, weight.t())
@@ -83,44 +66,49 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x_saved, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        gw = _WeightGrad(weight)
-        db = _rows(dy).sum(0) if ctx.has_bias else None
+        gw = WeightGrad(weight, ctx.needs_input_grad[1], ctx.split)
+        db = _rows(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        _, world = group_rank_size(ctx.group)
         if ctx.sp:
-            _, world = group_rank_size(ctx.group)
             x_full = all_gather_dim(x_saved, ctx.seq_dim, ctx.group) if ctx.regather else x_saved
-            algo = _resolve(ctx.algo, world, 2.0 * dy.numel() * weight.shape[1], dy.device)
-            if algo == "ring":  # one weight-gradient chunk per ring step, while partial sums travel
+            algo = choose_algo("matmul_reduce_scatter", ctx.algo, world, 2.0 * dy.numel() * weight.shape[1],
+                               dy.device, ctx.overlap)
+            if gw.deferred:  # W later, one GEMM: it owns dy and the gathered input
+                gw.add(dy, x_full)
+                side = []
+            elif algo == "ring":  # one weight-gradient chunk per ring step, while partial sums travel
                 dys, xs = _seq_chunks(dy, ctx.seq_dim, world), _seq_chunks(x_full, ctx.seq_dim, world)
                 side = [lambda j=j: gw.add(dys[j], xs[j]) for j in range(world)]
             else:  # one GEMM, during the reduce-scatter
                 side = [lambda: gw.add(dy, x_full)]
-            dx = matmul_reduce_scatter(dy, weight, ctx.group, scatter_dim=ctx.seq_dim, algo=algo, side_work=side)
+            dx = matmul_reduce_scatter(dy, weight, ctx.group, scatter_dim=ctx.seq_dim,
+                                       algo="collective" if algo == "local" else algo, side_work=side,
+                                       overlap=ctx.overlap)
         else:
             dx = torch.matmul(dy, weight)
-            _, world = group_rank_size(ctx.group)
             handle = None
             if world > 1:  # all-reduce the input gradient while the weight gradient is computed
-                dx_wide = dx.float() if dx.dtype in (torch.float16, torch.bfloat16) else dx
+                dx_wide = widen(dx)  # dx is fresh: reduced in place when already wide
                 handle = dist.all_reduce(dx_wide, group=ctx.group, async_op=True)
-                if ctx.algo == "collective":  # overlap_comm=False: the plain, serial form
+                if not ctx.overlap:
                     handle.wait()
             gw.add(dy, x_saved)
             if handle is not None:
                 handle.wait()
                 dx = dx_wide.to(dy.dtype)
-        return dx, gw.result(), db, None, None, None, None, None
+        return dx, gw.result(), db, None, None, None, None, None, None, None
 
 
 class RowParallelLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, seq_dim, algo):
-        ctx.group, ctx.sp, ctx.seq_dim, ctx.algo, ctx.has_bias = group, sequence_parallel, seq_dim, algo, bias is not None
+    def forward(ctx, x, weight, bias, group, sequence_parallel, seq_dim, algo, overlap, split):
+        ctx.group, ctx.sp, ctx.seq_dim, ctx.algo, ctx.overlap = group, sequence_parallel, seq_dim, algo, overlap
+        ctx.has_bias, ctx.split = bias is not None, split
         ctx.save_for_backward(x, weight)
         if sequence_parallel:
-            y = matmul_reduce_scatter(x, weight.t(), group, scatter_dim=seq_dim, algo=algo)
+            y = matmul_reduce_scatter(x, weight.t(), group, scatter_dim=seq_dim, algo=algo, overlap=overlap)
         else:
-            y = all_reduce(torch.matmul(x, weight.t()), group) if group_rank_size(group)[1] > 1 else \
-                torch.matmul(x, weight.t())
+            y = all_reduce(torch.matmul(x, weight.t()), group)
         if bias is not None:
             y = y + bias
         return y
@@ -129,36 +117,45 @@ class RowParallelLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        gw = _WeightGrad(weight)
+        gw = WeightGrad(weight, ctx.needs_input_grad[1], ctx.split)
         db = None
         if ctx.sp:
             rank, world = group_rank_size(ctx.group)
-            algo = _resolve(ctx.algo, world, 2.0 * dy.numel() * weight.shape[1] * world, dy.device)
-            if algo == "ring":  # each gathered chunk of dy feeds its weight-gradient GEMM while the next travels
+            algo = choose_algo("all_gather_matmul", ctx.algo, world, 2.0 * dy.numel() * weight.shape[1] * world,
+                               dy.device, ctx.overlap)
+            if algo == "ring" and not gw.deferred and gw.needed:
+                # each gathered chunk of dy feeds its weight-gradient GEMM while the next travels
                 xs = _seq_chunks(x, ctx.seq_dim, world)
                 _, (dx,) = all_gather_matmul(dy, [weight], ctx.group, gather_dim=ctx.seq_dim, algo=algo,
                                              return_a=False, on_chunk=lambda src, chunk: gw.add(chunk, xs[src]))
-            else:
-                dy_full, (dx,) = all_gather_matmul(dy, [weight], ctx.group, gather_dim=ctx.seq_dim, algo=algo)
+            else:  # deferred: W owns the gathered dy (one GEMM later)
+                dy_full, (dx,) = all_gather_matmul(dy, [weight], ctx.group, gather_dim=ctx.seq_dim,
+                                                   algo="collective" if algo == "local" else algo,
+                                                   return_a=gw.needed)
                 gw.add(dy_full, x)
-            if ctx.has_bias:
-                db = all_reduce(_rows(dy).sum(0), ctx.group) if world > 1 else _rows(dy).sum(0)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = all_reduce(_rows(dy).sum(0), ctx.group)
         else:
             dx = torch.matmul(dy, weight)
             gw.add(dy, x)
-            db = _rows(dy).sum(0) if ctx.has_bias else None
-        return dx, gw.result(), db, None, None, None, None
+            db = _rows(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, gw.result(), db, None, None, None, None, None, None
 
 
 def column_parallel_linear(x, weight, bias=None, group=None, sequence_parallel=False, sequence_dim=0,
-                           algo="auto", regather_input=False):
+                           algo="auto", regather_input=False, overlap=True):
     """x: (..., in) — with SP this rank's shard of ``sequence_dim``; weight: (out/P, in); bias: (out/P,).
     Returns (..., out/P) over the full sequence."""
-    return ColumnParallelLinearFunction.apply(x, weight, bias, group, sequence_parallel, sequence_dim, algo,
-                                              regather_input)
+    check_algo(algo, overlap)
+    w, split = weight_for_graph(weight)
+    return ColumnParallelLinearFunction.apply(x, w, bias, group, sequence_parallel, sequence_dim, algo, overlap,
+                                              regather_input, split)
 
 
-def row_parallel_linear(x, weight, bias=None, group=None, sequence_parallel=False, sequence_dim=0, algo="auto"):
+def row_parallel_linear(x, weight, bias=None, group=None, sequence_parallel=False, sequence_dim=0, algo="auto",
+                        overlap=True):
     """x: (..., in/P) over the full sequence; weight: (out, in/P); bias: (out,) replicated.
     Returns (..., out): with SP this rank's shard of ``sequence_dim``, else the full sum on every rank."""
-    return RowParallelLinearFunction.apply(x, weight, bias, group, sequence_parallel, sequence_dim, algo)
+    check_algo(algo, overlap)
+    w, split = weight_for_graph(weight)
+    return RowParallelLinearFunction.apply(x, w, bias, group, sequence_parallel, sequence_dim, algo, overlap, split)

@@ -6,7 +6,12 @@ Per token, with z the logits, V the vocabulary and ε the label smoothing:
     loss = log Σ_v exp z_v − (1−ε)·z_target − ε/V · Σ_v z_v          (= F.cross_entropy)
 Three all-reduces over the TP group, each of one number per token (max, Σexp, and the target
 logit plus the logit sum), not of the logits. Work floor: read the (tokens, V/P) logits twice
-(forward; backward writes the gradient once). Computed in fp32 whatever the logits' dtype.
+(forward; backward writes the gradient once). Computed in fp32 for 16-bit logits, in float64 for
+float64 ones (``tpkernels.dtypes``).
+
+Like ``F.cross_entropy``, a target outside [0, V) that is not ``ignore_index`` is an error (one
+small host read of the targets' range); so are shard widths that differ between ranks (every
+rank must hold V/P columns), detected inside the first all-reduce at no extra collective.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tpkernels.functional.gemm_comm import group_rank_size
+from tpkernels.dtypes import widen
+from tpkernels.parallel import consistency
+from tpkernels.parallel.groups import group_rank_size
 
 
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -30,10 +37,22 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         v_local = logits.shape[-1]
         vocab = v_local * world
         lo = rank * v_local
-        z = logits.float()
-        zmax = z.max(dim=-1).values
+        z = widen(logits)
+        # the shard width rides along the max: max(w) and max(-w) over ranks tell whether all agree
+        zmax = torch.cat([z.max(dim=-1).values.reshape(-1),
+                          torch.tensor([v_local, -v_local], dtype=z.dtype, device=z.device)])
         _all_reduce(zmax, group, dist.ReduceOp.MAX)
-        z = z - zmax.unsqueeze(-1)  # a fresh fp32 tensor: safe to reuse for the softmax below
+        bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+        widest, narrowest, any_bad = torch.stack([zmax[-2], -zmax[-1], bad.any().to(zmax.dtype)]).tolist()  # 1 sync
+        if widest != narrowest:
+            raise ValueError(f"logits_shard.shape[-1] differs across the TP group (from {int(narrowest)} to "
+                             f"{int(widest)} columns; {v_local} here): every rank must hold vocab_size / "
+                             "tensor_parallel_size")
+        if any_bad:
+            raise ValueError(f"target ({int(target[bad][0])}) must be in [0, vocab_size ({vocab})) or equal "
+                             f"ignore_index ({ignore_index})")
+        zmax = zmax[:-2].view(target.shape)
+        z = z - zmax.unsqueeze(-1)  # a fresh tensor: safe to reuse for the softmax below
         local_t = target - lo
         mine = (local_t >= 0) & (local_t < v_local) & (target != ignore_index)
         idx = torch.where(mine, local_t, torch.zeros_like(local_t))
@@ -85,6 +104,8 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
         raise ValueError(f"label_smoothing ({label_smoothing}) must be in [0, 1]")
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction ({reduction!r}) must be 'none', 'sum' or 'mean'")
+    consistency.agree(tp_group, "vocab_parallel_cross_entropy", **{"logits_shard.shape": logits_shard.shape,
+                                                                   "logits_shard.dtype": logits_shard.dtype})
     loss = VocabParallelCrossEntropyFunction.apply(logits_shard, target.long(), tp_group, float(label_smoothing),
                                                    ignore_index)
     if reduction == "none":

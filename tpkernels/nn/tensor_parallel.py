@@ -9,7 +9,12 @@ the output features (all of them with ``gather_output=True``); the row layer tak
 (``input_is_parallel=True``) or the full input, and returns the full output on every rank.
 With sequence parallelism, inputs and outputs of the pair are sharded along ``sequence_dim``
 (0 for Megatron's (seq, batch, hidden), 1 for (batch, seq, hidden)) and the all-gather /
-reduce-scatter are overlapped with the GEMMs (``overlap_comm``).
+reduce-scatter are overlapped with the GEMMs (``overlap_comm``; ``algo`` picks the GEMM-comm
+algorithm, "auto" by the rule of :mod:`tpkernels.backends`).
+
+Weight gradients use the package's one weight-gradient mechanism
+(:mod:`tpkernels.functional.weight_grad`): inside a zero-bubble schedule they are deferred to the
+W action without any change to the layer.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import math
 import torch
 from torch import nn
 
-from tpkernels.functional.gemm_comm import group_rank_size
+from tpkernels.functional.gemm_comm import check_algo
 from tpkernels.functional.tp_linear import column_parallel_linear, row_parallel_linear
+from tpkernels.parallel.groups import group_rank_size
 from tpkernels.parallel.mappings import (
     all_gather_dim,
     check_divisible,
@@ -41,11 +47,13 @@ def _init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: i
 
 
 class _TPLinear(nn.Module):
-    def __init__(self, tp_group, sequence_parallel: bool, overlap_comm: bool, sequence_dim: int):
+    def __init__(self, tp_group, sequence_parallel: bool, overlap_comm: bool, sequence_dim: int, algo: str):
         super().__init__()
+        check_algo(algo, overlap_comm)
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = group_rank_size(tp_group)
         self.sequence_parallel, self.overlap_comm, self.sequence_dim = sequence_parallel, overlap_comm, sequence_dim
+        self.algo = algo
 
     def _load_shard(self, weight: torch.Tensor, bias: torch.Tensor | None) -> "_TPLinear":
         with torch.no_grad():
@@ -53,10 +61,6 @@ class _TPLinear(nn.Module):
             if self.bias is not None:
                 self.bias.copy_(bias)
         return self
-
-    @property
-    def algo(self) -> str:
-        return "auto" if self.overlap_comm else "collective"
 
     def _check_input(self, x: torch.Tensor, features: int, name: str) -> None:
         if x.dim() < 2 and self.sequence_parallel:
@@ -70,8 +74,8 @@ class ColumnParallelLinear(_TPLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_group=None,
                  gather_output: bool = False, sequence_parallel: bool = False, overlap_comm: bool = True, *,
-                 sequence_dim: int = 0, regather_input: bool = False, device=None, dtype=None):
-        super().__init__(tp_group, sequence_parallel, overlap_comm, sequence_dim)
+                 sequence_dim: int = 0, regather_input: bool = False, algo: str = "auto", device=None, dtype=None):
+        super().__init__(tp_group, sequence_parallel, overlap_comm, sequence_dim, algo)
         check_divisible(out_features, self.tp_size, "out_features")
         if gather_output and sequence_parallel:
             raise ValueError("gather_output=True cannot be combined with sequence_parallel=True "
@@ -89,7 +93,7 @@ class ColumnParallelLinear(_TPLinear):
         sequence, or (..., out) with ``gather_output``."""
         self._check_input(x, self.in_features, "in_features")
         y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
-                                   self.sequence_dim, self.algo, self.regather_input)
+                                   self.sequence_dim, self.algo, self.regather_input, self.overlap_comm)
         return gather_from_tensor_parallel(y, self.tp_group) if self.gather_output else y
 
     @classmethod
@@ -117,7 +121,7 @@ class ColumnParallelLinear(_TPLinear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} ({self.out_per_rank} per rank), "
                 f"bias={self.bias is not None}, tp_size={self.tp_size}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}, overlap_comm={self.overlap_comm}")
+                f"sequence_parallel={self.sequence_parallel}, overlap_comm={self.overlap_comm}, algo={self.algo}")
 
 
 class RowParallelLinear(_TPLinear):
@@ -126,8 +130,8 @@ class RowParallelLinear(_TPLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_group=None,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, overlap_comm: bool = True, *,
-                 sequence_dim: int = 0, device=None, dtype=None):
-        super().__init__(tp_group, sequence_parallel, overlap_comm, sequence_dim)
+                 sequence_dim: int = 0, algo: str = "auto", device=None, dtype=None):
+        super().__init__(tp_group, sequence_parallel, overlap_comm, sequence_dim, algo)
         check_divisible(in_features, self.tp_size, "in_features")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True requires input_is_parallel=True "
@@ -149,7 +153,7 @@ class RowParallelLinear(_TPLinear):
         if self.sequence_parallel:
             check_divisible(x.shape[self.sequence_dim], self.tp_size, "sequence length", _SP)
         return row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
-                                   self.sequence_dim, self.algo)
+                                   self.sequence_dim, self.algo, self.overlap_comm)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, tp_group=None, **kwargs) -> "RowParallelLinear":
@@ -174,4 +178,4 @@ class RowParallelLinear(_TPLinear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} ({self.in_per_rank} per rank), out_features={self.out_features}, "
                 f"bias={self.bias is not None}, tp_size={self.tp_size}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}, overlap_comm={self.overlap_comm}")
+                f"sequence_parallel={self.sequence_parallel}, overlap_comm={self.overlap_comm}, algo={self.algo}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpkernels.functional.gemm_comm import group_rank_size
+from tpkernels.parallel.groups import group_rank_size
 from tpkernels.parallel.mappings import (
     all_gather_dim,
     check_divisible,
@@ -37,10 +37,15 @@ class VocabParallelEmbedding(nn.Module):
         nn.init.normal_(self.weight)  # nn.Embedding's init
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: (...) int64 in [0, num_embeddings). Returns (..., embedding_dim); with SP the
-        ``sequence_dim`` of the result holds this rank's 1/P of the sequence."""
+        """ids: (...) int64 in [0, num_embeddings), the same on every rank of the group. Returns
+        (..., embedding_dim); with SP the ``sequence_dim`` of the result holds this rank's 1/P of the
+        sequence. An id out of range raises IndexError, as in ``nn.Embedding`` (one host read)."""
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids dtype ({ids.dtype}) must be an integer type")
+        out_of_range = (ids < 0) | (ids >= self.num_embeddings)
+        if bool(out_of_range.any()):
+            raise IndexError(f"ids ({int(ids[out_of_range][0])}) must be in [0, num_embeddings "
+                             f"({self.num_embeddings}))")
         if self.sequence_parallel:
             if ids.dim() <= self.sequence_dim:
                 raise ValueError(f"ids shape {tuple(ids.shape)} has no sequence_dim ({self.sequence_dim})")

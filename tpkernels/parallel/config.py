@@ -16,6 +16,39 @@ from dataclasses import dataclass
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
+# ---- the rules, one message each; ParallelConfig and the pipeline schedules both use these ----
+
+def positive_int_errors(**values) -> list[str]:
+    """``name (value) must be a positive integer`` for each value that is not one."""
+    return [f"{name} ({value!r}) must be a positive integer" for name, value in values.items()
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1]
+
+
+def pipeline_errors(pp: int, virtual_stages: int, num_microbatches: int) -> list[str]:
+    """Rules of the pipeline schedules (sizes already positive integers)."""
+    errs = []
+    if virtual_stages > 1 and pp == 1:
+        errs.append(
+            f"virtual_stages ({virtual_stages}) > 1 requires pipeline_parallel_size > 1 "
+            "(interleaving splits each pipeline rank's layers into chunks)"
+        )
+    elif virtual_stages > 1 and num_microbatches % pp != 0:
+        errs.append(
+            f"num_microbatches ({num_microbatches}) must be a multiple of pipeline_parallel_size ({pp}) "
+            f"with the interleaved schedule (virtual_stages={virtual_stages}), as in Megatron-LM"
+        )
+    return errs
+
+
+def fill_warning(pp: int, num_microbatches: int) -> str | None:
+    """The warning for a pipeline that cannot fill (legal, but mostly bubble)."""
+    if pp > 1 and num_microbatches < pp:
+        bubble = (pp - 1) / (num_microbatches + pp - 1)
+        return (f"pipeline cannot fill: num_microbatches ({num_microbatches}) < pipeline_parallel_size ({pp}); "
+                f"bubble is {100 * bubble:.0f}% of the step")
+    return None
+
+
 class ParallelConfigError(ValueError):
     """A layout breaks a rule. ``errors`` lists every broken rule, one message each."""
 
@@ -85,17 +118,9 @@ class ParallelConfig:
     # ------------------------------------------------------------------ validation
     def layout_errors(self) -> list[str]:
         """Rules that involve only the layout itself."""
-        errs = []
-        for name, value in (
-            ("tensor_parallel_size", self.tp),
-            ("pipeline_parallel_size", self.pp),
-            ("data_parallel_size", self.dp),
-            ("virtual_stages", self.virtual_stages),
-            ("micro_batch_size", self.micro_batch_size),
-            ("num_microbatches", self.num_microbatches),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                errs.append(f"{name} ({value!r}) must be a positive integer")
+        errs = positive_int_errors(tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
+                                   data_parallel_size=self.dp, virtual_stages=self.virtual_stages,
+                                   micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches)
         if errs:
             return errs
         if self.recompute not in RECOMPUTE_CHOICES:
@@ -105,16 +130,7 @@ class ParallelConfig:
                 "sequence_parallel=True requires tensor_parallel_size > 1 "
                 "(sequence parallelism shards activations over the TP group; with tensor_parallel_size (1) there is none)"
             )
-        if self.virtual_stages > 1 and self.pp == 1:
-            errs.append(
-                f"virtual_stages ({self.virtual_stages}) > 1 requires pipeline_parallel_size > 1 "
-                "(interleaving splits each pipeline rank's layers into chunks)"
-            )
-        if self.virtual_stages > 1 and self.num_microbatches % self.pp != 0:
-            errs.append(
-                f"num_microbatches ({self.num_microbatches}) must be a multiple of pipeline_parallel_size ({self.pp}) "
-                f"with the interleaved schedule (virtual_stages={self.virtual_stages}), as in Megatron-LM"
-            )
+        errs += pipeline_errors(self.pp, self.virtual_stages, self.num_microbatches)
         return errs
 
     def model_errors(self, *, num_layers: int, num_attention_heads: int, num_kv_heads: int | None = None,
@@ -159,15 +175,8 @@ class ParallelConfig:
 
     def warnings(self) -> list[str]:
         """Legal but costly choices."""
-        out = []
-        m, p = self.num_microbatches, self.pp
-        if p > 1 and m < p:
-            bubble = (p - 1) / (m + p - 1)
-            out.append(
-                f"pipeline cannot fill: num_microbatches ({m}) < pipeline_parallel_size ({p}); "
-                f"bubble is {100 * bubble:.0f}% of the step"
-            )
-        return out
+        msg = fill_warning(self.pp, self.num_microbatches)
+        return [msg] if msg else []
 
     def validate(self, *, world_size: int | None = None, global_batch_size: int | None = None,
                  num_layers: int | None = None, num_attention_heads: int | None = None,

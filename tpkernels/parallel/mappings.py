@@ -9,8 +9,10 @@
     y = gather_from_tensor_parallel(y, g)        # last dim: fwd all-gather, bwd split
     x = scatter_to_tensor_parallel(x, g)         # last dim: fwd split, bwd all-gather
 
-Sums over ranks are taken in fp32 for 16-bit inputs. Every function is the identity for a group
-of one rank.
+Sums over ranks are taken in the accumulation dtype of ``tpkernels.dtypes`` (fp32 for 16-bit
+inputs). Every function is the identity for a group of one rank. With ``TPKERNELS_CHECK_RANKS=1``
+every collective first checks that all ranks pass the same shape and dtype
+(:mod:`tpkernels.parallel.consistency`).
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tpkernels.functional.gemm_comm import group_rank_size
+from tpkernels.dtypes import widen
+from tpkernels.parallel import consistency
 from tpkernels.parallel.collectives import all_gather_into, reduce_scatter_into
-
-
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+from tpkernels.parallel.groups import group_rank_size
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    y = _wide(x).clone()
+    """Sum of ``x`` over the group (a new tensor, dtype of x)."""
+    if group_rank_size(group)[1] == 1:
+        return x
+    consistency.agree(group, "all_reduce", **{"x.shape": x.shape, "x.dtype": x.dtype})
+    y = widen(x).clone()
     dist.all_reduce(y, group=group)
     return y.to(x.dtype)
 
@@ -36,6 +40,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     _, world = group_rank_size(group)
     if world == 1:
         return x
+    consistency.agree(group, "all_gather", **{"x.shape": x.shape, "x.dtype": x.dtype, "dim": dim})
     xm = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * xm.shape[0],) + tuple(xm.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_into(out, xm, group)
@@ -46,8 +51,9 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     rank, world = group_rank_size(group)
     if world == 1:
         return x
+    consistency.agree(group, "reduce_scatter", **{"x.shape": x.shape, "x.dtype": x.dtype, "dim": dim})
     check_divisible(x.shape[dim], world, f"dim {dim} of the input")
-    xm = _wide(x).movedim(dim, 0).contiguous()
+    xm = widen(x).movedim(dim, 0).contiguous()
     out = torch.empty((xm.shape[0] // world,) + tuple(xm.shape[1:]), dtype=xm.dtype, device=x.device)
     reduce_scatter_into(out, xm, group)
     return out.to(x.dtype).movedim(0, dim)

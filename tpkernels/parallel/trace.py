@@ -5,9 +5,13 @@
     tr.save_chrome_trace("tp.json", group)      # gathers every rank's spans into one file
     tr.hidden_comm_fraction()                   # share of communication time overlapped by GEMMs
 
-Spans are wall-clock intervals on the host: a GEMM from launch to completion on the CPU (on
-CUDA, from the launch to the CUDA event recorded after it, resolved at export), a transfer from
-the moment it is posted to the moment its ``wait()`` returns.
+On CPU tensors spans are wall-clock intervals on the host: a GEMM from its call to its return, a
+transfer from the moment it is posted to the moment its ``wait()`` returns. On CUDA tensors both
+are intervals on the device, between CUDA events recorded on the current stream (a GEMM: before
+and after its launch; a transfer: when it is posted, which is when NCCL's stream may start it, and
+right after its ``wait()``, which orders the current stream after it), all measured from one
+origin event, so that GEMMs and transfers share one time base and ``hidden_comm_fraction()``
+means the same on NCCL as on gloo. Host launch times would collapse every span to microseconds.
 """
 
 from __future__ import annotations
@@ -25,10 +29,17 @@ _ACTIVE = threading.local()
 class Span:
     name: str
     cat: str  # "comm" or "gemm"
-    start: float  # seconds (perf_counter)
-    end: float | object  # seconds, or a torch.cuda.Event to resolve later
+    start: float | object  # seconds (perf_counter), or a CUDA event resolved at export
+    end: float | object
     args: dict = field(default_factory=dict)
-    start_event: object = None
+
+
+def _cuda_event():
+    import torch  # noqa: PLC0415
+
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
 
 
 class CommTrace:
@@ -39,6 +50,13 @@ class CommTrace:
         self._prev = None
         self._t0_wall = time.time()
         self._t0 = time.perf_counter()
+        self._origin = None  # (host seconds, CUDA event) that anchors device spans
+
+    def device_mark(self):
+        """A CUDA event recorded now on the current stream (the first one anchors the device time base)."""
+        if self._origin is None:
+            self._origin = (time.perf_counter(), _cuda_event())
+        return _cuda_event()
 
     def __enter__(self) -> "CommTrace":
         self._prev = getattr(_ACTIVE, "trace", None)
@@ -84,7 +102,8 @@ class CommTrace:
                 yield s.start, s.end
             else:
                 s.end.synchronize()
-                yield s.start, s.start + s.start_event.elapsed_time(s.end) / 1e3
+                host, origin = self._origin
+                yield host + origin.elapsed_time(s.start) / 1e3, host + origin.elapsed_time(s.end) / 1e3
 
     def save_chrome_trace(self, path: str, group=None) -> list[dict] | None:
         """Write one Chrome-trace JSON with every rank of ``group`` (a pid per rank, GEMMs and transfers on
@@ -131,14 +150,9 @@ def gemm_span(name: str, device_type: str, **args):
         yield
         return
     if device_type == "cuda":
-        import torch  # noqa: PLC0415
-
-        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_ev.record()
-        t = time.perf_counter()
+        start = tr.device_mark()
         yield
-        end_ev.record()
-        tr.spans.append(Span(name, "gemm", t, end_ev, args, start_event=start_ev))
+        tr.spans.append(Span(name, "gemm", start, tr.device_mark(), args))
     else:
         t = time.perf_counter()
         yield
@@ -146,15 +160,18 @@ def gemm_span(name: str, device_type: str, **args):
 
 
 class CommSpan:
-    """Marks a transfer from posting to completion: ``s = CommSpan(...)`` when posted, ``s.done()`` after wait."""
+    """Marks a transfer from posting to completion: ``s = CommSpan(name, device_type)`` when posted,
+    ``s.done()`` after its wait."""
 
-    __slots__ = ("tr", "name", "args", "t")
+    __slots__ = ("tr", "name", "args", "t", "cuda")
 
-    def __init__(self, name: str, **args):
+    def __init__(self, name: str, device_type: str = "cpu", **args):
         self.tr = active()
         if self.tr is not None:
-            self.name, self.args, self.t = name, args, time.perf_counter()
+            self.name, self.args, self.cuda = name, args, device_type == "cuda"
+            self.t = self.tr.device_mark() if self.cuda else time.perf_counter()
 
     def done(self) -> None:
         if self.tr is not None:
-            self.tr.add(self.name, "comm", self.t, time.perf_counter(), **self.args)
+            end = self.tr.device_mark() if self.cuda else time.perf_counter()
+            self.tr.spans.append(Span(self.name, "comm", self.t, end, self.args))

@@ -5,22 +5,33 @@ metadata (the nesting of tuples/dicts, and each tensor's shape, dtype and requir
 only the first time and whenever it changes (a new sequence length, say), and is cached per
 (peer, kind) on both sides. The data then goes as one message per tensor.
 
-A stage that fails sends an ABORT header to its neighbours (``abort``): a peer waiting for data
-from it raises ``PipelineAbortError`` naming the failed rank and its error, and passes the abort
-on, so every rank fails fast instead of hanging. Waits have a timeout (``PipelineTimeoutError``).
+Ownership: every received tensor gets storage of its own. Autograd saves received activations
+for backward, and a zero-bubble W keeps the received output gradient until it runs, after later
+receives from the same peer; a buffer reused per peer would be overwritten under it (on CUDA the
+caching allocator makes a fresh buffer as cheap as a reused one).
+
+Failures: a stage that fails sends an ABORT header to its neighbours (``abort``); a peer waiting
+for data from it raises ``PipelineAbortError`` naming the failed rank and its error, and passes the
+abort on, so every rank fails fast instead of hanging. A peer that dies (its connection closes)
+raises ``PipelinePeerLostError`` naming it; a wait that exceeds ``timeout_s`` raises
+``PipelineTimeoutError``.
 """
 
 from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-KIND_ACT, KIND_GRAD, KIND_ABORT = 1, 2, 99
+from tpkernels.parallel.groups import global_rank
+
+KIND_ACT, KIND_GRAD, KIND_STATUS, KIND_ABORT = 1, 2, 3, 99
+_KIND_NAMES = {KIND_ACT: "activation", KIND_GRAD: "gradient", KIND_STATUS: "end-of-step status"}
 
 
 class PipelineAbortError(RuntimeError):
@@ -30,8 +41,21 @@ class PipelineAbortError(RuntimeError):
     source: int = -1
 
 
+class PipelinePeerLostError(RuntimeError):
+    """A peer stopped responding: its connection closed (the process died) or broke. ``peer``: its rank."""
+
+    def __init__(self, message: str, peer: int):
+        super().__init__(message)
+        self.peer = peer
+
+
 class PipelineTimeoutError(TimeoutError):
     pass
+
+
+def _is_timeout(err: Exception) -> bool:
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def flatten(obj: Any) -> tuple[list[torch.Tensor], Any]:
@@ -78,7 +102,7 @@ class _Meta:
 
 class P2P:
     """This rank's transfers. ``send`` returns at once (the data is in flight); ``recv`` blocks for the
-    data. ``wait_sends`` waits for everything still in flight."""
+    data. ``wait_sends`` waits for everything still in flight. Ranks are ranks of ``group``."""
 
     def __init__(self, group=None, device: torch.device | None = None, timeout_s: float = 300.0):
         self.group = group
@@ -87,18 +111,24 @@ class P2P:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._sent_meta: dict[tuple[int, int], _Meta] = {}
         self._recv_meta: dict[tuple[int, int], _Meta] = {}
-        self._inflight: list[tuple[dist.Work, Any]] = []  # keep sent buffers alive until done
-        self._grad_buffers: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._inflight: list[tuple[dist.Work, Any, int]] = []  # (work, buffer kept alive, peer)
         self._next_header: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # posted ahead, by source
 
-    def _peer(self, r: int) -> int:
-        return r if self.group is None else dist.get_global_rank(self.group, r)
+    def _post(self, op, t: torch.Tensor, peer: int, what: str):
+        try:
+            return op(t, global_rank(self.group, peer), group=self.group)
+        except RuntimeError as e:  # the connection is already gone (gloo closes it after a failure)
+            raise self._lost(peer, what, e) from None
+
+    def _lost(self, peer: int, what: str, err: Exception) -> "PipelinePeerLostError":
+        return PipelinePeerLostError(f"rank {peer} stopped responding (connection lost) while rank {self.rank} "
+                                     f"waited for {what}: {err}", peer)
 
     def _isend(self, t: torch.Tensor, dst: int) -> None:
-        self._inflight.append((dist.isend(t, self._peer(dst), group=self.group), t))
+        self._inflight.append((self._post(dist.isend, t, dst, "a send to post"), t, dst))
 
     def _recv(self, t: torch.Tensor, src: int, what: str) -> None:
-        self._wait(dist.irecv(t, self._peer(src), group=self.group), src, what)
+        self._wait(self._post(dist.irecv, t, src, what), src, what)
 
     def send(self, obj: Any, dst: int, kind: int, mb: int, chunk: int) -> None:
         tensors, spec = flatten(obj)
@@ -113,18 +143,23 @@ class P2P:
         for t in tensors:
             self._isend(t.detach().contiguous(), dst)
 
-    def _wait(self, work, src: int, what: str) -> None:
+    def _wait(self, work, peer: int, what: str, timeout: datetime.timedelta | None = None) -> None:
+        """Wait for one transfer with ``peer``; a timeout and a lost peer are told apart."""
+        timeout = timeout or self.timeout
         try:
-            work.wait(self.timeout)
+            work.wait(timeout)
         except RuntimeError as e:
-            raise PipelineTimeoutError(f"rank {self.rank} waited more than {self.timeout.total_seconds():.0f} s for "
-                                       f"{what} from rank {src}: {e}") from None
+            if _is_timeout(e):
+                raise PipelineTimeoutError(f"rank {self.rank} waited more than {timeout.total_seconds():.0f} s for "
+                                           f"{what} from rank {peer}: {e}") from None
+            raise self._lost(peer, what, e) from None
 
     def recv(self, src: int, kind: int, mb: int, chunk: int, expect_more: bool = False) -> Any:
         """Receive what ``src`` sent for (kind, micro-batch, chunk). ``expect_more``: another message
         from ``src`` follows in this step, so its header is posted now and arrives while this rank
         computes (one round trip fewer on the critical path)."""
-        what = f"the {'activation' if kind == KIND_ACT else 'gradient'} of micro-batch {mb} (chunk {chunk})"
+        what = f"the {_KIND_NAMES.get(kind, kind)} of micro-batch {mb} (chunk {chunk})" if kind != KIND_STATUS else \
+            "the end-of-step status"
         pending = self._next_header.pop(src, None)
         if pending is None:
             header = torch.empty(4, dtype=torch.int64, device=self.device)
@@ -147,47 +182,41 @@ class P2P:
             self._recv(raw, src, what)
             self._recv_meta[(src, kind)] = pickle.loads(bytes(raw.cpu().tolist()))
         meta = self._recv_meta[(src, kind)]
-        if kind == KIND_GRAD:
-            # gradients are consumed by one backward call: reuse their buffers while shapes hold
-            bufs = self._grad_buffers.get((src, chunk))
-            if bufs is None or [tuple(b.shape) for b in bufs] != [m[0] for m in meta.tensors] or \
-                    [b.dtype for b in bufs] != [m[1] for m in meta.tensors]:
-                bufs = [torch.empty(s, dtype=d, device=self.device) for s, d, _ in meta.tensors]
-                self._grad_buffers[(src, chunk)] = bufs
-        else:
-            # activations are saved by autograd for backward: each needs its own storage
-            bufs = [torch.empty(s, dtype=d, device=self.device) for s, d, _ in meta.tensors]
+        bufs = [torch.empty(s, dtype=d, device=self.device) for s, d, _ in meta.tensors]  # owned by the receiver
         for b in bufs:
             self._recv(b, src, what)
         if expect_more:
             nxt = torch.empty(4, dtype=torch.int64, device=self.device)
-            self._next_header[src] = (dist.irecv(nxt, self._peer(src), group=self.group), nxt)
+            self._next_header[src] = (self._post(dist.irecv, nxt, src, what), nxt)
         if kind == KIND_ACT:
             for b, (_, _, rg) in zip(bufs, meta.tensors):
                 b.requires_grad_(rg and b.is_floating_point())
         return unflatten(bufs, meta.spec)
 
     def wait_sends(self) -> None:
-        for work, _ in self._inflight:
-            if not work.wait(self.timeout):
-                raise PipelineTimeoutError(f"rank {self.rank}: a send did not complete within "
-                                           f"{self.timeout.total_seconds():.0f} s")
+        for work, _, peer in self._inflight:
+            self._wait(work, peer, "a send to complete")
         self._inflight.clear()
 
-    def abort(self, peers: list[int], message: str, wait_s: float = 5.0) -> None:
-        """Tell ``peers`` this stage failed. Best effort: waits up to ``wait_s`` for each peer to take
-        the message (a peer blocked on another rank will hear it from that rank instead)."""
+    def abort(self, peers: list[int], message: str, wait_s: float = 3.0) -> None:
+        """Tell ``peers`` this stage failed. Best effort: waits up to ``wait_s`` in all for the peers to
+        take the message (a peer that failed too, or is blocked on another rank, hears it from that
+        rank instead)."""
         data = message.encode()[:4000]
         works = []
         for p in peers:
             try:
                 for t in (torch.tensor([KIND_ABORT, -1, -1, len(data)], dtype=torch.int64, device=self.device),
                           torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)):
-                    works.append((dist.isend(t, self._peer(p), group=self.group), t))
+                    works.append((dist.isend(t, global_rank(self.group, p), group=self.group), t))
             except RuntimeError:
                 pass  # the peer may be gone already
+        deadline = time.monotonic() + wait_s
         for work, _ in works:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             try:
-                work.wait(datetime.timedelta(seconds=wait_s))
+                work.wait(datetime.timedelta(seconds=left))
             except RuntimeError:
                 pass

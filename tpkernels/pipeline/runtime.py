@@ -7,8 +7,20 @@
 
 Inputs are split into micro-batches along dim 0 on the first stage, targets on the last. The loss
 of each micro-batch is scaled by 1/num_microbatches, so the gradients equal those of the mean loss
-over the batch; ``step`` returns that mean on every rank. For zero-bubble schedules, the Linear
-layers' weight gradients are deferred from B to W (``weight_grad.enable_weight_grad_split``).
+over the batch; ``step`` returns that mean on every rank. Losses accumulate on the device: the
+host waits for them once per step, not once per micro-batch.
+
+Zero-bubble schedules: F runs inside ``split_weight_grads()`` and B inside
+``defer_weight_grads(store)``, so every linear layer of the
+package (``ColumnParallelLinear``, ``RowParallelLinear``, and plain ``nn.Linear`` through
+``enable_weight_grad_split``) queues its weight gradient, and W (``store.flush()``) computes it
+and accumulates it through autograd (``.grad`` and post-accumulate-grad hooks as usual).
+
+End of step: a status message travels 0 → p−1 (every stage finished) and back p−1 → 0 (with the
+loss), over the same P2P engine as the data, so a rank that fails at any point, even in its
+last action while its neighbours have nothing more to receive from it, reaches every rank as a
+``PipelineAbortError`` with its cause, and a rank that dies as a ``PipelinePeerLostError`` naming
+it; no rank is left in a collective it cannot leave.
 """
 
 from __future__ import annotations
@@ -17,12 +29,23 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from tpkernels.pipeline.p2p import KIND_ACT, KIND_GRAD, P2P, PipelineAbortError, flatten
+from tpkernels.functional.weight_grad import WeightGradStore, defer_weight_grads, split_weight_grads
+from tpkernels.parallel.groups import group_rank_size
+from tpkernels.pipeline.p2p import (
+    KIND_ACT,
+    KIND_GRAD,
+    KIND_STATUS,
+    P2P,
+    PipelineAbortError,
+    PipelinePeerLostError,
+    flatten,
+)
 from tpkernels.pipeline.schedules import Action, Schedule, ScheduleError, communication, make_schedule, stage_owner
-from tpkernels.pipeline.weight_grad import WeightGradStore, defer_weight_grads, enable_weight_grad_split
+from tpkernels.pipeline.weight_grad import enable_weight_grad_split
+
+_UP, _DOWN = 0, 1  # the two legs of the end-of-step status chain (sent as the message's chunk)
 
 
 def split_microbatches(obj: Any, m: int, what: str) -> list[Any]:
@@ -52,7 +75,7 @@ class PipelineRuntime:
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, group=None,
                  device: torch.device | None = None, timeout_s: float = 300.0):
         self.group = group
-        self.rank, self.p = dist.get_rank(group), dist.get_world_size(group)
+        self.rank, self.p = group_rank_size(group)
         self.chunks = list(chunks)
         self.v = len(self.chunks)
         self.m = num_microbatches
@@ -75,6 +98,10 @@ class PipelineRuntime:
         self.p2p = P2P(group, device, timeout_s)
         # for each receive: does another message from the same peer follow in this step?
         ops = [(op, a, peer) for op, a, peer in communication(self.schedule, self.v)[self.rank] if op.startswith("recv")]
+        if self.rank > 0:
+            ops.append(("recv_status", Action("S", -1, _UP), self.rank - 1))
+        if self.rank < self.p - 1:
+            ops.append(("recv_status", Action("S", -1, _DOWN), self.rank + 1))
         self._more_after: dict[tuple[str, int, int], bool] = {}
         for i, (op, a, peer) in enumerate(ops):
             self._more_after[(a.kind, a.mb, a.chunk)] = any(q == peer for _, _, q in ops[i + 1:])
@@ -86,23 +113,18 @@ class PipelineRuntime:
     def step(self, inputs: Any = None, targets: Any = None, return_loss: bool = True) -> float | None:
         """One step over ``num_microbatches`` micro-batches: forwards, backwards (gradients accumulate
         in the parameters' .grad) and, if asked, the mean loss on every rank."""
-        xs = split_microbatches(inputs, self.m, "inputs") if self.rank == 0 else None
-        if self.rank == 0 and inputs is None:
-            raise ValueError("inputs are required on rank 0 (the first pipeline stage)")
-        ys = split_microbatches(targets, self.m, "targets") if self.is_last else None
-        if self.is_last and targets is None:
-            raise ValueError(f"targets are required on rank {self.rank} (the last pipeline stage)")
         saved: dict[tuple[int, int], tuple] = {}
         stores: dict[tuple[int, int], WeightGradStore] = {}
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        losses: list[torch.Tensor] = []
         self.timeline = []
         try:
+            xs, ys = self._split_batch(inputs, targets)
             for a in self.schedule[self.rank]:
                 # timeline spans start once the inputs have arrived: waiting is bubble, not work
                 if a.kind == "F":
                     loss = self._forward(a, xs, ys, saved)
                     if loss is not None:
-                        loss_sum += loss
+                        losses.append(loss)
                 elif a.kind == "B":
                     self._backward(a, saved, stores)
                 else:
@@ -110,21 +132,52 @@ class PipelineRuntime:
                     stores.pop((a.mb, a.chunk)).flush()
                     self.timeline.append((a, t0, time.perf_counter()))
             self.p2p.wait_sends()
+            total = self._end_of_step(losses)
         except PipelineAbortError as e:
             self.p2p.abort([n for n in self._neighbours() if n != e.source], str(e))  # pass it on
+            raise
+        except PipelinePeerLostError as e:
+            self.p2p.abort([n for n in self._neighbours() if n != e.peer], str(e))
             raise
         except Exception as e:
             msg = f"pipeline stage on rank {self.rank} raised {type(e).__name__}: {e}"
             self.p2p.abort(self._neighbours(), msg)
             raise
-        if not return_loss:
-            return None
-        src = stage_owner(self.last_vs, self.p)[0]
-        out = loss_sum.clone() if self.is_last else torch.zeros((), dtype=torch.float64)
-        if self.p > 1:
-            peer = src if self.group is None else dist.get_global_rank(self.group, src)
-            dist.broadcast(out, peer, group=self.group)
-        return float(out)
+        return float(total) if return_loss else None  # the one host sync of the step
+
+    def _split_batch(self, inputs: Any, targets: Any) -> tuple[list | None, list | None]:
+        """Micro-batches of the inputs (first stage) and targets (last stage); errors here abort the peers."""
+        xs = ys = None
+        if self.rank == 0:
+            if inputs is None:
+                raise ValueError("inputs are required on rank 0 (the first pipeline stage)")
+            xs = split_microbatches(inputs, self.m, "inputs")
+        if self.is_last:
+            if targets is None:
+                raise ValueError(f"targets are required on rank {self.rank} (the last pipeline stage)")
+            ys = split_microbatches(targets, self.m, "targets")
+        return xs, ys
+
+    def _end_of_step(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Up the chain: every stage before this rank finished; down the chain: the loss. Returns the
+        mean loss (a float64 tensor; summed on the device, no host sync here)."""
+        r, p = self.rank, self.p
+        dev = self.p2p.device
+        if self.is_last:
+            total = torch.stack([x.detach().to(torch.float64) for x in losses]).sum() if losses else \
+                torch.zeros((), dtype=torch.float64)
+            total = total.reshape(1).to(dev)
+        if p == 1:
+            return total
+        if r > 0:
+            self.p2p.recv(r - 1, KIND_STATUS, -1, _UP, self._more_after[("S", -1, _UP)])
+        if r < p - 1:
+            self.p2p.send(torch.zeros(1, dtype=torch.float64, device=dev), r + 1, KIND_STATUS, -1, _UP)
+            total = self.p2p.recv(r + 1, KIND_STATUS, -1, _DOWN, self._more_after[("S", -1, _DOWN)])
+        if r > 0:
+            self.p2p.send(total, r - 1, KIND_STATUS, -1, _DOWN)
+        self.p2p.wait_sends()
+        return total
 
     def _neighbours(self) -> list[int]:
         """Ranks this one exchanges activations or gradients with (wrapping round only when interleaved)."""
@@ -133,19 +186,20 @@ class PipelineRuntime:
             return sorted({(r - 1) % p, (r + 1) % p} - {r})
         return [n for n in (r - 1, r + 1) if 0 <= n < p]
 
-    def _forward(self, a: Action, xs, ys, saved) -> float | None:
+    def _forward(self, a: Action, xs, ys, saved) -> torch.Tensor | None:
         vs = self._vs(a.chunk)
         if vs == 0:
             x = xs[a.mb]
         else:
             x = self.p2p.recv(stage_owner(vs - 1, self.p)[0], KIND_ACT, a.mb, vs, self._more_after[("F", a.mb, a.chunk)])
         t0 = time.perf_counter()
-        out = self.chunks[a.chunk](x)
+        with split_weight_grads(self.split_backward):  # zero bubble: weights reach autograd in W only
+            out = self.chunks[a.chunk](x)
         if vs == self.last_vs:
             loss = self.loss_fn(out, ys[a.mb]) / self.m
             saved[(a.mb, a.chunk)] = (x, loss)
             self.timeline.append((a, t0, time.perf_counter()))
-            return float(loss.detach())
+            return loss.detach()
         self.p2p.send(out, stage_owner(vs + 1, self.p)[0], KIND_ACT, a.mb, vs + 1)
         saved[(a.mb, a.chunk)] = (x, out)
         self.timeline.append((a, t0, time.perf_counter()))

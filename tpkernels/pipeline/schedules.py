@@ -18,6 +18,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+from tpkernels.parallel.config import fill_warning, pipeline_errors, positive_int_errors
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
@@ -43,9 +45,11 @@ Schedule = list[list[Action]]  # per rank
 
 
 def _check(p: int, m: int, v: int = 1) -> None:
-    for name, value in (("num_stages", p), ("num_microbatches", m), ("virtual_stages", v)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ScheduleError(f"{name} ({value!r}) must be a positive integer")
+    """ParallelConfig's rules, with its messages (p is the pipeline_parallel_size)."""
+    errs = positive_int_errors(pipeline_parallel_size=p, num_microbatches=m, virtual_stages=v)
+    errs = errs or pipeline_errors(p, v, m)
+    if errs:
+        raise ScheduleError(errs[0])
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -74,11 +78,6 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     _check(p, m, v)
     if v == 1:
         return one_f_one_b(p, m)
-    if p == 1:
-        raise ScheduleError(f"virtual_stages ({v}) > 1 requires num_stages > 1")
-    if m % p:
-        raise ScheduleError(f"num_microbatches ({m}) must be a multiple of num_stages ({p}) for the interleaved "
-                            "schedule (Megatron-LM's rule)")
     total = m * v
 
     def fwd(k):
@@ -146,7 +145,7 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         raise ScheduleError(f"schedule ({name!r}) must be one of {', '.join(SCHEDULES)}")
     if name != "interleaved" and v != 1:
         raise ScheduleError(f"virtual_stages ({v}) > 1 needs the interleaved schedule, not {name!r}")
-    msg = warn_if_cannot_fill(p, m)
+    msg = fill_warning(p, m)
     if msg:
         warnings.warn(msg, PipelineFillWarning, stacklevel=2)
     return sched
@@ -184,9 +183,3 @@ def communication(sched: Schedule, v: int = 1) -> list[list[tuple[str, Action, i
         out.append(ops)
     return out
 
-
-def warn_if_cannot_fill(p: int, m: int) -> str | None:
-    if p > 1 and m < p:
-        return (f"pipeline cannot fill: num_microbatches ({m}) < num_stages ({p}); "
-                f"bubble is {100 * (p - 1) / (m + p - 1):.0f}% of the step")
-    return None

@@ -8,6 +8,7 @@ plus ``comm`` per transfer between stages.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tpkernels.pipeline.schedules import Action, Schedule, ScheduleError, communication, stage_owner, virtual_stage
@@ -19,6 +20,15 @@ class Costs:
     b: float = 1.0
     w: float = 1.0
     comm: float = 0.0
+
+    def __post_init__(self):
+        for name in ("f", "b", "w", "comm"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"costs.{name} ({value!r}) must be a finite number >= 0")
+        if self.f + self.b + self.w <= 0:
+            raise ValueError(f"costs (f={self.f}, b={self.b}, w={self.w}): at least one of f, b, w must be > 0 "
+                             "(with no work at all there is no step to time)")
 
 
 @dataclass

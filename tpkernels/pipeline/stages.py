@@ -6,6 +6,8 @@ from typing import Sequence
 
 from torch import nn
 
+from tpkernels.parallel.config import positive_int_errors
+
 
 def _param_count(m: nn.Module | None) -> int:
     return 0 if m is None else sum(p.numel() for p in m.parameters())
@@ -49,8 +51,9 @@ def split_layers(layers: Sequence[nn.Module], num_stages: int, virtual_stages: i
     num_stages as its chunk s // num_stages (``chunks_of_rank``)."""
     S = num_stages * virtual_stages
     L = len(layers)
-    if num_stages < 1 or virtual_stages < 1:
-        raise ValueError(f"num_stages ({num_stages}) and virtual_stages ({virtual_stages}) must be positive")
+    errs = positive_int_errors(num_stages=num_stages, virtual_stages=virtual_stages)
+    if errs:
+        raise ValueError(errs[0])
     if L < S:
         raise ValueError(f"number of layers ({L}) must be at least num_stages × virtual_stages "
                          f"({num_stages} × {virtual_stages} = {S})")

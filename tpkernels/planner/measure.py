@@ -110,7 +110,7 @@ def measure(model: ModelSpec, train: TrainingSetup, collective: bool = True) -> 
     coll = busbw = None
     ranks = 2
     if collective and (not on_gpu or torch.cuda.device_count() >= ranks):
-        from tpkernels.testing.distributed import run_on_ranks  # noqa: PLC0415
+        from tpkernels.parallel.local_ranks import run_on_ranks  # noqa: PLC0415
 
         backend = "nccl" if on_gpu else "gloo"
         numel = 2**26 if on_gpu else 2**22
