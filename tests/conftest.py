@@ -4,6 +4,8 @@
   before triton decorates our kernels, i.e. before tpkernels.kernels.triton.* is imported, which
   this file guarantees by running first. (Kernels are imported lazily by the package.)
 * Tests marked ``cuda`` skip without a GPU (they run in benchmarks/gpu_check.sh).
+* The cross-rank check (TPKERNELS_CHECK_RANKS=1) is on: ranks that pass different shapes or
+  dtypes to a collective op fail with a clear error instead of a wrong result or a hang.
 * Every test gets fresh random inputs: the global seed comes from os.urandom and is printed
   when the test fails, so a failure can be replayed with TPK_SEED=<seed>.
 """
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+os.environ.setdefault("TPKERNELS_CHECK_RANKS", "1")  # inherited by the rank pools' workers
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

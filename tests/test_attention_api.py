@@ -112,7 +112,7 @@ def test_forced_triton_refuses_what_it_cannot_run(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(backends.BackendUnavailableError, match="need CUDA tensors"):
         tpkernels.flash_attn_func(q.float(), q.float(), q.float(), backend="triton")
-    with pytest.raises(backends.BackendUnavailableError, match="has no cpp kernel"):
+    with pytest.raises(backends.BackendUnavailableError, match="has no cpp implementation"):
         tpkernels.flash_attn_func(q, q, q, backend="cpp")
 
 
@@ -191,8 +191,10 @@ def test_bad_input_gets_a_clear_error(call, exc, message):
         call()
 
 
-def test_cu_seqlens_are_checked_once_per_tensor_and_again_after_a_change():
-    # The check copies cu_seqlens to the host (a sync on GPUs): once per tensor, not once per layer.
+def test_cu_seqlens_are_checked_once_per_tensor_and_again_after_a_change(monkeypatch):
+    # The check copies cu_seqlens to the host (a sync on GPUs): once per CUDA tensor, not once per layer.
+    # (The cache is for CUDA tensors; here it is switched on for a CPU one to run its logic.)
+    monkeypatch.setattr(attn, "_cacheable", lambda cu: True)
     cu = cu_seqlens([4, 5], "cpu")
     attn.check_cu_seqlens(cu, 9, 5, "cu_seqlens_q")
 
@@ -207,6 +209,18 @@ def test_cu_seqlens_are_checked_once_per_tensor_and_again_after_a_change():
     cu[1] = 2  # changed in place: its version counter moves, so it is checked again
     with pytest.raises(ValueError, match=r"max_seqlen_q \(5\) must be >= the longest sequence in cu_seqlens_q \(7\)"):
         attn.check_cu_seqlens(cu, 9, 5, "cu_seqlens_q")
+
+
+def test_cpu_cu_seqlens_rewritten_through_numpy_are_checked_again():
+    import numpy as np  # noqa: PLC0415
+
+    offsets = np.array([0, 4, 9], dtype=np.int32)
+    cu = torch.from_numpy(offsets)  # shares memory: numpy's writes do not move the version counter
+    q = torch.randn(9, 2, 16)
+    tpkernels.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5)
+    offsets[1] = 1  # now a sequence of 8 > max_seqlen 5: the kernel grid would silently cut it
+    with pytest.raises(ValueError, match=r"max_seqlen_q \(5\) must be >= the longest sequence in cu_seqlens_q \(8\)"):
+        tpkernels.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5)
 
 
 # ---- torch.library registration and torch.compile ----

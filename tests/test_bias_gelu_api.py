@@ -23,13 +23,15 @@ def test_default_backend_on_cpu_is_cpp():
 
 def test_forced_backend_that_cannot_run_says_why(monkeypatch):
     monkeypatch.setenv("TPKERNELS_BACKEND", "cuda")
-    with pytest.raises(BackendUnavailableError, match=r"TPKERNELS_BACKEND=cuda cannot run bias_gelu on cpu: .*CUDA tensors"):
+    with pytest.raises(BackendUnavailableError,
+                       match=r"TPKERNELS_BACKEND=cuda \(every op\) cannot run bias_gelu on cpu .*CUDA tensors"):
         tpkernels.bias_gelu(torch.randn(3, 4), torch.randn(4))
 
 
 def test_unknown_forced_backend(monkeypatch):
     monkeypatch.setenv("TPKERNELS_BACKEND", "metal")
-    with pytest.raises(BackendUnavailableError, match="unknown backend 'metal'"):
+    with pytest.raises(BackendUnavailableError, match=r"TPKERNELS_BACKEND \('metal'\) must name one of cuda, triton, "
+                                                      r"cpp, reference, collective, ring"):
         tpkernels.bias_gelu(torch.randn(3, 4), torch.randn(4))
 
 
@@ -44,7 +46,7 @@ def test_forced_backend_is_used(backend, monkeypatch):
     monkeypatch.setenv("TPKERNELS_BACKEND", backend)
     calls = []
     real = backends.select
-    monkeypatch.setattr(backends, "select", lambda op, dev, b=None: calls.append(real(op, dev, b)) or calls[-1])
+    monkeypatch.setattr(backends, "select", lambda op, dev, b=None, **kw: calls.append(real(op, dev, b, **kw)) or calls[-1])
     x, b = torch.randn(5, 17), torch.randn(17)
     y = tpkernels.bias_gelu(x, b)
     assert calls == [backend]
@@ -93,7 +95,7 @@ def test_gradcheck(backend, monkeypatch):
 def test_backend_argument_applies_to_forward_and_backward(monkeypatch):
     used = []
     real = backends.select
-    monkeypatch.setattr(backends, "select", lambda op, dev, b=None: used.append(real(op, dev, b)) or used[-1])
+    monkeypatch.setattr(backends, "select", lambda op, dev, b=None, **kw: used.append(real(op, dev, b, **kw)) or used[-1])
     x, b = torch.randn(4, 9, requires_grad=True), torch.randn(9, requires_grad=True)
     tpkernels.bias_gelu(x, b, backend="reference").sum().backward()
     assert used == ["reference", "reference"]
@@ -209,3 +211,15 @@ print(tpkernels.build_info()["error"])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "simulated" in r.stdout
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("shape", [(0, 7), (3, 0), (2, 0, 5), (0,)], ids=str)
+def test_empty_inputs_give_empty_outputs(backend, shape):
+    x = torch.randn(*shape, requires_grad=True)
+    b = torch.randn(shape[-1], requires_grad=True)
+    y = tpkernels.bias_gelu(x, b, backend=backend)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    y.backward(torch.randn_like(y))
+    assert x.grad.shape == x.shape
+    assert b.grad.shape == b.shape and not b.grad.isnan().any() and bool((b.grad == 0).all())  # no rows: 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tpkernels.testing.distributed import RankError, RankPool, RankTimeoutError, run_on_ranks
+from tpkernels.testing.distributed import RankError, RankExited, RankPool, RankTimeoutError, run_on_ranks
 
 
 def _all_reduce_rank(rank, world_size, scale):
@@ -89,3 +89,20 @@ def test_world_size_eight():
 def test_bad_world_size():
     with pytest.raises(ValueError, match=r"world_size \(0\) must be an int in 1..64"):
         RankPool(0)
+
+
+def test_an_unpicklable_call_fails_at_once(rank_pool):
+    pool = rank_pool(2)
+    start = time.monotonic()
+    with pytest.raises(TypeError, match=r"must be picklable to reach the ranks"):
+        pool.run(lambda rank, world: rank)  # a lambda cannot be pickled
+    with pytest.raises(TypeError, match=r"must be picklable"):
+        pool.run(_all_reduce_rank, (x for x in range(3)))  # nor can a generator argument
+    assert time.monotonic() - start < 5
+    assert pool.run(_all_reduce_rank, 1.0)[0][4] == 3.0  # the pool is still usable
+
+
+def test_an_expected_death_returns_the_other_ranks_results():
+    out = run_on_ranks(_die_on, 3, 1, timeout=60, expect_exit={1})
+    assert out[0] == 0 and out[2] == 2
+    assert isinstance(out[1], RankExited) and out[1].exitcode == 3

@@ -221,12 +221,15 @@ def default_backends() -> dict[str, dict[str, str]]:
         row = {}
         for dev in ("cpu", "cuda"):
             try:
-                forced, _ = _env_choice(spec)
-                if spec.default is not None and forced is None:
+                forced, source = _env_choice(spec)
+                if forced is not None:
+                    reason = why_not(forced, op, torch.device(dev))
+                    row[dev] = forced if reason is None else f"error, {source}: {reason}"
+                elif spec.default is not None:
                     row[dev] = spec.default_doc.get(dev, "auto")
                 else:
                     row[dev] = select(op, torch.device(dev))
             except BackendUnavailableError as e:
-                row[dev] = f"none ({e})"
+                row[dev] = f"error: {e}"
         table[op] = row
     return table

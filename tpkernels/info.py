@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 
 import torch
@@ -38,18 +39,22 @@ def collect() -> dict:
         "cpu_kernel_isa": bi.get("cpu_capability", "n/a"),
         "cpu_threads": torch.get_num_threads(),
         "gpus": gpus or ["none visible"],
-        "forced_backend": backends.forced_backend() or "none (TPKERNELS_BACKEND unset)",
+        "dispatch_rule": backends.RULE,
+        "TPKERNELS_BACKEND": os.environ.get(backends.ENV_VAR, "") or "unset",
         "backends": backends.default_backends(),
     }
 
 
 def format_report(info: dict) -> str:
     lines = [f"tpkernels {info['tpkernels']}"]
-    for key in ("python", "torch", "torch_cuda", "triton", "extension", "cpu_kernel_isa", "cpu_threads",
-                "forced_backend"):
+    for key in ("python", "torch", "torch_cuda", "triton", "extension", "cpu_kernel_isa", "cpu_threads"):
         lines.append(f"  {key:15} {info[key]}")
     lines.append(f"  {'gpus':15} {', '.join(info['gpus'])}")
-    lines.append("  backend per op (CPU tensor | CUDA tensor):")
+    lines.append(f"  dispatch rule   {info['dispatch_rule']}")
+    lines.append(f"  TPKERNELS_BACKEND {info['TPKERNELS_BACKEND']}")
+    lines.append("  implementation per op (CPU tensor | CUDA tensor):")
+    width = max(len(op) for op in info["backends"])
+    cpu_width = max(len(row["cpu"]) for row in info["backends"].values())
     for op, row in info["backends"].items():
-        lines.append(f"    {op:13} {row['cpu']:10} | {row['cuda']}")
+        lines.append(f"    {op:{width}} {row['cpu']:{cpu_width}} | {row['cuda']}")
     return "\n".join(lines)

@@ -120,21 +120,30 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise ValueError(f"{name} ({m!r}) must be an int >= 0")
 
 
-# cu_seqlens tensors already checked: id -> (weakref, version, total, max_seqlen). A model reuses one
-# cu_seqlens for all its layers, so the host copy (a device sync on GPUs) happens once per batch,
-# not once per layer. The weakref and the tensor's version counter rule out stale hits.
+# CUDA cu_seqlens tensors already checked: id -> (weakref, version, data_ptr, total, max_seqlen). A model
+# reuses one cu_seqlens for all its layers, so the host copy (a device sync on GPUs) happens once per
+# batch, not once per layer; the weakref, the version counter and the data pointer rule out stale hits.
+# CPU tensors are read every time: the read costs no sync there, and a CPU tensor can share memory with
+# a numpy array whose writes never move the version counter. (Writes to CUDA memory through a DLPack
+# alias would not move it either; torch itself cannot see those.)
 _CHECKED: dict = {}
 
 
+def _cacheable(cu: Tensor) -> bool:
+    return cu.device.type == "cuda"
+
+
 def _checked_before(cu: Tensor, total: int, max_seqlen: int) -> bool:
+    if not _cacheable(cu):
+        return False
     entry = _CHECKED.get(id(cu))
-    return entry is not None and entry[0]() is cu and entry[1:] == (cu._version, total, max_seqlen)
+    return entry is not None and entry[0]() is cu and entry[1:] == (cu._version, cu.data_ptr(), total, max_seqlen)
 
 
 def check_cu_seqlens(cu: Tensor, total: int, max_seqlen: int, name: str) -> None:
-    """The values of cu_seqlens (one small host copy, once per tensor): start at 0, never decrease, end
-    at the token count, no sequence longer than max_seqlen (a longer one would be silently cut by the
-    kernel grid)."""
+    """The values of cu_seqlens (one small host copy; once per CUDA tensor): start at 0, never decrease,
+    end at the token count, no sequence longer than max_seqlen (a longer one would be silently cut by
+    the kernel grid)."""
     if _checked_before(cu, total, max_seqlen):
         return
     offs = cu.tolist()
@@ -151,9 +160,10 @@ def check_cu_seqlens(cu: Tensor, total: int, max_seqlen: int, name: str) -> None
     max_name = "max_seqlen_" + name[-1]
     if longest > max_seqlen:
         raise ValueError(f"{max_name} ({max_seqlen}) must be >= the longest sequence in {name} ({longest})")
-    if len(_CHECKED) > 64:
-        _CHECKED.clear()
-    _CHECKED[id(cu)] = (weakref.ref(cu), cu._version, total, max_seqlen)
+    if _cacheable(cu):
+        if len(_CHECKED) > 64:
+            _CHECKED.clear()
+        _CHECKED[id(cu)] = (weakref.ref(cu), cu._version, cu.data_ptr(), total, max_seqlen)
 
 
 # ---- backend choice ----

@@ -62,7 +62,7 @@ def _auto(device: torch.device, dtype, flops: float = 0.0, world: int = 1) -> st
     return "ring" if flops / max(world, 1) >= threshold else "collective"
 
 
-_AUTO_DOC = {dev: f"auto: ring from {t:.0e} FLOP per chunk, else collective" for dev, t in RING_MIN_CHUNK_FLOPS.items()}
+_AUTO_DOC = {dev: f"auto: ring from {t:.2g} FLOP per chunk, else collective" for dev, t in RING_MIN_CHUNK_FLOPS.items()}
 for _op in ("all_gather_matmul", "matmul_reduce_scatter"):
     backends.register_op(_op, ("collective", "ring"), family=FAMILY, default=_auto, default_doc=_AUTO_DOC)
 

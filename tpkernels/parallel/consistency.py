@@ -95,7 +95,7 @@ def agree(group, op: str, **fields: Any) -> None:
     mine = torch.tensor([x for name in names for x in _encode(fields[name])], dtype=torch.int64)
     nccl = dist.get_backend(group) == "nccl"
     dev = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    everyone = torch.empty((world, mine.numel()), dtype=torch.int64, device=dev)
+    everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
     from tpkernels.parallel.collectives import all_gather_into  # noqa: PLC0415  (collectives imports nothing of ours)
 
     all_gather_into(everyone, mine.to(dev), group)

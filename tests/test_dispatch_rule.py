@@ -1,0 +1,107 @@
+"""The one dispatch rule, for every op: an explicit argument beats TPKERNELS_BACKEND (an op's own
+entry beats a bare name), which beats the op's default; a chosen implementation that cannot run
+raises, naming the op, where the choice came from and why."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tpkernels
+from tpkernels import backends
+from tpkernels.backends import BackendUnavailableError
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def no_env(monkeypatch):
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+
+
+def test_every_op_is_behind_the_rule():
+    ops = backends.registered_ops()
+    assert set(ops) >= {"bias_gelu", "flash_attn", "all_gather_matmul", "matmul_reduce_scatter"}
+    assert ops["all_gather_matmul"] == ops["matmul_reduce_scatter"] == ("collective", "ring")
+
+
+def test_an_explicit_argument_beats_the_environment(monkeypatch):
+    x, b = torch.randn(3, 5), torch.randn(5)
+    monkeypatch.setenv(backends.ENV_VAR, "cuda")  # cannot run on CPU tensors
+    with pytest.raises(BackendUnavailableError, match="TPKERNELS_BACKEND=cuda"):
+        tpkernels.bias_gelu(x, b)
+    torch.testing.assert_close(tpkernels.bias_gelu(x, b, backend="reference"), torch.nn.functional.gelu(x + b))
+    monkeypatch.setenv(backends.ENV_VAR, "flash_attn=triton")
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)  # fp64: no Triton kernel; the argument still decides
+    tpkernels.flash_attn_func(q, q, q, backend="reference")
+    with pytest.raises(BackendUnavailableError, match=r"TPKERNELS_BACKEND=flash_attn=triton cannot run flash_attn"):
+        tpkernels.flash_attn_func(q, q, q)
+
+
+def test_per_op_entries_and_bare_names(monkeypatch):
+    monkeypatch.setenv(backends.ENV_VAR, "bias_gelu=reference, flash_attn=reference")
+    assert backends.select("bias_gelu", CPU) == "reference"
+    assert backends.select("flash_attn", CPU) == "reference"
+    monkeypatch.setenv(backends.ENV_VAR, "reference,bias_gelu=cpp")  # the op's own entry beats the bare name
+    assert backends.select("bias_gelu", CPU) == "cpp"
+    assert backends.select("flash_attn", CPU) == "reference"
+    monkeypatch.setenv(backends.ENV_VAR, "gemm_comm=ring")  # a family names both GEMM-comm ops
+    assert backends.select("all_gather_matmul", CPU, flops=1.0, world=2) == "ring"
+    assert backends.select("matmul_reduce_scatter", CPU, flops=1.0, world=2) == "ring"
+    assert backends.select("bias_gelu", CPU) == "cpp"  # untouched: its default
+
+
+def test_a_bare_name_an_op_lacks_says_which_op_and_how_to_force_one(monkeypatch):
+    monkeypatch.setenv(backends.ENV_VAR, "cuda")  # meant for bias_gelu's CUDA kernel
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(BackendUnavailableError) as e:
+        tpkernels.flash_attn_func(q, q, q)
+    msg = str(e.value)
+    assert "TPKERNELS_BACKEND=cuda (every op) cannot run flash_attn" in msg
+    assert "op flash_attn has no cuda implementation (it has: triton, reference)" in msg
+    assert "TPKERNELS_BACKEND=bias_gelu=cuda" in msg  # the per-op form
+
+
+def test_bad_environment_values_are_errors(monkeypatch):
+    monkeypatch.setenv(backends.ENV_VAR, "bias_gleu=cuda")
+    with pytest.raises(BackendUnavailableError, match=r"names unknown op 'bias_gleu'"):
+        backends.select("bias_gelu", CPU)
+    monkeypatch.setenv(backends.ENV_VAR, "cpp,reference")
+    with pytest.raises(BackendUnavailableError, match=r"names two implementations for every op \('cpp', 'reference'\)"):
+        backends.select("bias_gelu", CPU)
+    monkeypatch.setenv(backends.ENV_VAR, "bias_gelu=metal")
+    with pytest.raises(BackendUnavailableError, match=r"unknown implementation 'metal'; choose one of cuda, triton, cpp"):
+        backends.select("bias_gelu", CPU)
+
+
+def test_dtype_limits_are_part_of_the_rule():
+    # the attention's second, dtype-based layer now lives in the rule: fp32 on CUDA skips Triton
+    assert backends.select("flash_attn", CUDA, dtype=torch.bfloat16) == "triton"
+    assert backends.select("flash_attn", CUDA, dtype=torch.float32) == "reference"
+    with pytest.raises(BackendUnavailableError, match="take float16 or bfloat16 CUDA tensors, got torch.float32"):
+        backends.select("flash_attn", CUDA, "triton", dtype=torch.float32)
+    assert backends.select("bias_gelu", CUDA, dtype=torch.float64) == "reference"  # no fp64 CUDA/Triton kernel
+
+
+def test_gemm_comm_algorithms_follow_the_same_rule(monkeypatch):
+    from tpkernels.functional.gemm_comm import choose_algo
+
+    monkeypatch.setenv(backends.ENV_VAR, "gemm_comm=ring")
+    assert choose_algo("all_gather_matmul", "collective", 4, 1e15, CPU) == "collective"  # explicit wins
+    assert choose_algo("all_gather_matmul", "auto", 4, 1.0, CPU) == "ring"  # "auto" = no choice: the environment
+    monkeypatch.setenv(backends.ENV_VAR, "cuda")  # a kernel name does not touch the algorithms
+    assert choose_algo("all_gather_matmul", "auto", 4, 1.0, CPU) == "collective"
+
+
+def test_info_shows_the_rule(monkeypatch):
+    monkeypatch.setenv(backends.ENV_VAR, "flash_attn=reference")
+    r = subprocess.run([sys.executable, "-m", "tpkernels.cli", "info"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "dispatch rule   explicit argument (backend=/algo=) > TPKERNELS_BACKEND op=name entry" in r.stdout
+    assert "TPKERNELS_BACKEND flash_attn=reference" in r.stdout
+    line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("flash_attn"))
+    assert line.split()[1] == "reference"
+    assert "auto: ring from" in next(ln for ln in r.stdout.splitlines() if "all_gather_matmul" in ln)
