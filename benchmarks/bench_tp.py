@@ -40,13 +40,11 @@ def _bench_rank(rank, world, tokens, hidden, ffn, reps, device_type):
     x_local = torch.randn(tokens // world, 1, hidden, device=dev, dtype=dtype)
     dy_local = torch.randn_like(x_local)
 
-    def ours(algo_overlap: bool):
-        c1 = ColumnParallelLinear.from_linear(fc1, None, sequence_parallel=True, overlap_comm=algo_overlap)
-        c2 = RowParallelLinear.from_linear(fc2, None, sequence_parallel=True, overlap_comm=algo_overlap)
-        algo = "ring" if algo_overlap else "collective"
-        import os  # noqa: PLC0415
-
-        os.environ["TPKERNELS_GEMM_COMM_ALGO"] = algo  # compare the algorithms themselves, not the auto rule
+    def ours(ring: bool):
+        # compare the algorithms themselves, not the auto rule: ring (overlapped) vs the serial collective form
+        kw = dict(sequence_parallel=True, algo="ring") if ring else dict(sequence_parallel=True, overlap_comm=False)
+        c1 = ColumnParallelLinear.from_linear(fc1, None, **kw)
+        c2 = RowParallelLinear.from_linear(fc2, None, **kw)
 
         def step():
             x = x_local.clone().requires_grad_()
@@ -98,9 +96,6 @@ def _bench_rank(rank, world, tokens, hidden, ffn, reps, device_type):
                 step()
                 sync()
             out["hidden"] = tr.hidden_comm_fraction()
-    import os  # noqa: PLC0415
-
-    os.environ.pop("TPKERNELS_GEMM_COMM_ALGO", None)
     return out
 
 

@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from tpkernels.kernels.reference import attention_naive
+from tpkernels.functional.attention import canonical_window
+from tpkernels.kernels.reference import attention_naive, visible, window_bounds
 from tpkernels.testing.tolerance import assert_fa_close
 
 def make_qkv(shape_q, shape_kv, dtype, device, requires_grad=True):
@@ -22,11 +23,11 @@ def make_qkv(shape_q, shape_kv, dtype, device, requires_grad=True):
     return [t.requires_grad_(requires_grad) for t in (q, k, v)]
 
 
-def oracle(q, k, v, do, dlse, scale, causal, dtype):
+def oracle(q, k, v, do, dlse, scale, causal, dtype, window=(-1, -1), softcap=0.0):
     """(o, lse, dq, dk, dv) of the naive math in ``dtype``, computed on q's device, returned on the CPU.
     q: (b, sq, h, d)."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    o, lse = attention_naive(*leaves, scale, causal)
+    o, lse = attention_naive(*leaves, scale, causal, window=window, softcap=softcap)
     grads = torch.autograd.grad([o, lse], leaves, [do.detach().to(dtype), dlse.detach().to(lse.device, lse.dtype)])
     return tuple(t.detach().cpu() for t in (o, lse, *grads))
 
@@ -61,19 +62,28 @@ def compare(ours, ref64, ref_lp, names=("out", "lse", "dq", "dk", "dv")):
         assert_fa_close(a, r64, rlp, grad=name.startswith("d"), name=name, ulps=ulps)
 
 
-def check_dense(run, b, sq, sk, h, hk, d, causal, dtype, device, scale=None, lse_grad=True):
-    """run(q, k, v, do, dlse, scale, causal) -> (o, lse, dq, dk, dv) for dense (b, s, h, d) inputs.
-    ``lse_grad=False``: the lse's cotangent is zero (the usual training case)."""
+def rows_that_see_a_key(sq, sk, causal, window=(-1, -1)):
+    """(sq,) bool: the query rows whose mask leaves at least one key."""
+    keep = visible(0, sq, sq, sk, *window_bounds(causal, window), "cpu")
+    return torch.ones(sq, dtype=torch.bool) if keep is None else keep.any(-1)
+
+
+def check_dense(run, b, sq, sk, h, hk, d, causal, dtype, device, scale=None, lse_grad=True, window=(-1, -1),
+                softcap=0.0, canonical=False):
+    """run(q, k, v, do, dlse, scale, causal, window, softcap) -> (o, lse, dq, dk, dv) for dense (b, s, h, d)
+    inputs. ``lse_grad=False``: the lse's cotangent is zero (the usual training case). ``canonical``: ``run``
+    normalises the window as flash-attn does (the public API), so the oracle gets the normalised one."""
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     q, k, v = make_qkv((b, sq, h, d), (b, sk, hk, d), dtype, device)
     do = torch.randn((b, sq, h, d), dtype=torch.float64).to(dtype).to(device)
-    seen = torch.arange(sq)[:, None] + (sk - sq) >= 0 if causal else torch.ones(sq, 1, dtype=torch.bool)
-    dlse = lse_cotangent((b, h, sq), seen[:, 0].expand(b, h, sq)).to(device)
+    ref_window = canonical_window(window, causal, sk) if canonical else window
+    seen = rows_that_see_a_key(sq, sk, causal, ref_window)
+    dlse = lse_cotangent((b, h, sq), seen.expand(b, h, sq)).to(device)
     if not lse_grad:
         dlse = torch.zeros_like(dlse)
-    ours = run(q, k, v, do, dlse, scale, causal)
-    ref64 = oracle(q, k, v, do, dlse, scale, causal, torch.float64)
-    ref_lp = oracle(q, k, v, do, dlse, scale, causal, dtype)
+    ours = run(q, k, v, do, dlse, scale, causal, window, softcap)
+    ref64 = oracle(q, k, v, do, dlse, scale, causal, torch.float64, ref_window, softcap)
+    ref_lp = oracle(q, k, v, do, dlse, scale, causal, dtype, ref_window, softcap)
     compare(ours, ref64, ref_lp)
     return ours
 
@@ -87,21 +97,22 @@ def cu_seqlens(lengths, device):
     return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
 
 
-def check_varlen(run_varlen, run_dense, lens_q, lens_k, h, hk, d, causal, dtype, device):
+def check_varlen(run_varlen, run_dense, lens_q, lens_k, h, hk, d, causal, dtype, device, window=(-1, -1),
+                 softcap=0.0):
     """Packed sequences against the oracle per sequence, and equal to ``run_dense`` on each sequence alone.
 
-    run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, do, dlse, scale, causal) -> (o, lse (h, total), dq, dk, dv).
-    """
+    run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, do, dlse, scale, causal, window, softcap)
+    -> (o, lse (h, total), dq, dk, dv). The window is taken as given (no normalisation)."""
     scale = 1.0 / math.sqrt(d)
     tq, tk = sum(lens_q), sum(lens_k)
     q, k, v = make_qkv((tq, h, d), (tk, hk, d), dtype, device)
     do = torch.randn((tq, h, d), dtype=torch.float64).to(dtype).to(device)
     cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
-    seen = torch.cat([(torch.arange(lq) + (lk - lq) >= 0) if causal else torch.ones(lq, dtype=torch.bool)
-                      for lq, lk in zip(lens_q, lens_k)]) if tq else torch.zeros(0, dtype=torch.bool)
+    seen = torch.cat([rows_that_see_a_key(lq, lk, causal, window) for lq, lk in zip(lens_q, lens_k)]) if tq else \
+        torch.zeros(0, dtype=torch.bool)
     seen = seen & torch.tensor([lk > 0 for lq, lk in zip(lens_q, lens_k) for _ in range(lq)], dtype=torch.bool)
     dlse = lse_cotangent((h, tq), seen[None, :].expand(h, tq)).to(device)
-    ours = run_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), do, dlse, scale, causal)
+    ours = run_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), do, dlse, scale, causal, window, softcap)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
@@ -112,12 +123,12 @@ def check_varlen(run_varlen, run_dense, lens_q, lens_k, h, hk, d, causal, dtype,
             assert bool((mine[0] == 0).all()) and bool(torch.isinf(mine[1]).all()) and bool((mine[2] == 0).all())
             continue
         args = [t[None] for t in (q[qs], k[ks], v[ks], do[qs])] + [dlse[None, :, qs]]
-        ref64 = oracle(*args, scale, causal, torch.float64)
-        ref_lp = oracle(*args, scale, causal, dtype)
+        ref64 = oracle(*args, scale, causal, torch.float64, window, softcap)
+        ref_lp = oracle(*args, scale, causal, dtype, window, softcap)
         per_seq = tuple(t[0] for t in ref64[:1]) + (ref64[1][0],) + tuple(t[0] for t in ref64[2:])
         per_lp = tuple(t[0] for t in ref_lp[:1]) + (ref_lp[1][0],) + tuple(t[0] for t in ref_lp[2:])
         compare(mine, per_seq, per_lp)
-        alone = run_dense(*args[:3], args[3], args[4], scale, causal)
+        alone = run_dense(*args[:3], args[3], args[4], scale, causal, window, softcap)
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), mine, alone):
             b = b[0]
             same = torch.equal(torch.isinf(a), torch.isinf(b)) and torch.allclose(

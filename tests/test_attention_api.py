@@ -9,16 +9,16 @@ import torch
 import torch.nn.functional as F
 
 import tpkernels
-from attention_checks import check_dense, check_varlen, cu_seqlens, make_qkv, random_lengths
+from attention_checks import check_dense, check_varlen, cu_seqlens, make_qkv, oracle, random_lengths
 from tpkernels import backends
 from tpkernels.functional import attention as attn
 from tpkernels.kernels import reference
 
 
 def api_dense(backend=None):
-    def run(q, k, v, do, dlse, scale, causal):
-        o, lse = tpkernels.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_lse=True,
-                                           backend=backend)
+    def run(q, k, v, do, dlse, scale, causal, window=(-1, -1), softcap=0.0):
+        o, lse = tpkernels.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
+                                           softcap=softcap, return_lse=True, backend=backend)
         grads = torch.autograd.grad([o, lse], [q, k, v], [do, dlse.to(lse.dtype)])
         return (o, lse, *grads)
 
@@ -26,9 +26,10 @@ def api_dense(backend=None):
 
 
 def api_varlen(backend=None):
-    def run(q, k, v, cu_q, cu_k, max_q, max_k, do, dlse, scale, causal):
+    def run(q, k, v, cu_q, cu_k, max_q, max_k, do, dlse, scale, causal, window=(-1, -1), softcap=0.0):
         o, lse = tpkernels.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale,
-                                                  causal=causal, return_lse=True, backend=backend)
+                                                  causal=causal, window_size=window, softcap=softcap,
+                                                  return_lse=True, backend=backend)
         grads = torch.autograd.grad([o, lse], [q, k, v], [do, dlse.to(lse.dtype)])
         return (o, lse, *grads)
 
@@ -64,6 +65,88 @@ def test_reference_varlen_matches_each_sequence_alone(nseq, causal, torch_kernel
     lens_k = random_lengths(nseq) if nseq == 3 else lens_q
     check_varlen(api_varlen("reference"), api_dense("reference"), lens_q, lens_k, 4, 2, 32, causal, torch.float32,
                  "cpu")
+
+
+@pytest.mark.parametrize("sq,sk,window,causal,softcap", [
+    (33, 33, (8, -1), True, 0.0), (40, 29, (5, 7), False, 0.0), (29, 40, (0, 0), False, 0.0),
+    (50, 17, (3, -1), True, 0.0),  # rows that see no key under a window
+    (24, 24, (100, 100), False, 0.0),  # both sides >= seqlen_k: no limit, as flash-attn normalises
+    (33, 33, (-1, -1), True, 6.0), (30, 41, (9, 2), False, 2.5),
+], ids=str)
+@pytest.mark.parametrize("torch_kernel", [True, False], ids=["torch-cpu-kernel", "chunked-math"])
+def test_reference_path_windows_and_softcap(sq, sk, window, causal, softcap, torch_kernel, monkeypatch):
+    monkeypatch.setattr(reference, "USE_TORCH_CPU_KERNEL", torch_kernel)
+    for lse_grad in (False, True):
+        check_dense(api_dense("reference"), 2, sq, sk, 4, 2, 32, causal, torch.float64, "cpu", lse_grad=lse_grad,
+                    window=window, softcap=softcap, canonical=True)
+
+
+def test_reference_varlen_window_matches_each_sequence_alone():
+    lens = [17, 3, 40]
+    check_varlen(api_varlen("reference"), api_dense("reference"), lens, lens, 4, 2, 32, True, torch.float32, "cpu",
+                 window=(6, -1), softcap=3.0)
+
+
+# flash-attn 2.x's signatures, positional order and keyword names (flash_attn/flash_attn_interface.py)
+FA_DENSE = ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes",
+            "deterministic", "return_attn_probs"]
+FA_VARLEN = ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
+             "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic", "return_attn_probs",
+             "block_table"]
+
+
+def test_signatures_are_flash_attns():
+    import inspect  # noqa: PLC0415
+
+    for fn, names in ((tpkernels.flash_attn_func, FA_DENSE), (tpkernels.flash_attn_varlen_func, FA_VARLEN)):
+        params = inspect.signature(fn).parameters
+        positional = [n for n, p in params.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+        assert positional == names
+        assert all(params[n].kind == params[n].KEYWORD_ONLY for n in ("return_lse", "backend"))
+
+
+def test_called_as_flash_attn_documents_it():
+    q, k, v = make_qkv((2, 21, 4, 32), (2, 21, 2, 32), torch.float32, "cpu", requires_grad=False)
+    # the README's keyword call, and the same call positionally in flash-attn's order
+    kw = tpkernels.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, window_size=(7, 0),
+                                   alibi_slopes=None, deterministic=False)
+    pos = tpkernels.flash_attn_func(q, k, v, 0.0, None, True, (7, 0), 0.0, None, False, False)
+    want = oracle(q, k, v, torch.zeros_like(q), torch.zeros(2, 4, 21), 1 / math.sqrt(32), True, torch.float64,
+                  (7, 0))[0]
+    assert torch.equal(kw, pos)
+    torch.testing.assert_close(kw.double(), want, rtol=1e-5, atol=1e-5)
+    # Hugging Face's call: dropout positional, the rest by keyword, flash_kwargs included
+    hf = tpkernels.flash_attn_func(q, k, v, 0.0, softmax_scale=None, causal=True, window_size=(7, 7), softcap=0.0,
+                                   deterministic=True)
+    assert torch.equal(hf, kw)  # causal sets the right side to 0
+    out, lse, probs = tpkernels.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert probs is None and lse.shape == (2, 4, 21)  # flash-attn fills S_dmask only with dropout
+
+    lens = [9, 12]
+    cu = cu_seqlens(lens, "cpu")
+    qv, kv, vv = (t[0, :21] for t in (q, k, v))
+    kw = tpkernels.flash_attn_varlen_func(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=12,
+                                          max_seqlen_k=12, dropout_p=0.0, softmax_scale=0.3, causal=True,
+                                          window_size=(4, 0), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                          return_attn_probs=False, block_table=None)
+    pos = tpkernels.flash_attn_varlen_func(qv, kv, vv, cu, cu, 12, 12, 0.0, 0.3, True, (4, 0), 0.0, None, False,
+                                           False, None)
+    assert torch.equal(kw, pos)  # the 8th positional is dropout_p, the 9th softmax_scale
+    for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+        alone = tpkernels.flash_attn_func(qv[None, a:b], kv[None, a:b], vv[None, a:b], 0.0, 0.3, True, (4, 0))
+        torch.testing.assert_close(kw[a:b], alone[0], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"dropout_p \(0.3\) must be 0.0"):
+        tpkernels.flash_attn_varlen_func(qv, kv, vv, cu, cu, 12, 12, 0.3)  # a dropout value is never a scale
+
+
+def test_module_takes_window_and_softcap():
+    q, k, v = make_qkv((1, 19, 2, 16), (1, 19, 2, 16), torch.float32, "cpu", requires_grad=False)
+    attn_mod = tpkernels.nn.FlashAttention(causal=True, window_size=(5, 0), softcap=3.0)
+    torch.testing.assert_close(attn_mod(q, k, v), tpkernels.flash_attn_func(q, k, v, causal=True, window_size=(5, 0),
+                                                                             softcap=3.0))
+    assert "window_size=(5, 0)" in repr(attn_mod)
+    with pytest.raises(ValueError, match=r"window_size \(\(5,\)\) must be a pair"):
+        tpkernels.nn.FlashAttention(window_size=(5,))
 
 
 def test_matches_torch_sdpa():
@@ -156,8 +239,19 @@ BAD_DENSE = [
      ValueError, r"softmax_scale \(-1.0\) must be a finite number > 0"),
     (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16), causal="yes"),
      TypeError, r"causal \('yes'\) must be a bool"),
-    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16), 0.0, None, True, (-1, -1)),
-     TypeError, r"return_lse \(\(-1, -1\)\) must be a bool \(window_size, softcap"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16), window_size=(4,)),
+     ValueError, r"window_size \(\(4,\)\) must be a pair \(left, right\) of ints >= -1"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16), window_size=(-2, 0)),
+     ValueError, r"window_size \(\(-2, 0\)\) must be a pair \(left, right\) of ints >= -1 \(-1: no limit\)"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16), softcap=-1.0),
+     ValueError, r"softcap \(-1.0\) must be a finite number >= 0 \(0: no soft-capping\)"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16), alibi_slopes=_t(2)),
+     ValueError, r"alibi_slopes must be None: ALiBi position biases are not supported"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16), 0.0, None, False, (-1, -1),
+                                       0.0, None, False, "yes"),
+     TypeError, r"return_attn_probs \('yes'\) must be a bool"),
+    (lambda: tpkernels.flash_attn_func(_t(1, 5, 2, 16), _t(1, 5, 2, 16), _t(1, 5, 2, 16), deterministic=1),
+     TypeError, r"deterministic \(1\) must be a bool"),
 ]
 
 BAD_VARLEN = [
@@ -182,6 +276,12 @@ BAD_VARLEN = [
     (lambda: tpkernels.flash_attn_varlen_func(_t(1, 7, 2, 16), _t(7, 2, 16), _t(7, 2, 16), _cu(0, 7), _cu(0, 7),
                                               7, 7),
      ValueError, r"q must be 3-D \(total_tokens, nheads, headdim\)"),
+    (lambda: tpkernels.flash_attn_varlen_func(_t(7, 2, 16), _t(7, 2, 16), _t(7, 2, 16), _cu(0, 7), _cu(0, 7), 7, 7,
+                                              dropout_p=0.1),
+     ValueError, r"dropout_p \(0.1\) must be 0.0: attention dropout is not supported"),
+    (lambda: tpkernels.flash_attn_varlen_func(_t(7, 2, 16), _t(7, 2, 16), _t(7, 2, 16), _cu(0, 7), _cu(0, 7), 7, 7,
+                                              block_table=torch.zeros(1, 1, dtype=torch.int32)),
+     ValueError, r"block_table must be None: paged KV caches are not supported"),
 ]
 
 
@@ -227,17 +327,21 @@ def test_cpu_cu_seqlens_rewritten_through_numpy_are_checked_again():
 
 def test_custom_ops_pass_opcheck():
     # Schema, fake impls (shapes, dtypes, strides), autograd registration, all checked by PyTorch.
+    # Arguments after the cu_seqlens: max_q, max_k, scale, causal, window_left, window_right, softcap, backend.
     q, k, v = make_qkv((2, 9, 4, 16), (2, 11, 2, 16), torch.float32, "cpu")
     torch.library.opcheck(torch.ops.tpkernels.flash_attn_forward.default,
-                          (q, k, v, None, None, 9, 11, 0.25, True, ""))
+                          (q, k, v, None, None, 9, 11, 0.25, True, -1, 0, 0.0, ""))
+    torch.library.opcheck(torch.ops.tpkernels.flash_attn_forward.default,
+                          (q, k, v, None, None, 9, 11, 0.25, False, 3, 2, 5.0, ""))
     lens = [5, 0, 4]
     qv, kv, vv = make_qkv((9, 4, 16), (9, 2, 16), torch.float32, "cpu")
     cu = cu_seqlens(lens, "cpu")
-    torch.library.opcheck(torch.ops.tpkernels.flash_attn_forward.default, (qv, kv, vv, cu, cu, 5, 5, 0.25, False, ""))
-    o, lse = torch.ops.tpkernels.flash_attn_forward(q, k, v, None, None, 9, 11, 0.25, True, "")
+    torch.library.opcheck(torch.ops.tpkernels.flash_attn_forward.default,
+                          (qv, kv, vv, cu, cu, 5, 5, 0.25, False, -1, -1, 0.0, ""))
+    o, lse = torch.ops.tpkernels.flash_attn_forward(q, k, v, None, None, 9, 11, 0.25, True, -1, 0, 0.0, "")
     torch.library.opcheck(torch.ops.tpkernels.flash_attn_backward.default,
                           (torch.randn_like(o), q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), None,
-                           None, None, 9, 11, 0.25, True, ""))
+                           None, None, 9, 11, 0.25, True, -1, 0, 0.0, ""))
 
 
 def test_torch_compile_fullgraph_forward_and_backward():

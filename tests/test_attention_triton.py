@@ -27,27 +27,29 @@ def triton_dense(config=None):
     """A runner for attention_checks: the kernel launchers, with NaN-poisoned outputs and gradients."""
     config = config or {}
 
-    def run(q, k, v, do, dlse, scale, causal):
+    def run(q, k, v, do, dlse, scale, causal, window=(-1, -1), softcap=0.0):
         q, k, v = q.detach(), k.detach(), v.detach()
         b, sq, h, _ = q.shape
         out, lse = torch.full_like(q, NAN), torch.full((b, h, sq), NAN, device=q.device)
-        o, lse = tk.flash_attn_fwd(q, k, v, scale, causal, config=config.get("fwd"), out=out, lse=lse)
+        o, lse = tk.flash_attn_fwd(q, k, v, scale, causal, config=config.get("fwd"), out=out, lse=lse, window=window,
+                                   softcap=softcap)
         grads = [torch.full_like(t, NAN) for t in (q, k, v)]
         dq, dk, dv = tk.flash_attn_bwd(do, q, k, v, o, lse, scale, causal, dlse=dlse, config=config,
-                                       dq=grads[0], dk=grads[1], dv=grads[2])
+                                       dq=grads[0], dk=grads[1], dv=grads[2], window=window, softcap=softcap)
         assert o is out and dq is grads[0] and dk is grads[1] and dv is grads[2]
         return o, lse, dq, dk, dv
 
     return run
 
 
-def triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, do, dlse, scale, causal):
+def triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, do, dlse, scale, causal, window=(-1, -1), softcap=0.0):
     q, k, v = q.detach(), k.detach(), v.detach()
     out, lse = torch.full_like(q, NAN), torch.full((q.shape[1], q.shape[0]), NAN, device=q.device)
-    o, lse = tk.flash_attn_fwd(q, k, v, scale, causal, cu_q, cu_k, max_q, max_k, out=out, lse=lse)
+    o, lse = tk.flash_attn_fwd(q, k, v, scale, causal, cu_q, cu_k, max_q, max_k, out=out, lse=lse, window=window,
+                               softcap=softcap)
     grads = [torch.full_like(t, NAN) for t in (q, k, v)]
     dq, dk, dv = tk.flash_attn_bwd(do, q, k, v, o, lse, scale, causal, cu_q, cu_k, max_q, max_k, dlse=dlse,
-                                   dq=grads[0], dk=grads[1], dv=grads[2])
+                                   dq=grads[0], dk=grads[1], dv=grads[2], window=window, softcap=softcap)
     return o, lse, dq, dk, dv
 
 
@@ -69,6 +71,51 @@ def test_forward_backward_grid(seqlen, headdim, causal, group, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_seqlen_q_differs_from_seqlen_k(sq, sk, causal):
     check_dense(triton_dense(), 1, sq, sk, 4, 2, 64, causal, torch.float32, DEVICE)
+
+
+# Sliding windows (left only, both sides, larger than the sequence, a window of 0) with and without
+# causal, square and not, plus soft-capping; every case against the float64 oracle.
+WINDOW_CASES = [
+    # sq, sk, window, causal
+    (129, 129, (32, -1), True),    # Mistral-style: causal with a left window
+    (129, 129, (17, 9), False),    # both sides
+    (70, 131, (20, 5), False),     # seqlen_q < seqlen_k, both sides
+    (131, 70, (33, -1), True),     # seqlen_q > seqlen_k: rows that see no key, and a window
+    (64, 64, (200, 300), False),   # larger than the sequence: no effect
+    (65, 65, (0, 0), False),       # a window of 0: each query sees one key
+    (17, 129, (0, -1), True),      # causal with a 0 left window: the diagonal only
+    (96, 64, (-1, 3), False),      # right side only
+]
+
+
+@pytest.mark.parametrize("sq,sk,window,causal", WINDOW_CASES, ids=str)
+def test_sliding_windows(sq, sk, window, causal):
+    check_dense(triton_dense(), 1, sq, sk, 4, 2, 32, causal, torch.float32, DEVICE, window=window)
+
+
+@pytest.mark.parametrize("config", [
+    {"fwd": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)},
+    {"fwd": (16, 64, 4, 1), "dkdv": (64, 16, 4, 1), "dq": (16, 64, 4, 1)},
+], ids=["16x16", "tall-keys"])
+@pytest.mark.parametrize("window", [(5, 0), (40, 21)], ids=str)
+def test_windows_across_tile_shapes(config, window):
+    # the three phases (masked start, unmasked middle, masked end) move with BLOCK_M, BLOCK_N and the window
+    check_dense(triton_dense(config), 1, 131, 97, 2, 1, 32, False, torch.float32, DEVICE, window=window)
+
+
+@pytest.mark.parametrize("softcap,causal,window,dtype", [
+    (1.5, True, (-1, -1), torch.float32),    # a small cap: most scores deep in tanh's saturation
+    (30.0, False, (-1, -1), torch.float32),  # Gemma 2's 50-ish: scores mostly in the linear range
+    (5.0, True, (24, -1), torch.float16),    # with a window, fp16
+], ids=str)
+def test_softcap(softcap, causal, window, dtype):
+    check_dense(triton_dense(), 2, 77, 77, 4, 2, 64, causal, dtype, DEVICE, scale=1.0, window=window,
+                softcap=softcap)
+
+
+def test_varlen_with_a_window_and_softcap():
+    check_varlen(triton_varlen, triton_dense(), [17, 40, 1, 33], [17, 40, 9, 50], 2, 1, 32, True, torch.float32,
+                 DEVICE, window=(9, -1), softcap=4.0)
 
 
 @pytest.mark.parametrize("config", [
@@ -107,7 +154,7 @@ def test_strided_inputs_from_a_packed_qkv_tensor():
     # (b, s, 3, h, d) packed QKV: q/k/v are views with non-contiguous seq/head strides, read in place.
     b, s, h, d = 2, 37, 3, 32
 
-    def run(q, k, v, do, dlse, scale, causal):
+    def run(q, k, v, do, dlse, scale, causal, window, softcap):
         packed = torch.stack([q.detach(), k.detach(), v.detach()], dim=2)
         assert not packed[:, :, 0].is_contiguous()
         o, lse = tk.flash_attn_fwd(packed[:, :, 0], packed[:, :, 1], packed[:, :, 2], scale, causal)

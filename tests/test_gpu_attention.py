@@ -26,22 +26,23 @@ def kernels():
     return tk
 
 
-def triton_dense(q, k, v, do, dlse, scale, causal):
+def triton_dense(q, k, v, do, dlse, scale, causal, window=(-1, -1), softcap=0.0):
     tk = kernels()
     q, k, v = q.detach(), k.detach(), v.detach()
     b, sq, h, _ = q.shape
     out, lse = torch.full_like(q, float("nan")), torch.full((b, h, sq), float("nan"), device=q.device)
-    o, lse = tk.flash_attn_fwd(q, k, v, scale, causal, out=out, lse=lse)
+    o, lse = tk.flash_attn_fwd(q, k, v, scale, causal, out=out, lse=lse, window=window, softcap=softcap)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     return (o, lse, *tk.flash_attn_bwd(do, q, k, v, o, lse, scale, causal, dlse=dlse, dq=grads[0], dk=grads[1],
-                                       dv=grads[2]))
+                                       dv=grads[2], window=window, softcap=softcap))
 
 
-def triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, do, dlse, scale, causal):
+def triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, do, dlse, scale, causal, window=(-1, -1), softcap=0.0):
     tk = kernels()
     q, k, v = q.detach(), k.detach(), v.detach()
-    o, lse = tk.flash_attn_fwd(q, k, v, scale, causal, cu_q, cu_k, max_q, max_k)
-    return (o, lse, *tk.flash_attn_bwd(do, q, k, v, o, lse, scale, causal, cu_q, cu_k, max_q, max_k, dlse=dlse))
+    o, lse = tk.flash_attn_fwd(q, k, v, scale, causal, cu_q, cu_k, max_q, max_k, window=window, softcap=softcap)
+    return (o, lse, *tk.flash_attn_bwd(do, q, k, v, o, lse, scale, causal, cu_q, cu_k, max_q, max_k, dlse=dlse,
+                                       window=window, softcap=softcap))
 
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -63,6 +64,13 @@ def test_long_sequence_8k(causal):
 @pytest.mark.parametrize("sq,sk", [(17, 1029), (1029, 17), (4000, 3001)])
 def test_seqlen_q_differs_from_seqlen_k(sq, sk):
     check_dense(triton_dense, 1, sq, sk, 4, 2, 128, True, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("window,causal,softcap", [((256, -1), True, 0.0), ((100, 37), False, 0.0),
+                                                   ((-1, -1), True, 30.0), ((512, -1), True, 50.0)], ids=str)
+def test_windows_and_softcap_bf16(window, causal, softcap):
+    check_dense(triton_dense, 2, 1500, 1500, 8, 2, 128, causal, torch.bfloat16, "cuda", window=window,
+                softcap=softcap)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -1,5 +1,19 @@
-"""FlashAttention-style attention with FlashAttention's interface: ``flash_attn_func`` and
-``flash_attn_varlen_func``, forward and backward, GQA/MQA, bottom-right causal masks.
+"""FlashAttention-style attention with FlashAttention 2.x's interface: ``flash_attn_func`` and
+``flash_attn_varlen_func``, forward and backward, GQA/MQA, bottom-right causal masks, sliding
+windows (``window_size``) and score soft-capping (``softcap``).
+
+The signatures are flash-attn 2.x's, positional order and keyword names both, so flash-attn code
+(Hugging Face's included) switches with an import change:
+
+    flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False)
+    flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None)
+
+``deterministic`` is accepted and always holds (no kernel uses atomics). Dropout, ALiBi and paged
+KV (``block_table``) raise an error naming the argument.
 
 Layers, top to bottom:
     flash_attn_func / flash_attn_varlen_func
@@ -52,18 +66,39 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # ---- validation (every message names the parameter, its value and the rule) ----
 
-def _check_scalars(dropout_p, softmax_scale, causal, return_lse=False) -> None:
-    if not isinstance(dropout_p, (int, float)) or dropout_p != 0.0:
-        raise ValueError(f"dropout_p ({dropout_p}) must be 0.0: attention dropout is not supported (modern LLM "
+def _check_scalars(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs, return_lse) -> tuple[int, int]:
+    """Checks flash-attn's scalar arguments; returns window_size as a (left, right) tuple."""
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or dropout_p != 0.0:
+        raise ValueError(f"dropout_p ({dropout_p!r}) must be 0.0: attention dropout is not supported (modern LLM "
                          "training does not use it); apply dropout outside the attention if you need it")
-    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale)
-                                      or softmax_scale <= 0):
-        raise ValueError(f"softmax_scale ({softmax_scale}) must be a finite number > 0, or None for 1/sqrt(headdim)")
+    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool)
+                                      or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale ({softmax_scale!r}) must be a finite number > 0, or None for 1/sqrt(headdim)")
     if not isinstance(causal, bool):
         raise TypeError(f"causal ({causal!r}) must be a bool")
-    if not isinstance(return_lse, bool):  # e.g. flash-attn's 7th positional argument, window_size
-        raise TypeError(f"return_lse ({return_lse!r}) must be a bool (window_size, softcap, alibi_slopes and the "
-                        "other flash-attn options after causal are not supported)")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)):
+        raise ValueError(f"window_size ({window_size!r}) must be a pair (left, right) of ints >= -1 (-1: no limit)")
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap ({softcap!r}) must be a finite number >= 0 (0: no soft-capping)")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes must be None: ALiBi position biases are not supported (use rotary "
+                         "embeddings, or flash-attn itself)")
+    for name, value in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs),
+                        ("return_lse", return_lse)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} ({value!r}) must be a bool")
+    return int(window_size[0]), int(window_size[1])
+
+
+def canonical_window(window_size: tuple[int, int], causal: bool, seqlen_k: int) -> tuple[int, int]:
+    """flash-attn's normalisation: a side of at least seqlen_k (max_seqlen_k for varlen) is no limit
+    (-1); causal sets the right side to 0."""
+    left, right = window_size
+    left = -1 if left >= seqlen_k else left
+    right = -1 if right >= seqlen_k else right
+    return left, (0 if causal else right)
 
 
 def _check_tensors(q, k, v, dims: int, layout: str) -> None:
@@ -184,9 +219,11 @@ def _unit_last_stride(t: Tensor) -> Tensor:
 
 
 def attention_fwd(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=None, cu_seqlens_k=None,
-                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, *, backend: str | None = None):
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, *, window: tuple[int, int] = (-1, -1),
+                  softcap: float = 0.0, backend: str | None = None):
     """Forward launcher (no autograd) -> (o contiguous like q, lse (batch, nheads, seqlen_q) or
-    (nheads, total_q), dtype ``lse_dtype(q.dtype)``). Checks cu_seqlens values (varlen) before any kernel runs."""
+    (nheads, total_q), dtype ``lse_dtype(q.dtype)``). Checks cu_seqlens values (varlen) before any kernel
+    runs. ``window`` (left, right), -1 for no bound, is applied as given (see ``canonical_window``)."""
     if cu_seqlens_q is not None:
         check_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
         check_cu_seqlens(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
@@ -196,12 +233,14 @@ def attention_fwd(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=None
         from tpkernels.kernels.triton import flash_attn as tk  # noqa: PLC0415  (triton import is slow)
 
         return tk.flash_attn_fwd(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                 max_seqlen_k)
-    return reference.flash_attn_fwd(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k)
+                                 max_seqlen_k, window=window, softcap=softcap)
+    return reference.flash_attn_fwd(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, window=window,
+                                    softcap=softcap)
 
 
 def attention_bwd(do, q, k, v, o, lse, softmax_scale: float, causal: bool, cu_seqlens_q=None, cu_seqlens_k=None,
-                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, dlse=None, *, backend: str | None = None):
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, dlse=None, *, window: tuple[int, int] = (-1, -1),
+                  softcap: float = 0.0, backend: str | None = None):
     """Backward launcher -> (dq, dk, dv) contiguous like q, k, v."""
     q, k, v, do = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), _unit_last_stride(do)
     name = select_backend(q, backend)
@@ -209,8 +248,9 @@ def attention_bwd(do, q, k, v, o, lse, softmax_scale: float, causal: bool, cu_se
         from tpkernels.kernels.triton import flash_attn as tk  # noqa: PLC0415
 
         return tk.flash_attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
-                                 max_seqlen_q, max_seqlen_k, dlse=dlse)
-    return reference.flash_attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, dlse)
+                                 max_seqlen_q, max_seqlen_k, dlse=dlse, window=window, softcap=softcap)
+    return reference.flash_attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, dlse,
+                                    window=window, softcap=softcap)
 
 
 # ---- torch.library registration: opaque to torch.compile, with fake impls and autograd ----
@@ -218,14 +258,15 @@ def attention_bwd(do, q, k, v, o, lse, softmax_scale: float, causal: bool, cu_se
 
 @torch.library.custom_op("tpkernels::flash_attn_forward", mutates_args=())
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-                backend: str) -> tuple[Tensor, Tensor]:
+                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+                window_right: int, softcap: float, backend: str) -> tuple[Tensor, Tensor]:
     return attention_fwd(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         backend=backend or None)
+                         window=(window_left, window_right), softcap=softcap, backend=backend or None)
 
 
 @_forward_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, backend):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+      window_right, softcap, backend):
     shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
     return q.new_empty(q.shape), q.new_empty(shape, dtype=lse_dtype(q.dtype))
 
@@ -233,34 +274,37 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
 @torch.library.custom_op("tpkernels::flash_attn_backward", mutates_args=())
 def _backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
                  cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                 softmax_scale: float, causal: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                 softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+                 backend: str) -> tuple[Tensor, Tensor, Tensor]:
     return attention_bwd(do, q, k, v, o, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, dlse, backend=backend or None)
+                         max_seqlen_k, dlse, window=(window_left, window_right), softcap=softcap,
+                         backend=backend or None)
 
 
 @_backward_op.register_fake
 def _(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      backend):
+      window_left, window_right, softcap, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, backend = inputs
+    q, k, v, cu_q, cu_k, *args = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-    ctx.args = (max_q, max_k, scale, causal, backend)
+    ctx.args = tuple(args)  # max_q, max_k, scale, causal, window_left, window_right, softcap, backend
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-    max_q, max_k, scale, causal, backend = ctx.args
+    n_inputs = 5 + len(ctx.args)
     if not any(ctx.needs_input_grad[:3]):
-        return (None,) * 10
+        return (None,) * n_inputs
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = _backward_op(do, q, k, v, o, lse, dlse, cu_q, cu_k, max_q, max_k, scale, causal, backend)
+    max_q, max_k, *rest = ctx.args
+    dq, dk, dv = _backward_op(do, q, k, v, o, lse, dlse, cu_q, cu_k, max_q, max_k, *rest)
     need = ctx.needs_input_grad
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 7
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * (n_inputs - 3)
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -268,11 +312,21 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 # ---- public API ----
 
-def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
-                    causal: bool = False, return_lse: bool = False, *, backend: str | None = None):
-    """Attention with FlashAttention's interface and semantics, differentiable.
+def _returns(out, lse, return_attn_probs: bool, return_lse: bool):
+    """flash-attn's convention: out, or (out, softmax_lse, S_dmask) with return_attn_probs. S_dmask is
+    None: flash-attn fills it only with dropout, which is not supported here."""
+    if return_attn_probs:
+        return out, lse, None
+    return (out, lse) if return_lse else out
 
-    Args:
+
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Tensor | None = None, deterministic: bool = False, return_attn_probs: bool = False,
+                    *, return_lse: bool = False, backend: str | None = None):
+    """Attention with FlashAttention 2.x's interface and semantics, differentiable.
+
+    Args (flash-attn's, in its order):
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim) with
            nheads % nheads_kv == 0 (GQA/MQA; K/V are never repeated). float16 / bfloat16 on CUDA
            (float32 runs on the reference path there); float16 / float32 / float64 on CPU. Any
@@ -281,47 +335,66 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
         softmax_scale: defaults to 1 / sqrt(headdim).
         causal: query i sees key j iff j <= i + seqlen_k - seqlen_q (bottom-right aligned, as
            FlashAttention >= 2.1); a query that sees no key outputs 0.
-        return_lse: also return the log-sum-exp (batch, nheads, seqlen_q), fp32 (fp64 for fp64
-           inputs), natural log
-           (-inf for a query that sees no key). It is differentiable.
-        backend: "triton" or "reference" for this call; by default :mod:`tpkernels.backends`
-           decides (``TPKERNELS_BACKEND`` forces one globally).
+        window_size: (left, right): query i sees keys j in [i + seqlen_k - seqlen_q - left,
+           i + seqlen_k - seqlen_q + right]; -1 (or a side >= seqlen_k) is no limit; causal sets
+           right to 0. Key blocks entirely outside the window are skipped, not masked.
+        softcap: > 0 caps the scores, s = softcap · tanh(softmax_scale · q·k / softcap) (Gemma 2).
+        alibi_slopes: must be None (not supported).
+        deterministic: accepted; the kernels are always deterministic.
+        return_attn_probs: flash-attn's flag: return (out, softmax_lse, None).
+    Keyword-only (ours):
+        return_lse: return (out, lse); lse (batch, nheads, seqlen_q) fp32 (fp64 for fp64 inputs),
+           natural log of the (capped) scores' sum, -inf for a query that sees no key; differentiable.
+        backend: "triton" or "reference" for this call (beats ``TPKERNELS_BACKEND``).
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim), contiguous, dtype of q; or (out, lse).
+        out (batch, seqlen_q, nheads, headdim), contiguous, dtype of q; or the tuples above.
     """
-    _check_scalars(dropout_p, softmax_scale, causal, return_lse)
+    window = _check_scalars(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                            return_attn_probs, return_lse)
     _check_dense(q, k, v)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _forward_op(q, k, v, None, None, q.shape[1], k.shape[1], scale, causal, backend or "")
-    return (out, lse) if return_lse else out
+    left, right = canonical_window(window, causal, k.shape[1])
+    out, lse = _forward_op(q, k, v, None, None, q.shape[1], k.shape[1], scale, causal, left, right, float(softcap),
+                           backend or "")
+    return _returns(out, lse, return_attn_probs, return_lse)
 
 
 def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                           max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
-                           causal: bool = False, return_lse: bool = False, *, backend: str | None = None):
-    """Attention over packed sequences (FlashAttention's varlen interface), differentiable.
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                           return_attn_probs: bool = False, block_table: Tensor | None = None, *,
+                           return_lse: bool = False, backend: str | None = None):
+    """Attention over packed sequences (FlashAttention 2.x's varlen interface), differentiable.
 
     Args:
         q: (total_q, nheads, headdim), the tokens of all sequences concatenated; k, v:
            (total_k, nheads_kv, headdim).
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 on q's device, cumulative sequence
            starts: sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]. No attention crosses a
-           sequence boundary; causal masks align each sequence's bottom-right corner.
-        max_seqlen_q, max_seqlen_k: the longest sequence lengths (checked, one small host copy).
-        softmax_scale, causal, backend: as in :func:`flash_attn_func`.
-        return_lse: also return the log-sum-exp (nheads, total_q), fp32.
+           sequence boundary; causal masks and windows align each sequence's bottom-right corner.
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (checked, one small host copy;
+           a window side >= max_seqlen_k is no limit, as in flash-attn).
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, return_lse, backend: as in :func:`flash_attn_func`.
+        block_table: must be None (paged KV caches are for inference; not supported).
 
     Returns:
-        out (total_q, nheads, headdim), contiguous, dtype of q; or (out, lse).
+        out (total_q, nheads, headdim), contiguous, dtype of q; lse (nheads, total_q) when asked.
     """
-    _check_scalars(0.0, softmax_scale, causal, return_lse)
+    window = _check_scalars(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                            return_attn_probs, return_lse)
+    if block_table is not None:
+        raise ValueError("block_table must be None: paged KV caches are not supported")
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                           backend or "")
-    return (out, lse) if return_lse else out
+    left, right = canonical_window(window, causal, max_seqlen_k)
+    out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, left,
+                           right, float(softcap), backend or "")
+    return _returns(out, lse, return_attn_probs, return_lse)
 
 
-__all__ = ["attention_bwd", "attention_fwd", "check_cu_seqlens", "flash_attn_func", "flash_attn_varlen_func",
-           "select_backend"]
+__all__ = ["attention_bwd", "attention_fwd", "canonical_window", "check_cu_seqlens", "flash_attn_func",
+           "flash_attn_varlen_func", "select_backend"]

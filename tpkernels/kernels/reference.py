@@ -45,12 +45,20 @@ def bias_gelu_bwd(grad: Tensor, x: Tensor, bias: Tensor, approximate: str) -> tu
 
 # ---- attention (FlashAttention semantics) ----
 # Layout (FlashAttention's): q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_kv, d).
-# Causal masks align to the bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q, and a
-# query that sees no key outputs 0 with lse = -inf.
+# Masks align to the bottom-right: with off = seqlen_k - seqlen_q, query i sees key j iff
+#     j >= i + off - left   (unless left = -1)   and   j <= i + off + right   (unless right = -1),
+# causal being right = 0 (FlashAttention's window_size). A query that sees no key outputs 0 with
+# lse = -inf. softcap > 0 caps the scores: s = softcap · tanh(scale · q·k / softcap) (Gemma 2).
 
 # Scores held at once per query chunk: batch·nheads·rows·seqlen_k fp32 values (64 MiB), so memory
 # stays O(seqlen), like the kernels, instead of O(seqlen²).
 ATTN_CHUNK_ELEMENTS = 1 << 24
+
+
+def window_bounds(causal: bool, window: tuple[int, int] = (-1, -1)) -> tuple[int, int]:
+    """(left, right), -1 for no bound, with causal folded in (right = 0, as FlashAttention does)."""
+    left, right = window
+    return left, (0 if causal else right)
 
 
 def _attn_rows_per_chunk(batch: int, nheads: int, seqlen_k: int) -> int:
@@ -70,28 +78,45 @@ def _ungroup_rows(t: Tensor, c: int) -> Tensor:
     return t.reshape(b, hk, gc // c, c, d).permute(0, 3, 1, 2, 4).reshape(b, c, -1, d)
 
 
-def _causal_keep(i0: int, c: int, seqlen_q: int, seqlen_k: int, device) -> Tensor:
-    """(c, seqlen_k) bool: which keys the query rows i0..i0+c-1 see."""
-    rows = torch.arange(i0, i0 + c, device=device)[:, None]
-    return torch.arange(seqlen_k, device=device)[None, :] <= rows + (seqlen_k - seqlen_q)
+def visible(i0: int, c: int, seqlen_q: int, seqlen_k: int, left: int, right: int, device) -> Tensor | None:
+    """(c, seqlen_k) bool: which keys the query rows i0..i0+c-1 see; None when they see all of them."""
+    if left < 0 and right < 0:
+        return None
+    rel = (torch.arange(seqlen_k, device=device)[None, :]
+           - torch.arange(i0, i0 + c, device=device)[:, None] - (seqlen_k - seqlen_q))  # j - i - off
+    keep = torch.ones(rel.shape, dtype=torch.bool, device=device)
+    if right >= 0:
+        keep &= rel <= right
+    if left >= 0:
+        keep &= rel >= -left
+    return keep
 
 
-def _probs(qc: Tensor, k_t: Tensor, scale: float, causal: bool, i0: int, c: int, seqlen_q: int,
-           lse: Tensor | None) -> tuple[Tensor, Tensor]:
-    """P of one query chunk of c rows. qc: (b, hk, g·c, d), k_t: (b, hk, d, sk) -> (P (b, hk, g·c, sk),
-    lse (b, hk, g·c)); ``lse`` given (backward) is reused instead of recomputed."""
+def _scores(qc: Tensor, k_t: Tensor, scale: float, softcap: float) -> tuple[Tensor, Tensor | None]:
+    """Scores of one query chunk and, with softcap, tanh(scale·q·k / softcap) for the backward."""
     s = torch.matmul(qc, k_t) * scale
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        return softcap * t, t
+    return s, None
+
+
+def _probs(qc: Tensor, k_t: Tensor, scale: float, bounds: tuple[int, int], softcap: float, i0: int, c: int,
+           seqlen_q: int, lse: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """P of one query chunk of c rows. qc: (b, hk, g·c, d), k_t: (b, hk, d, sk) -> (P (b, hk, g·c, sk),
+    lse (b, hk, g·c), tanh of the softcap or None); ``lse`` given (backward) is reused."""
+    s, t = _scores(qc, k_t, scale, softcap)
     b, hk, gc, sk = s.shape
-    if causal:
-        keep = _causal_keep(i0, c, seqlen_q, sk, s.device)
+    keep = visible(i0, c, seqlen_q, sk, *bounds, s.device)
+    if keep is not None:
         s.view(b, hk, gc // c, c, sk).masked_fill_(~keep, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(s, dim=-1)
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # rows that see no key: P = 0
-    return torch.exp(s - safe[..., None]), lse
+    return torch.exp(s - safe[..., None]), lse, t
 
 
-def _chunked_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def _chunked_fwd(q, k, v, scale, bounds, softcap) -> tuple[Tensor, Tensor]:
     b, sq, h, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     k_t = _opmath(k).permute(0, 2, 3, 1)  # (b, hk, d, sk)
@@ -102,14 +127,13 @@ def _chunked_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) ->
     step = _attn_rows_per_chunk(b, h, sk)
     for i0 in range(0, sq, step):
         c = min(step, sq - i0)
-        p, lse_c = _probs(_group_rows(_opmath(q[:, i0:i0 + c]), hk), k_t, scale, causal, i0, c, sq, None)
+        p, lse_c, _ = _probs(_group_rows(_opmath(q[:, i0:i0 + c]), hk), k_t, scale, bounds, softcap, i0, c, sq, None)
         o[:, i0:i0 + c] = _ungroup_rows(torch.matmul(p, v_h), c).to(q.dtype)
         lse[:, :, i0:i0 + c] = lse_c.reshape(b, h, c)  # (b, hk, g, c) -> (b, h, c): head h = hk·g + j
     return o, lse
 
 
-def _chunked_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
-                    causal: bool, dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def _chunked_bwd(do, q, k, v, o, lse, scale, bounds, softcap, dlse) -> tuple[Tensor, Tensor, Tensor]:
     b, sq, h, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     k32, v32 = _opmath(k), _opmath(v)
@@ -127,17 +151,20 @@ def _chunked_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Te
         qc = _group_rows(_opmath(q[:, i0:i0 + c]), hk)
         doc = _group_rows(_opmath(do[:, i0:i0 + c]), hk)
         lse_c = lse[:, :, i0:i0 + c].reshape(b, hk, -1).to(qc.dtype)
-        p, _ = _probs(qc, k_t, scale, causal, i0, c, sq, lse_c)
+        p, _, t = _probs(qc, k_t, scale, bounds, softcap, i0, c, sq, lse_c)
         dv += torch.matmul(p.transpose(-1, -2), doc)
         ds = p * (torch.matmul(doc, v_t) - delta[:, :, i0:i0 + c].reshape(b, hk, -1, 1))
+        if t is not None:  # d(softcap·tanh(u/softcap))/du = 1 − tanh²
+            ds = ds * (1 - t * t)
         dq[:, i0:i0 + c] = _ungroup_rows(torch.matmul(ds, k_h) * scale, c).to(q.dtype)
         dk += torch.matmul(ds.transpose(-1, -2), qc) * scale
     return dq, dk.transpose(1, 2).to(k.dtype).contiguous(), dv.transpose(1, 2).to(v.dtype).contiguous()
 
 
-# On CPU tensors the dense case runs PyTorch's own fused attention kernel, the one SDPA uses on the
-# CPU (tiled, multi-threaded, GQA-aware, returns the lse): 3-5x faster here than the chunked math
-# above, which remains for other devices, for a gradient flowing into the lse, and as a fallback.
+# On CPU tensors the dense case without softcap runs PyTorch's own fused attention kernel, the one
+# SDPA uses on the CPU (tiled, multi-threaded, GQA-aware, returns the lse): 3-5x faster here than
+# the chunked math above, which remains for other devices, softcap, a gradient flowing into the
+# lse, and as a fallback.
 USE_TORCH_CPU_KERNEL = True
 
 
@@ -147,46 +174,56 @@ def _torch_cpu_kernel():
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _cpu_mask(causal: bool, seqlen_q: int, seqlen_k: int, like: Tensor) -> tuple[bool, Tensor | None]:
-    """(is_causal, attn_mask) for torch's kernel, whose is_causal aligns to the top-left: a bottom-right
-    causal mask with seqlen_q != seqlen_k goes in as an explicit additive (sq, sk) mask (0 / -inf) in
-    the inputs' dtype, as the kernel requires."""
-    if not causal or seqlen_q == seqlen_k:
-        return causal, None
-    keep = _causal_keep(0, seqlen_q, seqlen_q, seqlen_k, like.device)
-    return False, torch.zeros(keep.shape, dtype=like.dtype, device=like.device).masked_fill_(~keep, float("-inf"))
+def _cpu_mask(bounds: tuple[int, int], seqlen_q: int, seqlen_k: int, like: Tensor):
+    """(is_causal, attn_mask, rows that see some key or None) for torch's kernel, whose is_causal aligns
+    to the top-left: a bottom-right causal mask with seqlen_q != seqlen_k, or a window, goes in as an
+    explicit additive (sq, sk) mask (0 / -inf) in the inputs' dtype, as the kernel requires."""
+    left, right = bounds
+    if left < 0 and right < 0:
+        return False, None, None
+    if left < 0 and right == 0 and seqlen_q == seqlen_k:
+        return True, None, None
+    keep = visible(0, seqlen_q, seqlen_q, seqlen_k, left, right, like.device)
+    mask = torch.zeros(keep.shape, dtype=like.dtype, device=like.device).masked_fill_(~keep, float("-inf"))
+    return False, mask, keep.any(-1)
 
 
-def _cpu_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def _cpu_fwd(q, k, v, scale, bounds) -> tuple[Tensor, Tensor]:
     sq, sk = q.shape[1], k.shape[1]
-    is_causal, mask = _cpu_mask(causal, sq, sk, q)
+    is_causal, mask, seen = _cpu_mask(bounds, sq, sk, q)
     o, lse = _torch_cpu_kernel()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, is_causal,
                                  attn_mask=mask, scale=scale)
-    if sq > sk and causal:  # rows that see no key: the kernel gives o = 0 but lse = 0; ours is -inf
-        lse[:, :, :sq - sk] = float("-inf")
-    return o.transpose(1, 2).contiguous(), lse.contiguous()  # o is laid out (b, s, h, d) already: no copy
+    o = o.transpose(1, 2)  # laid out (b, s, h, d) already: no copy
+    if seen is not None and not bool(seen.all()):  # rows that see no key: ours are o = 0, lse = -inf
+        o = o.masked_fill(~seen[None, :, None, None], 0.0)
+        lse = lse.masked_fill(~seen[None, None, :], float("-inf"))
+    return o.contiguous(), lse.contiguous()
 
 
-def _cpu_bwd(do, q, k, v, o, lse, scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _cpu_bwd(do, q, k, v, o, lse, scale, bounds) -> tuple[Tensor, Tensor, Tensor]:
     sq, sk = q.shape[1], k.shape[1]
-    is_causal, mask = _cpu_mask(causal, sq, sk, q)
+    is_causal, mask, seen = _cpu_mask(bounds, sq, sk, q)
     lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # back to the kernel's convention
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         do.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o.transpose(1, 2), lse, 0.0,
         is_causal, attn_mask=mask, scale=scale)
-    return tuple(g.transpose(1, 2).contiguous() for g in grads)
+    dq, dk, dv = (g.transpose(1, 2) for g in grads)
+    if seen is not None and not bool(seen.all()):
+        dq = dq.masked_fill(~seen[None, :, None, None], 0.0)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
-def _dense_fwd(q, k, v, scale, causal):
-    if q.device.type == "cpu" and _torch_cpu_kernel() is not None:
-        return _cpu_fwd(q, k, v, scale, causal)
-    return _chunked_fwd(q, k, v, scale, causal)
+def _dense_fwd(q, k, v, scale, bounds, softcap):
+    if q.device.type == "cpu" and softcap == 0 and _torch_cpu_kernel() is not None:
+        return _cpu_fwd(q, k, v, scale, bounds)
+    return _chunked_fwd(q, k, v, scale, bounds, softcap)
 
 
-def _dense_bwd(do, q, k, v, o, lse, scale, causal, dlse):
-    if q.device.type == "cpu" and _torch_cpu_kernel() is not None and (dlse is None or not bool(dlse.any())):
-        return _cpu_bwd(do, q, k, v, o, lse, scale, causal)
-    return _chunked_bwd(do, q, k, v, o, lse, scale, causal, dlse)
+def _dense_bwd(do, q, k, v, o, lse, scale, bounds, softcap, dlse):
+    if q.device.type == "cpu" and softcap == 0 and _torch_cpu_kernel() is not None and (
+            dlse is None or not bool(dlse.any())):
+        return _cpu_bwd(do, q, k, v, o, lse, scale, bounds)
+    return _chunked_bwd(do, q, k, v, o, lse, scale, bounds, softcap, dlse)
 
 
 def _sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor):
@@ -195,51 +232,60 @@ def _sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor):
 
 
 def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-                   cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                   cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None, *,
+                   window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """Attention forward, exact math in fp32 (fp64 for fp64), memory O(seqlen): torch's fused CPU
-    kernel on CPU tensors, else PyTorch math over query chunks.
+    kernel on CPU tensors without softcap, else PyTorch math over query chunks.
 
     Dense: q (b, sq, h, d), k/v (b, sk, hk, d) -> (o like q, lse (b, h, sq)).
     Varlen: q (total_q, h, d), k/v (total_k, hk, d), cu_seqlens (n + 1,) -> (o like q, lse (h, total_q)).
+    window: (left, right), -1 for no bound (see the masks above); softcap: 0 for none.
     """
+    bounds = window_bounds(causal, window)
     if cu_seqlens_q is None:
-        return _dense_fwd(q, k, v, softmax_scale, causal)
+        return _dense_fwd(q, k, v, softmax_scale, bounds, softcap)
     o = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device,
                      dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         if q1 > q0 and k1 > k0:
-            o_i, lse_i = _dense_fwd(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal)
+            o_i, lse_i = _dense_fwd(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, bounds, softcap)
             o[q0:q1], lse[:, q0:q1] = o_i[0], lse_i[0]
     return o, lse
 
 
 def flash_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, softmax_scale: float,
                    causal: bool, cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
-                   dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   dlse: Tensor | None = None, *, window: tuple[int, int] = (-1, -1),
+                   softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """Attention backward from the saved lse (P recomputed per query chunk) -> (dq, dk, dv) like q, k, v.
     ``dlse`` (shaped like lse) is the gradient flowing into the log-sum-exp, if any."""
+    bounds = window_bounds(causal, window)
     if cu_seqlens_q is None:
-        return _dense_bwd(do, q, k, v, o, lse, softmax_scale, causal, dlse)
+        return _dense_bwd(do, q, k, v, o, lse, softmax_scale, bounds, softcap, dlse)
     dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         if q1 > q0 and k1 > k0:
             g = _dense_bwd(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], o[None, q0:q1],
-                                lse[None, :, q0:q1], softmax_scale, causal,
-                                None if dlse is None else dlse[None, :, q0:q1])
+                           lse[None, :, q0:q1], softmax_scale, bounds, softcap,
+                           None if dlse is None else dlse[None, :, q0:q1])
             dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
 
 
-def attention_naive(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def attention_naive(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, *,
+                    window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """The test oracle: textbook attention in the inputs' dtype, differentiable, O(seqlen²) memory, K/V
     repeated for GQA. q (b, sq, h, d), k/v (b, sk, hk, d) -> (o like q, lse (b, h, sq))."""
     group = q.shape[2] // k.shape[2]
     kr = k.repeat_interleave(group, dim=2).transpose(1, 2)  # (b, h, sk, d)
     vr = v.repeat_interleave(group, dim=2).transpose(1, 2)
     s = torch.matmul(q.transpose(1, 2), kr.transpose(-1, -2)) * softmax_scale  # (b, h, sq, sk)
-    if causal:
-        s = s.masked_fill(~_causal_keep(0, q.shape[1], q.shape[1], k.shape[1], q.device), float("-inf"))
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    keep = visible(0, q.shape[1], q.shape[1], k.shape[1], *window_bounds(causal, window), q.device)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     seen = ~torch.isinf(lse)
     p = torch.where(seen[..., None], torch.softmax(s.masked_fill(~seen[..., None], 0.0), dim=-1),

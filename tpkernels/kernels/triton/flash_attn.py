@@ -11,16 +11,21 @@ copy); varlen: q (total_q, nheads, headdim) with cu_seqlens_q (batch + 1,) int32
   (TP-sharded GQA leaves one KV head per rank), the group is split over programs that write fp32
   partial sums, added in a fixed order: still deterministic.
 * Causal: the query blocks with the most keys are launched first, so the grid's tail is short work.
-* Causal masking is aligned to the bottom-right (FlashAttention >= 2.1): query i sees key j iff
-  j <= i + seqlen_k - seqlen_q. A query row that sees no key outputs 0 and lse = -inf.
-* Every K/V loop runs in two phases: blocks that every row of the tile sees entirely (no mask
-  math at all) and the few blocks on the causal diagonal or the ragged end (masked). The mask
-  costs ALU work on every score, the scarce unit next to the tensor cores.
+* Masks are aligned to the bottom-right (FlashAttention >= 2.1): with off = seqlen_k - seqlen_q,
+  query i sees key j iff -WIN_LEFT <= j - i - off <= WIN_RIGHT (causal: WIN_RIGHT = 0; a side
+  without limit is passed as a bound larger than any distance). A query row that sees no key
+  outputs 0 and lse = -inf. Key (or query) blocks outside every row's window are not visited.
+* Soft-capping (SOFTCAP): scores s = softcap · tanh(scale · q·k / softcap); the backward multiplies
+  dS by 1 − tanh², recomputed with the scores.
+* Every K/V loop runs in three phases: the masked blocks where the window starts, the blocks that
+  every row of the tile sees entirely (no mask math at all), and the masked blocks on the causal
+  diagonal (or the window's end) and the ragged end. The mask costs ALU work on every score, the
+  scarce unit next to the tensor cores.
 * Head dims that are not a power of two are padded to BLOCK_D inside the kernel (masked loads);
   HEADDIM is a compile-time constant, so the common even case carries no mask.
 
 Floors per (sequence, head) with s_q queries, s_k keys, head dim d, 16-bit data:
-  forward  FLOPs 4·s_q·s_k·d (halved when causal), compulsory bytes 2·d·(2·s_q + 2·s_k) + 4·s_q (lse);
+  forward  FLOPs 4·s_q·s_k·d (halved when causal; 4·s_q·w·d with a window of w keys), compulsory bytes 2·d·(2·s_q + 2·s_k) + 4·s_q (lse);
   backward FLOPs 2.5x the forward (QK^T recomputed, dV, dP, dQ, dK), compulsory bytes
            2·d·(4·s_q + 4·s_k) + 8·s_q (q, k, v, do read; dq, dk, dv written; lse, delta).
 At these sizes attention is compute-bound (intensity ~ s_k/2 FLOP/byte), so kernels are judged in
@@ -34,6 +39,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from tpkernels.kernels import reference
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x·log2 e): exp2 is the hardware unit
 AUTOTUNE_ENV = "TPKERNELS_FLASH_AUTOTUNE"  # "0": always the first (default) config, no tuning
@@ -85,10 +92,60 @@ def _sequence(CU_Q, CU_K, b, SEQ_Q, SEQ_K, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _query_block(CAUSAL: tl.constexpr):
-    """The query block of this program. Causal: the last query blocks see the most keys, so they are
-    launched first, and the short ones fill the tail of the grid instead of the long ones."""
-    if CAUSAL:
+def _tanh(x):
+    """tanh without libdevice (the interpreter has none): a Taylor polynomial near 0, where
+    2·sigmoid(2x) − 1 would cancel (relative error < 1e-8 for |x| < 1/4), the sigmoid form beyond."""
+    x2 = x * x
+    poly = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    return tl.where(tl.abs(x) < 0.25, poly, 2.0 * tl.sigmoid(2.0 * x) - 1.0)
+
+
+@triton.jit
+def _scores(q, k, qk_scale, cap_in, cap_out, SOFTCAP: tl.constexpr):
+    """(scores in log2 units (s·scale·log2 e, soft-capped), tanh of the cap or None) of q·kᵀ."""
+    s = tl.dot(q, tl.trans(k))
+    if SOFTCAP:
+        t = _tanh(s * cap_in)
+        return t * cap_out, t
+    return s * qk_scale, s
+
+
+@triton.jit
+def _in_window(rows, cols, off, win_left, win_right, LEFT: tl.constexpr, RIGHT: tl.constexpr):
+    """Which (row, col) pairs lie inside the window: -win_left <= col - row - off <= win_right (only the
+    sides that have a bound are tested)."""
+    rel = cols[None, :] - rows[:, None] - off
+    if LEFT and RIGHT:
+        ok = (rel <= win_right) & (rel >= -win_left)
+    elif RIGHT:
+        ok = rel <= win_right
+    else:
+        ok = rel >= -win_left
+    return ok
+
+
+@triton.jit
+def _phases(first, span_all_lo, span_all_hi, last, n, BLOCK: tl.constexpr, RAGGED_OK: tl.constexpr):
+    """Split [first, last) ∩ [0, n) into masked [a, b), unmasked [b, c), masked [c, d): a, b and c are
+    BLOCK multiples and [b, c) lies inside [span_all_lo, span_all_hi), what every row (or column) of
+    the tile sees. The unmasked blocks end below ``n`` unless RAGGED_OK (a ragged last block that
+    needs no mask: the dK/dV kernel's query rows past seqlen_q read lse = +inf, so P = 0)."""
+    a = (tl.maximum(first, 0) // BLOCK) * BLOCK
+    d = tl.minimum(last, n)
+    b = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(span_all_lo, 0), BLOCK) * BLOCK, a), d)
+    hi = tl.minimum(span_all_hi, n)
+    c = (tl.maximum(hi, 0) // BLOCK) * BLOCK
+    if RAGGED_OK:
+        c = tl.where(span_all_hi >= d, d, c)
+    c = tl.maximum(tl.minimum(c, d), b)
+    return a, b, c, d
+
+
+@triton.jit
+def _query_block(RIGHT: tl.constexpr):
+    """The query block of this program. Causal (a right bound): the last query blocks see the most keys,
+    so they are launched first, and the short ones fill the tail of the grid instead of the long ones."""
+    if RIGHT:
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
         pid_m = tl.program_id(0)
@@ -99,25 +156,26 @@ def _query_block(CAUSAL: tl.constexpr):
 
 @triton.jit
 def _fwd_kv_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d, d_ok,
-                   sq, sk, lo, hi, qk_scale,
-                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                   sq, sk, lo, hi, qk_scale, win_left, win_right, cap_in, cap_out,
+                   MASKED: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                   EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online softmax over key blocks [lo, hi). Scores are kept in log2 units (s·scale·log2 e)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         n_ok = cols < sk
         k = _load_tile(k_base, cols, stride_ks, offs_d, n_ok, d_ok, MASKED, EVEN_D)
-        s = tl.dot(q, tl.trans(k))
+        s, _ = _scores(q, k, qk_scale, cap_in, cap_out, SOFTCAP)
         if MASKED:
             ok = n_ok[None, :]
-            if CAUSAL:
-                ok = ok & (cols[None, :] <= offs_m[:, None] + (sk - sq))
+            if LEFT or RIGHT:
+                ok = ok & _in_window(offs_m, cols, sk - sq, win_left, win_right, LEFT, RIGHT)
             s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep exp2 finite
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0, so max commutes with it
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
-        p = tl.exp2(s * qk_scale - m_use[:, None])
+        p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_base, cols, stride_vs, offs_d, n_ok, d_ok, MASKED, EVEN_D)
@@ -130,12 +188,13 @@ def _fwd_kv_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_
 def _flash_fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
                       stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                       stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                      SEQ_Q, SEQ_K, NHEADS, GROUP, sm_scale, TUNE_SEQ,
-                      HEADDIM: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per (query block, sequence, head). TUNE_SEQ only keys the autotuner."""
+                      SEQ_Q, SEQ_K, NHEADS, GROUP, sm_scale, WIN_LEFT, WIN_RIGHT, cap_in, cap_out, TUNE_SEQ,
+                      HEADDIM: tl.constexpr, VARLEN: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                      SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (query block, sequence, head). TUNE_SEQ only keys the autotuner. LEFT / RIGHT:
+    the window has a left / right bound (causal: RIGHT with WIN_RIGHT = 0)."""
     EVEN_D: tl.constexpr = HEADDIM == BLOCK_D
-    pid_m = _query_block(CAUSAL)
+    pid_m = _query_block(RIGHT)
     pid_bh = tl.program_id(1)
     b = pid_bh // NHEADS
     h = pid_bh % NHEADS
@@ -159,19 +218,21 @@ def _flash_fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        # Keys every row of this tile sees: all of [0, sk), or under the causal rule the keys the
-        # tile's first row sees. The rest up to `hi` needs the mask.
-        if CAUSAL:
-            hi_full = tl.minimum(sk, m0 + (sk - sq) + 1)
-            hi = tl.minimum(sk, m0 + BLOCK_M + (sk - sq))
-        else:
-            hi_full = sk
-            hi = sk
-        hi_full = (tl.maximum(hi_full, 0) // BLOCK_N) * BLOCK_N
+        # rows m0..m0+BLOCK_M-1 see keys [row + off − WIN_LEFT, row + off + WIN_RIGHT]; every row sees
+        # [last row + off − WIN_LEFT, first row + off + WIN_RIGHT] (a side without a bound is BIG)
+        off = sk - sq
+        a, b_, c, d = _phases(m0 + off - WIN_LEFT, m0 + BLOCK_M - 1 + off - WIN_LEFT, m0 + off + WIN_RIGHT + 1,
+                              m0 + BLOCK_M + off + WIN_RIGHT, sk, BLOCK_N, False)
+        if LEFT:  # the window's start: masked (without a left bound this phase is empty)
+            acc, l_i, m_i = _fwd_kv_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n,
+                                           offs_d, d_ok, sq, sk, a, b_, qk_scale, WIN_LEFT, WIN_RIGHT, cap_in,
+                                           cap_out, True, LEFT, RIGHT, SOFTCAP, EVEN_D, BLOCK_N)
         acc, l_i, m_i = _fwd_kv_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n,
-                                       offs_d, d_ok, sq, sk, 0, hi_full, qk_scale, False, CAUSAL, EVEN_D, BLOCK_N)
+                                       offs_d, d_ok, sq, sk, b_, c, qk_scale, WIN_LEFT, WIN_RIGHT, cap_in, cap_out,
+                                       False, LEFT, RIGHT, SOFTCAP, EVEN_D, BLOCK_N)
         acc, l_i, m_i = _fwd_kv_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n,
-                                       offs_d, d_ok, sq, sk, hi_full, hi, qk_scale, True, CAUSAL, EVEN_D, BLOCK_N)
+                                       offs_d, d_ok, sq, sk, c, d, qk_scale, WIN_LEFT, WIN_RIGHT, cap_in, cap_out,
+                                       True, LEFT, RIGHT, SOFTCAP, EVEN_D, BLOCK_N)
         seen = l_i > 0.0
         l_safe = tl.where(seen, l_i, 1.0)
         out = acc / l_safe[:, None]
@@ -238,8 +299,9 @@ def _delta(o, do, dlse, lse, varlen: bool):
 
 @triton.jit
 def _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_os,
-                   offs_n, offs_m0, offs_d, d_ok, sq, sk, lo, hi, qk_scale,
-                   MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                   offs_n, offs_m0, offs_d, d_ok, sq, sk, lo, hi, qk_scale, win_left, win_right, cap_in, cap_out,
+                   MASKED: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                   EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of one head.
     Rows past sq read lse = +inf, so their P is exactly 0 without a mask."""
     for start_m in range(lo, hi, BLOCK_M):
@@ -249,13 +311,16 @@ def _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, str
         do = _load_tile(do_base, offs_m, stride_os, offs_d, m_ok, d_ok, True, EVEN_D)
         lse2 = tl.load(l_base + offs_m, mask=m_ok, other=float("inf")) * _LOG2E
         delta = tl.load(d_base + offs_m, mask=m_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
-        if MASKED:  # the causal diagonal (the key block's ragged end never matters: see the caller)
-            s = tl.where(offs_n[None, :] <= offs_m[:, None] + (sk - sq), s, float("-inf"))
+        s, t = _scores(q, k, qk_scale, cap_in, cap_out, SOFTCAP)
+        s = s - lse2[:, None]
+        if MASKED:  # the window's edges (the key block's ragged end never matters: see the caller)
+            s = tl.where(_in_window(offs_m, offs_n, sk - sq, win_left, win_right, LEFT, RIGHT), s, float("-inf"))
         p = tl.exp2(s)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     return dk, dv
 
@@ -265,9 +330,11 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                            stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                            stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                           SEQ_Q, SEQ_K, NHEADS_K, GROUP, SPLIT, stride_split, sm_scale, TUNE_SEQ,
-                           HEADDIM: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                           SEQ_Q, SEQ_K, NHEADS_K, GROUP, SPLIT, stride_split, sm_scale, WIN_LEFT, WIN_RIGHT,
+                           cap_in, cap_out, TUNE_SEQ,
+                           HEADDIM: tl.constexpr, VARLEN: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                           SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
     """One program per (key block, sequence, KV head, part), looping over GROUP / SPLIT of the query
     heads that share the KV head and over the query blocks that see the key block. dS = P·(dP − delta).
     SPLIT = 1: dK/dV are final. SPLIT > 1 (too few programs to fill the GPU, e.g. TP-sharded GQA with
@@ -303,25 +370,28 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         qk_scale = sm_scale * _LOG2E
-        if CAUSAL:
-            # Rows before n0 − (sk − sq) see none of these keys; rows from n0 + BLOCK_N − 1 − (sk − sq)
-            # on see all of them. Query blocks in between need the mask.
-            lo = (tl.maximum(0, n0 - (sk - sq)) // BLOCK_M) * BLOCK_M
-            full = tl.maximum(n0 + BLOCK_N - 1 - (sk - sq) - lo, 0)
-            mid = tl.minimum(lo + tl.cdiv(full, BLOCK_M) * BLOCK_M, sq)
-        else:
-            lo = 0
-            mid = 0
+        # query row i sees key j iff j − off − WIN_RIGHT <= i <= j − off + WIN_LEFT: the rows that see some
+        # key of [n0, n0 + BLOCK_N), and those that see all of them (a side without a bound is BIG)
+        off = sk - sq
+        a, b_, c, d = _phases(n0 - off - WIN_RIGHT, n0 + BLOCK_N - 1 - off - WIN_RIGHT, n0 - off + WIN_LEFT + 1,
+                              n0 + BLOCK_N - off + WIN_LEFT, sq, BLOCK_M, True)
         for g in range(part * heads, (part + 1) * heads):
             h = hk * GROUP + g
             q_base = Q + q_off + h * stride_qh
             do_base = DO + o_off + h * stride_oh
             l_base = LSE + l_off + h * stride_lh
             d_base = DELTA + l_off + h * stride_lh
+            if RIGHT:  # the causal diagonal (or the window's right edge): masked; empty without a right bound
+                dk, dv = _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_os, offs_n,
+                                        offs_m0, offs_d, d_ok, sq, sk, a, b_, qk_scale, WIN_LEFT, WIN_RIGHT, cap_in,
+                                        cap_out, True, LEFT, RIGHT, SOFTCAP, EVEN_D, BLOCK_M)
             dk, dv = _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_os, offs_n,
-                                    offs_m0, offs_d, d_ok, sq, sk, lo, mid, qk_scale, True, EVEN_D, BLOCK_M)
-            dk, dv = _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_os, offs_n,
-                                    offs_m0, offs_d, d_ok, sq, sk, mid, sq, qk_scale, False, EVEN_D, BLOCK_M)
+                                    offs_m0, offs_d, d_ok, sq, sk, b_, c, qk_scale, WIN_LEFT, WIN_RIGHT, cap_in,
+                                    cap_out, False, LEFT, RIGHT, SOFTCAP, EVEN_D, BLOCK_M)
+            if LEFT:  # the window's left edge: masked; empty without a left bound
+                dk, dv = _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_os, offs_n,
+                                        offs_m0, offs_d, d_ok, sq, sk, c, d, qk_scale, WIN_LEFT, WIN_RIGHT, cap_in,
+                                        cap_out, True, LEFT, RIGHT, SOFTCAP, EVEN_D, BLOCK_M)
         dk = dk * sm_scale
         _store_tile(DK + dk_off + hk * stride_dkh, offs_n, stride_dks, offs_d, n_ok, d_ok,
                     dk.to(DK.dtype.element_ty), EVEN_D)
@@ -333,22 +403,26 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
 
 @triton.jit
 def _dq_kv_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d, d_ok,
-                  sq, sk, lo, hi, qk_scale,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                  sq, sk, lo, hi, qk_scale, win_left, win_right, cap_in, cap_out,
+                  MASKED: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                  EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         n_ok = cols < sk
         k = _load_tile(k_base, cols, stride_ks, offs_d, n_ok, d_ok, MASKED, EVEN_D)
         v = _load_tile(v_base, cols, stride_vs, offs_d, n_ok, d_ok, MASKED, EVEN_D)
-        s = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]
+        s, t = _scores(q, k, qk_scale, cap_in, cap_out, SOFTCAP)
+        s = s - lse2[:, None]
         if MASKED:
             ok = n_ok[None, :]
-            if CAUSAL:
-                ok = ok & (cols[None, :] <= offs_m[:, None] + (sk - sq))
+            if LEFT or RIGHT:
+                ok = ok & _in_window(offs_m, cols, sk - sq, win_left, win_right, LEFT, RIGHT)
             s = tl.where(ok, s, float("-inf"))
         p = tl.exp2(s)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(k.dtype), k)
     return dq
 
@@ -358,12 +432,12 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
                          stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                          stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                          stride_dqb, stride_dqs, stride_dqh,
-                         SEQ_Q, SEQ_K, NHEADS, GROUP, sm_scale, TUNE_SEQ,
-                         HEADDIM: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                         SEQ_Q, SEQ_K, NHEADS, GROUP, sm_scale, WIN_LEFT, WIN_RIGHT, cap_in, cap_out, TUNE_SEQ,
+                         HEADDIM: tl.constexpr, VARLEN: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                         SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (query block, sequence, head): dQ = scale · Σ_blocks dS·K, P recomputed from lse."""
     EVEN_D: tl.constexpr = HEADDIM == BLOCK_D
-    pid_m = _query_block(CAUSAL)
+    pid_m = _query_block(RIGHT)
     pid_bh = tl.program_id(1)
     b = pid_bh // NHEADS
     h = pid_bh % NHEADS
@@ -392,17 +466,19 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
         qk_scale = sm_scale * _LOG2E
         k_base = K + k_off + hk * stride_kh
         v_base = V + v_off + hk * stride_vh
-        if CAUSAL:
-            hi_full = tl.minimum(sk, m0 + (sk - sq) + 1)
-            hi = tl.minimum(sk, m0 + BLOCK_M + (sk - sq))
-        else:
-            hi_full = sk
-            hi = sk
-        hi_full = (tl.maximum(hi_full, 0) // BLOCK_N) * BLOCK_N
+        off = sk - sq  # the key ranges of the forward kernel
+        a, b_, c, d = _phases(m0 + off - WIN_LEFT, m0 + BLOCK_M - 1 + off - WIN_LEFT, m0 + off + WIN_RIGHT + 1,
+                              m0 + BLOCK_M + off + WIN_RIGHT, sk, BLOCK_N, False)
+        if LEFT:
+            dq = _dq_kv_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+                               d_ok, sq, sk, a, b_, qk_scale, WIN_LEFT, WIN_RIGHT, cap_in, cap_out, True, LEFT, RIGHT,
+                               SOFTCAP, EVEN_D, BLOCK_N)
         dq = _dq_kv_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
-                           d_ok, sq, sk, 0, hi_full, qk_scale, False, CAUSAL, EVEN_D, BLOCK_N)
+                           d_ok, sq, sk, b_, c, qk_scale, WIN_LEFT, WIN_RIGHT, cap_in, cap_out, False, LEFT, RIGHT,
+                           SOFTCAP, EVEN_D, BLOCK_N)
         dq = _dq_kv_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
-                           d_ok, sq, sk, hi_full, hi, qk_scale, True, CAUSAL, EVEN_D, BLOCK_N)
+                           d_ok, sq, sk, c, d, qk_scale, WIN_LEFT, WIN_RIGHT, cap_in, cap_out, True, LEFT, RIGHT,
+                           SOFTCAP, EVEN_D, BLOCK_N)
         dq = dq * sm_scale
         _store_tile(DQ + dq_off + h * stride_dqh, offs_m, stride_dqs, offs_d, m_ok, d_ok,
                     dq.to(DQ.dtype.element_ty), EVEN_D)
@@ -507,7 +583,7 @@ def _launch(role: str, grid_of, args: tuple, headdim: int, device: torch.device,
         bench = {} if AUTOTUNE_DO_BENCH is None else {"do_bench": AUTOTUNE_DO_BENCH}
         tuned = _TUNED[key] = triton.autotune(
             [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in choices],
-            key=["TUNE_SEQ", "HEADDIM", "CAUSAL", "VARLEN"], **bench)(kernel)
+            key=["TUNE_SEQ", "HEADDIM", "LEFT", "RIGHT", "SOFTCAP", "VARLEN"], **bench)(kernel)
     tuned[grid_of](*args, **consts)
 
 
@@ -531,22 +607,36 @@ def _lse_strides(lse, varlen):
     return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
 
 
+def _mask_args(causal: bool, window: tuple[int, int], softcap: float, softmax_scale: float, seq_q: int,
+               seq_k: int) -> tuple[tuple, dict]:
+    """(WIN_LEFT, WIN_RIGHT, cap_in, cap_out) and the LEFT / RIGHT / SOFTCAP constexprs. A side without a
+    limit becomes a bound larger than any distance the kernels compute, |j − i − off| plus a tile
+    (< seq_q + seq_k + 2·256), so one range formula serves every case."""
+    left, right = reference.window_bounds(causal, window)
+    big = seq_q + seq_k + 1024
+    cap_in, cap_out = (softmax_scale / softcap, softcap * 1.4426950408889634) if softcap > 0 else (0.0, 0.0)
+    args = (left if left >= 0 else big, right if right >= 0 else big, cap_in, cap_out)
+    return args, dict(LEFT=left >= 0, RIGHT=right >= 0, SOFTCAP=softcap > 0)
+
+
 def flash_attn_fwd(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=None, cu_seqlens_k=None,
                    max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, config=None, out=None,
-                   lse=None):
+                   lse=None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
     """Forward. q: (batch, seqlen_q, nheads, d) or varlen (total_q, nheads, d); k, v likewise with
     nheads_kv; last-dim stride 1. Returns (o: like q; lse: fp32 (batch, nheads, seqlen_q), or
     (nheads, total_q) for varlen), written into ``out``/``lse`` when given (tests poison them).
+    ``window`` (left, right), -1 for no limit; ``softcap`` 0 for none (see the module docstring).
     ``config`` (BLOCK_M, BLOCK_N, warps, stages) pins a tile (tests)."""
     batch, seq_q, seq_k, nheads, nheads_k, d, varlen = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     lse_shape = (nheads, q.shape[0]) if varlen else (batch, nheads, seq_q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if lse is None else lse
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)  # unused pointer args when VARLEN is constexpr False
+    mask_args, mask_consts = _mask_args(causal, window, softcap, softmax_scale, seq_q, seq_k)
     args = (q, k, v, o, lse, cu_q, cu_k, *_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(o, varlen),
-            *_lse_strides(lse, varlen), seq_q, seq_k, nheads, nheads // nheads_k, softmax_scale,
+            *_lse_strides(lse, varlen), seq_q, seq_k, nheads, nheads // nheads_k, softmax_scale, *mask_args,
             _tune_seq(max(seq_q, seq_k)))
-    consts = dict(HEADDIM=d, VARLEN=varlen, CAUSAL=causal, BLOCK_D=block_d(d))
+    consts = dict(HEADDIM=d, VARLEN=varlen, BLOCK_D=block_d(d), **mask_consts)
     _launch("fwd", lambda meta: (triton.cdiv(max(seq_q, 1), meta["BLOCK_M"]), batch * nheads), args, d, q.device,
             consts, config)
     return o, lse
@@ -554,7 +644,8 @@ def flash_attn_fwd(q, k, v, softmax_scale: float, causal: bool, cu_seqlens_q=Non
 
 def flash_attn_bwd(do, q, k, v, o, lse, softmax_scale: float, causal: bool, cu_seqlens_q=None,
                    cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                   dlse=None, config=None, dq=None, dk=None, dv=None):
+                   dlse=None, config=None, dq=None, dk=None, dv=None, window: tuple[int, int] = (-1, -1),
+                   softcap: float = 0.0):
     """Backward. Returns (dq, dk, dv), contiguous, shaped like q, k, v.
 
     delta = rowsum(dO·O) is one small pass (_flash_bwd_delta_kernel). A gradient ``dlse`` flowing
@@ -573,7 +664,8 @@ def flash_attn_bwd(do, q, k, v, o, lse, softmax_scale: float, causal: bool, cu_s
     delta = _delta(o, do, dlse, lse, varlen)
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)
     common = (*_bsh(q, varlen), *_bsh(k, varlen), *_bsh(v, varlen), *_bsh(do, varlen), *_lse_strides(lse, varlen))
-    consts = dict(HEADDIM=d, VARLEN=varlen, CAUSAL=causal, BLOCK_D=block_d(d))
+    mask_args, mask_consts = _mask_args(causal, window, softcap, softmax_scale, seq_q, seq_k)
+    consts = dict(HEADDIM=d, VARLEN=varlen, BLOCK_D=block_d(d), **mask_consts)
     tune = _tune_seq(max(seq_q, seq_k))
     config = config or {}
     group = nheads // nheads_k
@@ -586,14 +678,15 @@ def flash_attn_bwd(do, q, k, v, o, lse, softmax_scale: float, causal: bool, cu_s
         dk_w, dv_w, stride_split = dk, dv, 0
     _launch("dkdv", lambda meta: (triton.cdiv(max(seq_k, 1), meta["BLOCK_N"]), batch * nheads_k * split),
             (q, k, v, do, lse, delta, dk_w, dv_w, cu_q, cu_k, *common, *_bsh(dk_w, varlen), *_bsh(dv_w, varlen),
-             seq_q, seq_k, nheads_k, group, split, stride_split, softmax_scale, tune), d, q.device, consts,
-            config.get("dkdv"))
+             seq_q, seq_k, nheads_k, group, split, stride_split, softmax_scale, *mask_args, tune), d, q.device,
+            consts, config.get("dkdv"))
     if split > 1:
         dk.copy_(dk_part.sum(0))
         dv.copy_(dv_part.sum(0))
     _launch("dq", lambda meta: (triton.cdiv(max(seq_q, 1), meta["BLOCK_M"]), batch * nheads),
             (q, k, v, do, lse, delta, dq, cu_q, cu_k, *common, *_bsh(dq, varlen),
-             seq_q, seq_k, nheads, nheads // nheads_k, softmax_scale, tune), d, q.device, consts, config.get("dq"))
+             seq_q, seq_k, nheads, nheads // nheads_k, softmax_scale, *mask_args, tune), d, q.device, consts,
+            config.get("dq"))
     return dq, dk, dv
 
 
@@ -620,7 +713,7 @@ def _signature(kernel, dtype: str, const: dict, varlen: bool, fp32_dkdv: bool = 
             sig[name] = "*fp32"
         elif name in _POINTER_ARGS:
             sig[name] = f"*{dtype}"
-        elif name == "sm_scale":
+        elif name in ("sm_scale", "cap_in", "cap_out"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -630,9 +723,9 @@ def _signature(kernel, dtype: str, const: dict, varlen: bool, fp32_dkdv: bool = 
 def compile_specs(arch: int, full: bool = False):
     """(kernel, signature, constexprs, options) for every config shipped for ``arch`` (80 or 90).
 
-    Each config is compiled once, with dtype (fp16/bf16), causal and varlen rotating across the
-    configs of a kernel so every variant is compiled too; head dim 96 stands for the padded case.
-    ``full=True`` gives the whole cross product (slow: minutes)."""
+    Each config is compiled once, with dtype (fp16/bf16), the window mask, soft-capping and varlen
+    rotating across the configs of a kernel so every variant is compiled too; head dim 96 stands for
+    the padded case. ``full=True`` gives the whole cross product (slow: minutes)."""
     major = 9 if arch >= 90 else 8
     specs = []
     for role, kernel in _KERNELS.items():
@@ -640,13 +733,15 @@ def compile_specs(arch: int, full: bool = False):
         for bucket, configs in CONFIGS[role][major].items():
             dims = {64: (64, 32), 128: (128, 96), 256: (256,)}[bucket]
             for bm, bn, warps, stages in configs:
-                variants = ([(dt, c, vl, d) for dt in ("fp16", "bf16") for c in (False, True) for vl in (False, True)
-                             for d in dims] if full else
-                            [(("fp16", "bf16")[i % 2], bool(i // 2 % 2), bool(i // 4 % 2), dims[i % len(dims)])])
+                sides = ((False, False), (False, True), (True, True), (True, False))  # (LEFT, RIGHT)
+                variants = ([(dt, w, vl, d, sc) for dt in ("fp16", "bf16") for w in sides
+                             for vl in (False, True) for d in dims for sc in (False, True)] if full else
+                            [(("fp16", "bf16")[i % 2], sides[i // 2 % 4], bool(i // 4 % 2), dims[i % len(dims)],
+                              i % 3 == 1)])
                 i += 1
-                for dtype, causal, varlen, d in variants:
-                    const = {"HEADDIM": d, "VARLEN": varlen, "CAUSAL": causal, "BLOCK_M": bm, "BLOCK_N": bn,
-                             "BLOCK_D": block_d(d)}
+                for dtype, (left, right), varlen, d, softcap in variants:
+                    const = {"HEADDIM": d, "VARLEN": varlen, "LEFT": left, "RIGHT": right, "SOFTCAP": softcap,
+                             "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": block_d(d)}
                     # dK/dV: every other config also as the split variant (fp32 partial sums)
                     for fp32_dkdv in ((False, True) if role == "dkdv" and (full or i % 2) else (False,)):
                         specs.append((kernel, _signature(kernel, dtype, const, varlen, fp32_dkdv), const,
