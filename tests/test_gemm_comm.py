@@ -168,3 +168,38 @@ def test_trace_records_every_chunk(rank_pool, tmp_path):
     assert {e["pid"] for e in spans} == set(range(world))
     assert len(spans) == world * (2 * world + 2 * (world - 1))
     assert all(e["dur"] >= 0 for e in spans)
+
+
+class _FakeCudaEvent:
+    """Stands in for torch.cuda.Event: 'recorded' at a device time the test sets (ms)."""
+
+    clock_ms = 0.0
+
+    def __init__(self):
+        self.t = _FakeCudaEvent.clock_ms
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+def test_cuda_spans_share_the_device_time_base(monkeypatch):
+    # On CUDA, host launch times say nothing about when a GEMM or a transfer runs: both kinds of span
+    # are measured between device events, from one origin, so their overlap is the device's.
+    from tpkernels.parallel import trace
+
+    monkeypatch.setattr(trace, "_cuda_event", _FakeCudaEvent)
+    with CommTrace() as tr:
+        _FakeCudaEvent.clock_ms = 10.0
+        comm = trace.CommSpan("ring chunk", "cuda")  # posted at device 10 ms
+        with trace.gemm_span("matmul chunk", "cuda"):  # the GEMM runs 10..14 ms
+            _FakeCudaEvent.clock_ms = 14.0
+        _FakeCudaEvent.clock_ms = 16.0
+        comm.done()  # the transfer completes at 16 ms: 4 of its 6 ms hidden
+    (gs, ge), = tr.intervals("gemm")
+    (cs, ce), = tr.intervals("comm")
+    assert (ge - gs, ce - cs) == pytest.approx((4e-3, 6e-3))
+    assert gs == pytest.approx(cs)  # one time base: the two start together on the device
+    assert tr.hidden_comm_fraction() == pytest.approx(4 / 6)

@@ -70,13 +70,63 @@ def test_explain_invalid_layout_lists_every_rule(capsys):
     (["plan", "--layers", "4", "--hidden", "512"], "missing --heads, --ffn, --vocab"),
     (["plan", "--model", "Llama-3-8B", "--explain", "TP4"], "layout item ('TP4') must look like KEY=VALUE"),
     (["plan", "--model", "Llama-3-8B", "--fix", "XP=2"], "layout key ('XP') must be one of"),
-    (["plan", "--model", "Llama-3-8B", "--global-batch", "0"], "global_batch (0) must be a positive integer"),
+    (["plan", "--model", "Llama-3-8B", "--global-batch", "0"], "--global-batch (0) must be a positive integer"),
     (["plan", "--model", "Llama-3-8B", "--gpu", "A10-24GB", "--intra-link", "nvlink"],
      "intra_link ('nvlink') is not available on A10-24GB"),
 ])
 def test_bad_input_is_one_clear_line(capsys, argv, message):
     rc, out, err = run(capsys, *argv)
     assert rc == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--fix", "TP=0"], "--fix ('TP=0'): TP (0) must be a positive integer"),
+    (["--explain", "TP=0"], "--explain ('TP=0'): TP (0) must be a positive integer"),
+    (["--explain", "mbs=0"], "--explain ('mbs=0'): mbs (0) must be a positive integer"),
+    (["--fix", "TP=-2"], "--fix ('TP=-2'): TP (-2) must be a positive integer"),
+    (["--fix", "TP=8,TP=2"], "--fix ('TP=8,TP=2'): TP is given twice (TP=8 and TP=2): give each layout field once"),
+    (["--fix", "recompute=most"], "recompute ('most') must be one of none, selective, full"),
+    (["--intra-node-gbs", "0"], "--intra-node-gbs (0.0) must be a finite number > 0"),
+    (["--inter-node-gbs", "-1"], "--inter-node-gbs (-1.0) must be a finite number > 0"),
+    (["--gpu-tflops", "0"], "--gpu-tflops (0.0) must be a finite number > 0"),
+    (["--gpu-memory-gib", "-1"], "--gpu-memory-gib (-1.0) must be a finite number > 0"),
+    (["--seq-len", "0"], "--seq-len (0) must be a positive integer"),
+    (["--top", "-1"], "--top (-1) must be a positive integer"),
+    (["--memory-margin", "1.5"], "--memory-margin (1.5) must be a fraction in [0, 1)"),
+    (["--nodes", "0"], "--nodes (0) must be a positive integer"),
+])
+def test_bad_numbers_and_layouts_are_one_line_naming_the_flag(capsys, extra, message):
+    rc, out, err = run(capsys, *BASE, *extra)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and message in lines[0], err
+    assert out == ""
+
+
+def test_bad_hf_configs_are_one_line(capsys, tmp_path):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "empty_dir").mkdir()
+    cases = [(tmp_path / "missing.json", "does not exist: give a Hugging Face config.json"),
+             (tmp_path / "empty_dir", "is a folder without a config.json"),
+             (tmp_path / "list.json", "must hold a JSON object (a Hugging Face model config), not a list"),
+             (tmp_path / "broken.json", "is not a readable JSON file")]
+    for path, message in cases:
+        rc, out, err = run(capsys, "plan", "--hf-config", str(path), "--gpu", "H100-SXM")
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and f"--hf-config ('{path}')" in err and message in err
+    # a checkpoint folder holding config.json is read like the file
+    ckpt = tmp_path / "my-llama"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 688, "vocab_size": 1000}))
+    rc, out, err = run(capsys, "plan", "--hf-config", str(ckpt), "--gpu", "H100-SXM", "--global-batch", "8",
+                       "--top", "1")
+    assert rc == 0 and "my-llama" in out, err
+
+
+def test_explicit_seq_len_is_used(capsys):
+    rc, out, _ = run(capsys, *BASE[:-2], "--seq-len", "1024", "--json", "--top", "1")
+    assert rc == 0 and json.loads(out)["training"]["seq_length"] == 1024
 
 
 def test_no_fit_exit_code_and_message(capsys):

@@ -62,11 +62,40 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return ap
 
 
+# Each numeric flag's rule: (test, the rule as the error states it). argparse turns text into
+# numbers; these say what the numbers may be, in one line naming the flag and the value.
+_POSITIVE_INT = (lambda v: isinstance(v, int) and v >= 1, "must be a positive integer")
+_POSITIVE = (lambda v: v > 0 and v != float("inf"), "must be a finite number > 0")
+_RULES = {
+    "layers": _POSITIVE_INT, "hidden": _POSITIVE_INT, "heads": _POSITIVE_INT, "kv_heads": _POSITIVE_INT,
+    "ffn": _POSITIVE_INT, "vocab": _POSITIVE_INT, "gpus_per_node": _POSITIVE_INT, "nodes": _POSITIVE_INT,
+    "global_batch": _POSITIVE_INT, "seq_len": _POSITIVE_INT, "lora_rank": _POSITIVE_INT, "top": _POSITIVE_INT,
+    "intra_node_gbs": _POSITIVE, "inter_node_gbs": _POSITIVE, "gpu_tflops": _POSITIVE, "gpu_memory_gib": _POSITIVE,
+    "gpu_hbm_gbs": _POSITIVE, "gpu_fp8_tflops": _POSITIVE,
+    "memory_margin": (lambda v: 0 <= v < 1, "must be a fraction in [0, 1) (the share of GPU memory kept free)"),
+}
+
+
+def check_args(args) -> None:
+    """Raise ValueError naming the flag, its value and the rule, for the first flag that breaks its rule."""
+    for name, (ok, rule) in _RULES.items():
+        value = getattr(args, name, None)
+        if value is not None and not ok(value):
+            raise ValueError(f"--{name.replace('_', '-')} ({value}) {rule}")
+
+
+def _layout_flag(flag: str, text: str) -> dict:
+    try:
+        return parse_layout(text)
+    except ValueError as e:
+        raise ValueError(f"{flag} ({text!r}): {e}") from None
+
+
 def _model(args) -> ModelSpec:
     if args.model:
         return model_preset(args.model)
     if args.hf_config:
-        return from_hf_config(args.hf_config)
+        return from_hf_config(args.hf_config, flag="--hf-config")
     shapes = {k: getattr(args, k.replace("-", "_")) for k in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab")}
     missing = [f"--{k}" for k, v in shapes.items() if v is None and k != "kv-heads"]
     if missing:
@@ -86,9 +115,13 @@ def _cluster(args) -> ClusterSpec:
 
 
 def run(args) -> int:
+    check_args(args)
+    fixed = _layout_flag("--fix", args.fix)
+    explain_layout = _layout_flag("--explain", args.explain) if args.explain else None
     model = _model(args)
     cluster = _cluster(args)
-    train = TrainingSetup(args.global_batch, args.seq_len or min(model.seq_length, 8192), args.precision, args.optimizer,
+    seq_len = args.seq_len if args.seq_len is not None else min(model.seq_length, 8192)
+    train = TrainingSetup(args.global_batch, seq_len, args.precision, args.optimizer,
                           args.finetune, args.lora_rank, not args.no_flash_attention)
     eff = A100_CALIBRATED
     if args.measure:
@@ -101,7 +134,7 @@ def run(args) -> int:
             for n in notes:
                 print("  " + n)
             print()
-    if args.explain:
+    if explain_layout is not None:
         x = explain(model, train, cluster, args.explain, eff, args.memory_margin)
         if args.json:
             print(json.dumps({"requested": x.requested, "errors": x.errors, "fits": x.fits,
@@ -110,6 +143,6 @@ def run(args) -> int:
         else:
             print(format_explanation(x))
         return 0 if not x.errors else 2
-    p = plan(model, train, cluster, eff, fixed=parse_layout(args.fix), memory_margin=args.memory_margin)
+    p = plan(model, train, cluster, eff, fixed=fixed, memory_margin=args.memory_margin)
     print(json.dumps(plan_as_dict(p, args.top), indent=2) if args.json else format_plan(p, args.top))
     return 0 if p.ranked else 3

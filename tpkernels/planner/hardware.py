@@ -15,6 +15,13 @@ from dataclasses import dataclass
 GB = 1e9
 GIB = 2**30
 
+
+def _check_positive(name: str, value, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} ({value!r}) must be a finite number > 0")
+
 PCIE_GEN4_GBS = 32.0
 PCIE_GEN5_GBS = 64.0
 
@@ -31,6 +38,11 @@ class GPUSpec:
     pcie_gbs: float
     inter_node_gbs: float
     peak_tflops_fp8: float | None = None
+
+    def __post_init__(self):
+        for f in ("peak_tflops_bf16", "memory_gib", "hbm_gbs", "nvlink_gbs", "pcie_gbs", "inter_node_gbs",
+                  "peak_tflops_fp8"):
+            _check_positive(f, getattr(self, f), optional=f in ("nvlink_gbs", "peak_tflops_fp8"))
 
     def peak_tflops(self, precision: str) -> float:
         if precision in ("bf16", "fp16"):
@@ -96,6 +108,8 @@ class ClusterSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        for name in ("intra_node_gbs", "inter_node_gbs"):
+            _check_positive(name, getattr(self, name), optional=True)
         if self.intra_link not in (None, "nvlink", "pcie"):
             raise ValueError(f"intra_link ({self.intra_link!r}) must be 'nvlink' or 'pcie'")
         if self.intra_link == "nvlink" and self.gpu.nvlink_gbs is None and self.intra_node_gbs is None:

@@ -193,13 +193,33 @@ def model_preset(name: str) -> ModelSpec:
                      "or pass a Hugging Face config.json")
 
 
-def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelSpec:
-    """ModelSpec from a Hugging Face ``config.json`` (a dict or a path): Llama, Mistral, Qwen2/2.5/3,
-    Qwen (v1) and GPT-2 layouts."""
-    if not isinstance(config, dict):
-        path = Path(config)
+def read_hf_config(path: str | Path, what: str = "hf_config") -> tuple[dict, str]:
+    """(the JSON object of a Hugging Face ``config.json``, a name for it). ``path`` is the file or a
+    checkpoint folder holding it; ``what`` names the argument in errors."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{what} ({str(path)!r}) is a folder without a config.json: give the file or a "
+                             "Hugging Face checkpoint folder")
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{what} ({str(path)!r}) does not exist: give a Hugging Face config.json")
+    try:
         config = json.loads(path.read_text())
-        name = name or path.parent.name or path.stem
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what} ({str(path)!r}) is not a readable JSON file: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{what} ({str(path)!r}) must hold a JSON object (a Hugging Face model config), "
+                         f"not a {type(config).__name__}")
+    return config, path.parent.name or path.stem
+
+
+def from_hf_config(config: dict | str | Path, name: str | None = None, flag: str = "hf_config") -> ModelSpec:
+    """ModelSpec from a Hugging Face ``config.json`` (a dict, a path, or a checkpoint folder holding
+    it): Llama, Mistral, Qwen2/2.5/3, Qwen (v1) and GPT-2 layouts. ``flag`` names the argument in errors."""
+    if not isinstance(config, dict):
+        config, default_name = read_hf_config(config, flag)
+        name = name or default_name
     kind = config.get("model_type", "")
     name = name or config.get("_name_or_path") or kind or "hf-model"
     if kind == "gpt2":

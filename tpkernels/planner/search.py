@@ -117,8 +117,9 @@ _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
 
 
 def parse_layout(text: str) -> dict:
-    """``"TP=4,PP=2,SP=on,recompute=selective"`` → {"tp": 4, "pp": 2, ...} (fields of ParallelConfig)."""
-    out = {}
+    """``"TP=4,PP=2,SP=on,recompute=selective"`` → {"tp": 4, "pp": 2, ...} (fields of ParallelConfig).
+    Each field once; sizes are positive integers, recompute one of ParallelConfig's choices."""
+    out, written = {}, {}
     for part in filter(None, (p.strip() for p in re.split(r"[,\s]+", text))):
         if "=" not in part:
             raise ValueError(f"layout item ({part!r}) must look like KEY=VALUE, e.g. TP=4")
@@ -126,17 +127,26 @@ def parse_layout(text: str) -> dict:
         field_name = _KEYS.get(key.lower())
         if field_name is None:
             raise ValueError(f"layout key ({key!r}) must be one of {', '.join(sorted(set(_KEYS)))}")
+        if field_name in written:
+            raise ValueError(f"{key} is given twice ({written[field_name]}={out[field_name]!r} and {part}): give each "
+                             "layout field once")
+        written[field_name] = key
         if field_name in ("sequence_parallel", "zero1"):
             if value.lower() not in _TRUE + _FALSE:
                 raise ValueError(f"{key} ({value!r}) must be on or off")
             out[field_name] = value.lower() in _TRUE
         elif field_name == "recompute":
+            if value.lower() not in RECOMPUTE_CHOICES:
+                raise ValueError(f"{key} ({value!r}) must be one of {', '.join(RECOMPUTE_CHOICES)}")
             out[field_name] = value.lower()
         else:
             try:
-                out[field_name] = int(value)
+                number = int(value)
             except ValueError:
                 raise ValueError(f"{key} ({value!r}) must be an integer") from None
+            if number < 1:
+                raise ValueError(f"{key} ({number}) must be a positive integer")
+            out[field_name] = number
     return out
 
 
