@@ -203,3 +203,31 @@ def test_cuda_spans_share_the_device_time_base(monkeypatch):
     assert (ge - gs, ce - cs) == pytest.approx((4e-3, 6e-3))
     assert gs == pytest.approx(cs)  # one time base: the two start together on the device
     assert tr.hidden_comm_fraction() == pytest.approx(4 / 6)
+
+
+def _fp64_worker(rank, world, seed):
+    """float64 stays float64 end to end (the one accumulation policy): the reduce-scatter's partial sums
+    and the vocabulary-parallel loss agree with a float64 reference to float64 precision."""
+    from tpkernels.functional.vocab_parallel import vocab_parallel_cross_entropy  # noqa: PLC0415
+
+    g = _gen(seed)
+    parts = [torch.randn(2 * world, 9, generator=g, dtype=torch.float64) for _ in range(world)]
+    bs = [torch.randn(9, 5, generator=g, dtype=torch.float64) for _ in range(world)]
+    ref = sum(p @ b for p, b in zip(parts, bs))[2 * rank:2 * rank + 2]
+    errs = []
+    for algo in ("collective", "ring"):
+        out = matmul_reduce_scatter(parts[rank], bs[rank], None, algo=algo)
+        errs.append((out.dtype == torch.float64, float((out - ref).abs().max())))
+    logits = torch.randn(7, 4 * world, generator=g, dtype=torch.float64) * 5
+    target = torch.randint(0, 4 * world, (7,), generator=g)
+    loss = vocab_parallel_cross_entropy(logits.chunk(world, -1)[rank], target, None, reduction="none")
+    want = torch.nn.functional.cross_entropy(logits, target, reduction="none")
+    errs.append((loss.dtype == torch.float64, float((loss - want).abs().max())))
+    return errs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_float64_stays_float64(rank_pool, fresh_seed, world):
+    for errs in rank_pool(world).run(_fp64_worker, fresh_seed):
+        for is_fp64, err in errs:
+            assert is_fp64 and err < 1e-12, errs  # an fp32 round trip would leave ~1e-7

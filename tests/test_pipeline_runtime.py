@@ -224,6 +224,8 @@ def _broken_worker(rank, world, case, schedule):
         inputs = None
     if case == "bad-batch" and rank == world - 1:
         targets = t[:2 * m - 1]
+    if case == "no-targets" and rank == world - 1:
+        targets = None
     if case == "last-backward" and rank == 0:  # rank 0's last action is the backward of the last micro-batch
         chunk = nn.Sequential(chunk[0], RaisesInBackward(fail_at=m), *chunk[1:])  # after the first Linear
     if case == "dies" and rank == 1:
@@ -244,6 +246,7 @@ def _broken_worker(rank, world, case, schedule):
 @pytest.mark.parametrize("case,schedule,world,origin,origin_error,cause", [
     ("no-inputs", "1f1b", 3, 0, "ValueError", "inputs are required on rank 0 (the first pipeline stage)"),
     ("bad-batch", "zb-h1", 3, 2, "ValueError", "targets: batch size (7) must be divisible by num_microbatches (4)"),
+    ("no-targets", "gpipe", 2, 1, "ValueError", "targets are required on rank 1 (the last pipeline stage)"),
     ("last-backward", "1f1b", 4, 0, "ValueError", "deliberate failure in the last backward"),
     ("last-backward", "zb-h1", 3, 0, "ValueError", "deliberate failure in the last backward"),
 ])
