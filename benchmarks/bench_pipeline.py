@@ -43,7 +43,7 @@ class _Cost(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        from tpkernels.pipeline.weight_grad import active_store  # noqa: PLC0415
+        from tpkernels.functional.weight_grad import active_store  # noqa: PLC0415
 
         time.sleep(ctx.b)
         store = active_store()

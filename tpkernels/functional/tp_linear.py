@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from tpkernels.dtypes import widen
 from tpkernels.functional.gemm_comm import all_gather_matmul, check_algo, choose_algo, matmul_reduce_scatter
-from tpkernels.functional.weight_grad import WeightGrad, weight_for_graph
+from tpkernels.functional.weight_grad import WeightGrad, graph_anchor, weight_for_graph
 from tpkernels.parallel.groups import group_rank_size
 from tpkernels.parallel.mappings import all_gather_dim, all_reduce
 
@@ -47,7 +47,7 @@ def _seq_chunks(t: torch.Tensor, dim: int, world: int) -> list[torch.Tensor]:
 
 class ColumnParallelLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, seq_dim, algo, overlap, regather_input, split):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, seq_dim, algo, overlap, regather_input, split, anchor):
         ctx.group, ctx.sp, ctx.seq_dim, ctx.algo, ctx.overlap = group, sequence_parallel, seq_dim, algo, overlap
         ctx.split = split
         ctx.has_bias, ctx.regather = bias is not None, regather_input
@@ -96,12 +96,12 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
             if handle is not None:
                 handle.wait()
                 dx = dx_wide.to(dy.dtype)
-        return dx, gw.result(), db, None, None, None, None, None, None, None
+        return dx, gw.result(), db, None, None, None, None, None, None, None, None
 
 
 class RowParallelLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, seq_dim, algo, overlap, split):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, seq_dim, algo, overlap, split, anchor):
         ctx.group, ctx.sp, ctx.seq_dim, ctx.algo, ctx.overlap = group, sequence_parallel, seq_dim, algo, overlap
         ctx.has_bias, ctx.split = bias is not None, split
         ctx.save_for_backward(x, weight)
@@ -139,7 +139,7 @@ class RowParallelLinearFunction(torch.autograd.Function):
             dx = torch.matmul(dy, weight)
             gw.add(dy, x)
             db = _rows(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, gw.result(), db, None, None, None, None, None, None
+        return dx, gw.result(), db, None, None, None, None, None, None, None
 
 
 def column_parallel_linear(x, weight, bias=None, group=None, sequence_parallel=False, sequence_dim=0,
@@ -149,7 +149,7 @@ def column_parallel_linear(x, weight, bias=None, group=None, sequence_parallel=F
     check_algo(algo, overlap)
     w, split = weight_for_graph(weight)
     return ColumnParallelLinearFunction.apply(x, w, bias, group, sequence_parallel, sequence_dim, algo, overlap,
-                                              regather_input, split)
+                                              regather_input, split, graph_anchor(split))
 
 
 def row_parallel_linear(x, weight, bias=None, group=None, sequence_parallel=False, sequence_dim=0, algo="auto",
@@ -158,4 +158,5 @@ def row_parallel_linear(x, weight, bias=None, group=None, sequence_parallel=Fals
     Returns (..., out): with SP this rank's shard of ``sequence_dim``, else the full sum on every rank."""
     check_algo(algo, overlap)
     w, split = weight_for_graph(weight)
-    return RowParallelLinearFunction.apply(x, w, bias, group, sequence_parallel, sequence_dim, algo, overlap, split)
+    return RowParallelLinearFunction.apply(x, w, bias, group, sequence_parallel, sequence_dim, algo, overlap, split,
+                                           graph_anchor(split))

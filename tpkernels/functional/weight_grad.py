@@ -48,16 +48,25 @@ class WeightGradStore:
 
     def __init__(self):
         self._queue: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self._work: list = []
 
     def put(self, weight: torch.Tensor, chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Queue weight.grad += Σ dyᵀ·x over ``chunks`` of (dy (..., out), x (..., in))."""
         self._queue.append((weight, chunks))
 
+    def defer(self, fn) -> None:
+        """Queue other W work of a custom layer (called with no arguments at flush). To keep hooks and
+        DP bucketing working, it should hand its gradients to ``torch.autograd.backward``."""
+        self._work.append(fn)
+
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + len(self._work)
 
     def flush(self) -> None:
         """Compute every queued gradient and accumulate them into the weights through autograd."""
+        work, self._work = self._work, []
+        for fn in work:
+            fn()
         if not self._queue:
             return
         grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a weight used twice gets one sum
@@ -112,6 +121,18 @@ class SplitWeight:
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
+
+
+# A zero-size leaf that requires grad, passed to every Function whose weight was kept out of the
+# graph: with the weight detached, a layer whose other inputs need no gradient (the first Linear of a
+# model, on data, without bias) would otherwise produce an output outside autograd, and its weight
+# gradient would be lost. Its own gradient is always None, so nothing accumulates into it.
+_ANCHOR = torch.empty(0, requires_grad=True)
+
+
+def graph_anchor(split: SplitWeight | None) -> torch.Tensor | None:
+    """The tensor a Function takes so that its output stays in the graph when its weight is split."""
+    return _ANCHOR if split is not None else None
 
 
 def weight_for_graph(weight: torch.Tensor) -> tuple[torch.Tensor, SplitWeight | None]:
@@ -180,7 +201,7 @@ class LinearFunction(torch.autograd.Function):
     x: (..., in), weight: (out, in), bias: (out,) or None -> (..., out)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, split_weight):
+    def forward(ctx, x, weight, bias, split_weight, anchor):
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.split_weight = bias is not None, split_weight
         return torch.nn.functional.linear(x, weight, bias)
@@ -192,10 +213,10 @@ class LinearFunction(torch.autograd.Function):
         db = _rows(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         gw = WeightGrad(weight, ctx.needs_input_grad[1], ctx.split_weight)
         gw.add(dy, x)
-        return dx, gw.result(), db, None
+        return dx, gw.result(), db, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose weight gradient can be deferred to a zero-bubble W action."""
     w, split = weight_for_graph(weight)
-    return LinearFunction.apply(x, w, bias, split)
+    return LinearFunction.apply(x, w, bias, split, graph_anchor(split))
