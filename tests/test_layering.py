@@ -11,7 +11,7 @@ import tpkernels
 ROOT = Path(tpkernels.__file__).parent
 # top to bottom; a module may import its own layer and the ones below it
 LAYERS = ["train", "models", "pipeline", "nn", "functional", "kernels", "parallel"]
-SHARED = {"backends", "dtypes", "_extension", "_version"}  # leaf modules every layer may use
+SHARED = {"backends", "dtypes", "_state", "_extension", "_version"}  # leaf modules every layer may use
 
 
 def _imports(path: Path) -> set[str]:

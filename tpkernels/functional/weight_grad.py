@@ -29,11 +29,11 @@ backpropagated without a store still gets its weight gradients, at once, through
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
 
+from tpkernels._state import setting
 from tpkernels.dtypes import accumulation_dtype
 
 _STATE = threading.local()
@@ -102,15 +102,9 @@ def active_store() -> WeightGradStore | None:
     return getattr(_STATE, "store", None)
 
 
-@contextlib.contextmanager
 def split_weight_grads(enabled: bool = True):
     """Forward passes inside the block build graphs whose weight gradients come from W only."""
-    prev = getattr(_STATE, "split", False)
-    _STATE.split = enabled
-    try:
-        yield
-    finally:
-        _STATE.split = prev
+    return setting(_STATE, "split", enabled)
 
 
 class SplitWeight:
@@ -143,15 +137,9 @@ def weight_for_graph(weight: torch.Tensor) -> tuple[torch.Tensor, SplitWeight | 
     return weight, None
 
 
-@contextlib.contextmanager
 def defer_weight_grads(store: WeightGradStore):
     """Inside the block, the package's linear layers queue their weight gradients in ``store``."""
-    prev = getattr(_STATE, "store", None)
-    _STATE.store = store
-    try:
-        yield store
-    finally:
-        _STATE.store = prev
+    return setting(_STATE, "store", store)
 
 
 class WeightGrad:

@@ -19,7 +19,6 @@ check covers both.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import zlib
@@ -27,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tpkernels._state import setting
 
 ENV_VAR = "TPKERNELS_CHECK_RANKS"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -44,15 +45,9 @@ def enabled() -> bool:
     return os.environ.get(ENV_VAR, "0") not in ("", "0")
 
 
-@contextlib.contextmanager
 def check_ranks(on: bool = True):
     """Check (or, with ``on=False``, do not check) cross-rank agreement inside the block."""
-    prev = getattr(_STATE, "on", None)
-    _STATE.on = on
-    try:
-        yield
-    finally:
-        _STATE.on = prev
+    return setting(_STATE, "on", on)
 
 
 def _encode(value: Any) -> list[int]:
