@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "gelu/bias_gelu.h"
+#include "llama/llama_ops.h"
 
 #ifdef TPKERNELS_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -13,7 +14,7 @@ pybind11::dict build_info() {
   pybind11::dict info;
   info["version"] = TPKERNELS_VERSION;
   info["torch_version"] = TORCH_VERSION;
-  info["cpu_capability"] = tpkernels::bias_gelu_cpu_capability();
+  info["cpu_capability"] = tpkernels::cpu_isa_name();
   info["cpu_openmp"] = tpkernels::cpu_kernels_use_openmp();
 #ifdef TPKERNELS_WITH_CUDA
   info["with_cuda"] = true;
@@ -37,6 +38,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bias_gelu_bwd_cpu", &tpkernels::bias_gelu_bwd_cpu, "(grad_x, grad_bias) of gelu(x + bias)",
         pybind11::arg("grad_out"), pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("tanh_approx"),
         pybind11::arg("grad_x_out") = pybind11::none(), pybind11::arg("grad_bias_out") = pybind11::none());
+  m.def("rms_norm_fwd_cpu", &tpkernels::rms_norm_fwd_cpu, "(y, h or None, rstd) of RMSNorm on (rows, n) views",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none(), pybind11::arg("h_out") = pybind11::none());
+  m.def("rms_norm_bwd_cpu", &tpkernels::rms_norm_bwd_cpu, "(dx, dweight) of RMSNorm from the saved h and rstd",
+        pybind11::arg("dy"), pybind11::arg("h"), pybind11::arg("weight"), pybind11::arg("rstd"),
+        pybind11::arg("dh") = pybind11::none(), pybind11::arg("dx_out") = pybind11::none());
+  m.def("swiglu_fwd_cpu", &tpkernels::swiglu_fwd_cpu, "out = silu(gate) * up on (rows, f) views",
+        pybind11::arg("gate"), pybind11::arg("up"), pybind11::arg("out"));
+  m.def("swiglu_bwd_cpu", &tpkernels::swiglu_bwd_cpu, "(dgate, dup) of silu(gate) * up, written into the given views",
+        pybind11::arg("dy"), pybind11::arg("gate"), pybind11::arg("up"), pybind11::arg("dgate"), pybind11::arg("dup"));
 #ifdef TPKERNELS_WITH_CUDA
   m.def("bias_gelu_fwd_cuda", &tpkernels::bias_gelu_fwd_cuda, "y = gelu(x + bias); x (rows, cols), bias (cols,)",
         pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("tanh_approx"), pybind11::arg("out") = pybind11::none());

@@ -81,7 +81,7 @@ def test_dtype_limits_are_part_of_the_rule():
     # the attention's second, dtype-based layer now lives in the rule: fp32 on CUDA skips Triton
     assert backends.select("flash_attn", CUDA, dtype=torch.bfloat16) == "triton"
     assert backends.select("flash_attn", CUDA, dtype=torch.float32) == "reference"
-    with pytest.raises(BackendUnavailableError, match="take float16 or bfloat16 CUDA tensors, got torch.float32"):
+    with pytest.raises(BackendUnavailableError, match="take float16, bfloat16 CUDA tensors, got torch.float32"):
         backends.select("flash_attn", CUDA, "triton", dtype=torch.float32)
     assert backends.select("bias_gelu", CUDA, dtype=torch.float64) == "reference"  # no fp64 CUDA/Triton kernel
 

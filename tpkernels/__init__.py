@@ -12,6 +12,8 @@ Public API (this release):
     tpkernels.all_gather_matmul / matmul_reduce_scatter  TP communication fused with GEMMs (ring overlap)
     tpkernels.nn.ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding
     tpkernels.vocab_parallel_cross_entropy            loss over vocabulary-sharded logits
+    tpkernels.rms_norm(x, weight, eps, residual=None) RMSNorm, fused with the residual add
+    tpkernels.swiglu(gate, up=None)                   silu(gate) * up, or of a fused [gate | up]
     tpkernels.parallel.mappings                        copy/reduce/scatter/gather autograd mappings
     tpkernels.parallel.trace.CommTrace                 chrome trace of comm/GEMM overlap
     tpkernels.pipeline                                 schedules as data, simulator, P2P engine, runtime, timeline
@@ -31,9 +33,11 @@ from tpkernels.functional import (
     flash_attn_func,
     flash_attn_varlen_func,
     matmul_reduce_scatter,
+    rms_norm,
+    swiglu,
     vocab_parallel_cross_entropy,
 )
 
 __all__ = ["__version__", "all_gather_matmul", "backends", "bias_gelu", "build_info", "flash_attn_func",
-           "flash_attn_varlen_func", "matmul_reduce_scatter", "nn",
+           "flash_attn_varlen_func", "matmul_reduce_scatter", "nn", "rms_norm", "swiglu",
            "vocab_parallel_cross_entropy"]

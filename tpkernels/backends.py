@@ -78,6 +78,20 @@ def register_op(op: str, impls: tuple[str, ...], *, family: str | None = None, c
     _OPS[op] = _Op(op, tuple(impls), family, check, default, dict(default_doc or {}))
 
 
+def triton_dtype_limits(device: torch.device, dtype: torch.dtype | None, gpu=(torch.float16, torch.bfloat16,
+                                                                                   torch.float32)) -> str | None:
+    """Why the Triton kernels cannot take ``dtype`` (None when they can): ``gpu`` on CUDA tensors; under
+    the interpreter float16 and float32 only (it computes bfloat16 on raw bits)."""
+    if dtype is None:
+        return None
+    if device.type == "cuda":
+        return None if dtype in gpu else \
+            f"the Triton kernels take {', '.join(str(d).replace('torch.', '') for d in gpu)} CUDA tensors, got {dtype}"
+    if dtype in (torch.float16, torch.float32):
+        return None
+    return f"the Triton interpreter runs float16 and float32 (it computes bfloat16 wrongly), got {dtype}"
+
+
 def _kind(impl: str) -> str | None:
     return "kernel" if impl in KERNELS else "algorithm" if impl in ALGORITHMS else None
 
@@ -120,8 +134,9 @@ def _kernel_unavailable(backend: str, device: torch.device) -> str | None:
     return f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got a {device.type} tensor"
 
 
-def why_not(backend: str, op: str, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
-    """None when implementation ``backend`` can run ``op`` on ``device`` (and ``dtype``), else why not."""
+def why_not(backend: str, op: str, device: torch.device, dtype: torch.dtype | None = None, **context) -> str | None:
+    """None when implementation ``backend`` can run ``op`` on ``device`` (and ``dtype``, and the op's
+    ``context``, e.g. a row length), else why not."""
     spec = _OPS.get(op)
     if spec is None:
         return f"unknown op {op!r}; ops: {', '.join(_OPS)}"
@@ -135,7 +150,7 @@ def why_not(backend: str, op: str, device: torch.device, dtype: torch.dtype | No
         if reason:
             return reason
     if spec.check is not None:
-        return spec.check(backend, device, dtype)
+        return spec.check(backend, device, dtype, **context)
     return None
 
 
@@ -193,7 +208,7 @@ def select(op: str, device: torch.device, backend: str | None = None, *, dtype: 
     if wanted is None:
         wanted, source = _env_choice(spec)
     if wanted is not None:
-        reason = why_not(wanted, op, device, dtype)
+        reason = why_not(wanted, op, device, dtype, **context)
         if reason is not None:
             hint = ""
             if source.endswith("(every op)"):
@@ -207,7 +222,7 @@ def select(op: str, device: torch.device, backend: str | None = None, *, dtype: 
     for name in DEFAULT_ORDER.get(device.type, ("reference",)):
         if name not in spec.impls:
             continue
-        reason = why_not(name, op, device, dtype)
+        reason = why_not(name, op, device, dtype, **context)
         if reason is None:
             return name
         reasons.append(f"{name}: {reason}")

@@ -13,21 +13,19 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <optional>
 #include <tuple>
+
+#include "../common/cpu_isa.h"
 
 namespace tpkernels {
 
 // `out`, `grad_x_out`, `grad_bias_out`: optional preallocated outputs (contiguous, right shape
 // and dtype), written in full; tests pass NaN-filled ones to prove every element is written.
-using OptTensor = std::optional<at::Tensor>;
 
 at::Tensor bias_gelu_fwd_cpu(const at::Tensor& x, const at::Tensor& bias, bool tanh_approx, const OptTensor& out);
 std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& x,
                                                      const at::Tensor& bias, bool tanh_approx,
                                                      const OptTensor& grad_x_out, const OptTensor& grad_bias_out);
-// Name of the CPU kernel variant the running CPU uses ("avx512", "avx2" or "default").
-const char* bias_gelu_cpu_capability();
 // Whether the CPU kernels were compiled with OpenMP (torch's at::parallel_for backend).
 bool cpu_kernels_use_openmp();
 
@@ -38,13 +36,8 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_bwd_cuda(const at::Tensor& grad_out
                                                       const OptTensor& grad_x_out, const OptTensor& grad_bias_out);
 #endif
 
-// Returns `out` after checking it can hold a result like `like` (contiguous, same shape, dtype,
-// device), or a fresh contiguous tensor when `out` is empty.
-at::Tensor output_like(const OptTensor& out, const at::Tensor& like, const char* op, const char* name);
-
 // Raw-pointer interface of the per-ISA CPU kernels (no ATen Tensor inside them, so the code
 // compiled for AVX2/AVX512 shares as little inline code with the rest as possible).
-enum class ScalarKind { Float, Double, Half, BFloat16 };
 
 struct BiasGeluCpuArgs {
   ScalarKind kind;

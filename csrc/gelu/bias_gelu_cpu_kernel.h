@@ -10,14 +10,12 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <type_traits>
 #include <vector>
 
+#include "../common/cpu_vec.h"
 #include "bias_gelu.h"
 #include "bias_gelu_math.h"
 
@@ -26,29 +24,12 @@ namespace TPK_CPU_NS {
 namespace {
 
 template <typename scalar_t, typename opmath_t>
-struct BiasGeluCpu {
-  using Vec = at::vec::Vectorized<opmath_t>;
-  static constexpr int64_t kW = Vec::size();
-
-  static Vec load(const scalar_t* p, int64_t n) {
-    if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-      return n == kW ? Vec::loadu(p) : Vec::loadu(p, n);
-    } else {
-      opmath_t buf[kW];
-      for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<opmath_t>(p[i]);
-      return Vec::loadu(buf, n);
-    }
-  }
-
-  static void store(const Vec& v, scalar_t* p, int64_t n) {
-    if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-      if (n == kW) v.store(p); else v.store(p, n);
-    } else {
-      opmath_t buf[kW];
-      v.store(buf, n);
-      for (int64_t i = 0; i < n; ++i) p[i] = static_cast<scalar_t>(buf[i]);
-    }
-  }
+struct BiasGeluCpu : VecIO<scalar_t, opmath_t> {
+  using IO = VecIO<scalar_t, opmath_t>;
+  using Vec = typename IO::Vec;
+  using IO::kW;
+  using IO::load;
+  using IO::store;
 
   static Vec gelu(const Vec& z, bool tanh_approx) {
     using namespace gelu_const;
@@ -154,16 +135,6 @@ struct BiasGeluCpu {
     });
   }
 };
-
-template <template <typename, typename> class K, typename Fn>
-void dispatch_kind(ScalarKind kind, Fn&& fn) {
-  switch (kind) {
-    case ScalarKind::Float: fn(K<float, float>{}); break;
-    case ScalarKind::Double: fn(K<double, double>{}); break;
-    case ScalarKind::Half: fn(K<c10::Half, float>{}); break;
-    case ScalarKind::BFloat16: fn(K<c10::BFloat16, float>{}); break;
-  }
-}
 
 }  // namespace
 

@@ -47,16 +47,11 @@ MAX_HEADDIM = 256
 
 
 def _impl_limits(impl: str, device: torch.device, dtype: torch.dtype | None) -> str | None:
-    """The dtypes each implementation runs (the dispatch rule skips, or refuses when forced, the rest)."""
-    if impl != "triton" or dtype is None:
+    """The dtypes each implementation runs (the dispatch rule skips, or refuses when forced, the rest):
+    on CUDA the Triton kernels take 16-bit inputs only (tl.dot would round fp32 to TF32)."""
+    if impl != "triton":
         return None
-    if device.type == "cuda":
-        if dtype in (torch.float16, torch.bfloat16):
-            return None
-        return f"the Triton kernels take float16 or bfloat16 CUDA tensors, got {dtype}"
-    if dtype in (torch.float16, torch.float32):
-        return None
-    return f"the Triton interpreter runs float16 and float32 (it computes bfloat16 wrongly), got {dtype}"
+    return backends.triton_dtype_limits(device, dtype, gpu=(torch.float16, torch.bfloat16))
 
 
 backends.register_op(OP, ("triton", "reference"), check=_impl_limits)

@@ -26,8 +26,10 @@ from tpkernels.kernels import reference
 OP = "bias_gelu"
 APPROXIMATIONS = ("none", "tanh")
 def _impl_limits(impl: str, device: torch.device, dtype: torch.dtype | None) -> str | None:
-    if impl in ("cuda", "triton") and dtype == torch.float64:
-        return f"the {impl} kernels take float32, float16 and bfloat16, got {dtype}"
+    if impl == "cuda" and dtype == torch.float64:
+        return f"the cuda kernels take float32, float16 and bfloat16, got {dtype}"
+    if impl == "triton":
+        return backends.triton_dtype_limits(device, dtype)
     return None
 
 

@@ -43,6 +43,48 @@ def bias_gelu_bwd(grad: Tensor, x: Tensor, bias: Tensor, approximate: str) -> tu
     return dx, db
 
 
+# ---- RMSNorm (Llama family): y = h · rsqrt(mean(h²) + eps) · weight, h = x (+ residual) ----
+
+def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """x, residual: (rows, n); weight: (n,) -> (y (rows, n), h = x + residual in x's dtype or None,
+    rstd (rows,) fp32 (fp64 for fp64)). The statistics are taken on h as stored (rounded to x's
+    dtype), the one the backward sees."""
+    h = None if residual is None else (_opmath(x) + _opmath(residual)).to(x.dtype)
+    hf = _opmath(x if h is None else h)
+    rstd = torch.rsqrt(hf.square().mean(-1) + eps)
+    y = (hf * rstd[:, None] * _opmath(weight)).to(x.dtype)
+    return y, h, rstd
+
+
+def rms_norm_bwd(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dh: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor]:
+    """(dx, dweight) of rms_norm at h (the normalised input) from the saved rstd; ``dh``: a gradient
+    arriving at h directly (the residual stream), added to dx. dx (rows, n) dtype of h; dweight (n,)."""
+    hf, dyf = _opmath(h), _opmath(dy)
+    n = hf * rstd[:, None].to(hf.dtype)
+    dn = dyf * _opmath(weight)
+    dx = rstd[:, None].to(hf.dtype) * (dn - n * (dn * n).mean(-1, keepdim=True))
+    if dh is not None:
+        dx = dx + _opmath(dh)
+    return dx.to(h.dtype), (dyf * n).sum(0).to(weight.dtype)
+
+
+# ---- SwiGLU (Llama MLP): y = silu(gate) · up ----
+
+def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
+    """gate, up: (..., f) -> (..., f), dtype of gate; math in fp32 (fp64 for fp64)."""
+    g = _opmath(gate)
+    return (g * torch.sigmoid(g) * _opmath(up)).to(gate.dtype)
+
+
+def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """(dgate, dup) of silu(gate) · up."""
+    g, u, d = _opmath(gate), _opmath(up), _opmath(dy)
+    s = torch.sigmoid(g)
+    return (d * u * s * (1 + g * (1 - s))).to(gate.dtype), (d * g * s).to(up.dtype)
+
+
 # ---- attention (FlashAttention semantics) ----
 # Layout (FlashAttention's): q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_kv, d).
 # Masks align to the bottom-right: with off = seqlen_k - seqlen_q, query i sees key j iff

@@ -4,4 +4,5 @@ Every module here exposes ``compile_specs(arch)``; ``tpkernels.kernels.triton.ao
 them all for given SM targets without a GPU.
 """
 
-KERNEL_MODULES = ("tpkernels.kernels.triton.bias_gelu", "tpkernels.kernels.triton.flash_attn")
+KERNEL_MODULES = ("tpkernels.kernels.triton.bias_gelu", "tpkernels.kernels.triton.flash_attn",
+                  "tpkernels.kernels.triton.rms_norm", "tpkernels.kernels.triton.swiglu")

@@ -1,0 +1,170 @@
+// Vectorised CPU kernels of RMSNorm and SwiGLU, compiled once per ISA (see llama_cpu_*.cpp).
+//
+// Parallelism: at::parallel_for over rows; the RMSNorm backward runs over a number of row chunks
+// that depends on the problem size only, each summing its dweight rows into its own opmath row,
+// then adds the chunks in a fixed order: bitwise reproducible whatever the thread count.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "../common/cpu_vec.h"
+#include "llama_ops.h"
+
+namespace tpkernels {
+namespace TPK_CPU_NS {
+namespace {
+
+template <typename scalar_t, typename opmath_t>
+struct LlamaCpu : VecIO<scalar_t, opmath_t> {
+  using IO = VecIO<scalar_t, opmath_t>;
+  using Vec = typename IO::Vec;
+  using IO::kW;
+  using IO::load;
+  using IO::store;
+  using IO::sum;
+
+  static const scalar_t* row(const RowsView& v, int64_t r) {
+    return static_cast<const scalar_t*>(v.p) + r * v.row_stride;
+  }
+
+  // ~32K elements per task: large enough to amortise task start, small enough to balance.
+  static int64_t grain(int64_t n) { return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(n, 1)); }
+
+  static void rms_norm_fwd(const RmsNormCpuArgs& a) {
+    const int64_t n = a.n;
+    const auto* w = static_cast<const scalar_t*>(a.weight);
+    auto* rstd = static_cast<opmath_t*>(a.rstd);
+    at::parallel_for(0, a.rows, grain(n), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* xr = row(a.x, r);
+        scalar_t* yr = static_cast<scalar_t*>(a.y) + r * n;
+        const scalar_t* src = xr;  // what is normalised: x, or h as stored (rounded) with a residual
+        Vec ss(opmath_t(0));
+        if (a.residual.p != nullptr) {
+          const scalar_t* rr = row(a.residual, r);
+          scalar_t* hr = static_cast<scalar_t*>(a.h) + r * n;
+          for (int64_t c = 0; c < n; c += kW) {
+            const int64_t m = std::min(kW, n - c);
+            store(load(xr + c, m) + load(rr + c, m), hr + c, m);
+            const Vec hv = load(hr + c, m);  // the rounded h the backward will see
+            ss = ss + hv * hv;
+          }
+          src = hr;
+        } else {
+          for (int64_t c = 0; c < n; c += kW) {
+            const int64_t m = std::min(kW, n - c);
+            const Vec v = load(xr + c, m);
+            ss = ss + v * v;
+          }
+        }
+        const opmath_t inv = opmath_t(1) / std::sqrt(sum(ss) / opmath_t(n) + opmath_t(a.eps));
+        rstd[r] = inv;
+        const Vec vinv(inv);
+        for (int64_t c = 0; c < n; c += kW) {
+          const int64_t m = std::min(kW, n - c);
+          store(load(src + c, m) * vinv * load(w + c, m), yr + c, m);
+        }
+      }
+    });
+  }
+
+  static void rms_norm_bwd(const RmsNormCpuArgs& a) {
+    const int64_t rows = a.rows, n = a.n;
+    const auto* w = static_cast<const scalar_t*>(a.weight);
+    const auto* rstd = static_cast<const opmath_t*>(a.rstd);
+    // ~256K elements per chunk, at most 64 chunks: the count depends on the shape only
+    const int64_t nchunks = std::clamp<int64_t>(rows * n / (int64_t(1) << 18), 1, std::min<int64_t>(rows, 64));
+    const int64_t per_chunk = (rows + nchunks - 1) / nchunks;
+    std::vector<opmath_t> partial(static_cast<size_t>(nchunks * n), opmath_t(0));
+    at::parallel_for(0, nchunks, 1, [&](int64_t k0, int64_t k1) {
+      for (int64_t k = k0; k < k1; ++k) {
+        opmath_t* acc = partial.data() + k * n;
+        for (int64_t r = k * per_chunk; r < std::min(rows, (k + 1) * per_chunk); ++r) {
+          const scalar_t* dyr = row(a.dy, r);
+          const scalar_t* hr = row(a.x, r);  // the saved h travels in `x`
+          scalar_t* dxr = static_cast<scalar_t*>(a.y) + r * n;
+          const Vec vr(rstd[r]);
+          Vec dot(opmath_t(0));
+          for (int64_t c = 0; c < n; c += kW) {
+            const int64_t m = std::min(kW, n - c);
+            dot = dot + load(dyr + c, m) * load(w + c, m) * load(hr + c, m) * vr;  // dn · n
+          }
+          const Vec mean(sum(dot) / opmath_t(n));
+          for (int64_t c = 0; c < n; c += kW) {
+            const int64_t m = std::min(kW, n - c);
+            const Vec dyv = load(dyr + c, m);
+            const Vec nv = load(hr + c, m) * vr;
+            Vec dx = vr * (dyv * load(w + c, m) - nv * mean);
+            if (a.dh.p != nullptr) dx = dx + load(row(a.dh, r) + c, m);
+            store(dx, dxr + c, m);
+            (Vec::loadu(acc + c, m) + dyv * nv).store(acc + c, m);
+          }
+        }
+      }
+    });
+    auto* dw = static_cast<scalar_t*>(a.dweight);
+    at::parallel_for(0, n, 4096, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        opmath_t s = 0;
+        for (int64_t k = 0; k < nchunks; ++k) s += partial[k * n + c];
+        dw[c] = static_cast<scalar_t>(s);
+      }
+    });
+  }
+
+  static Vec sigmoid(const Vec& g) {
+    const Vec one(opmath_t(1));
+    return one / (one + g.neg().exp());
+  }
+
+  static void swiglu_fwd(const SwigluCpuArgs& a) {
+    const int64_t f = a.f;
+    at::parallel_for(0, a.rows, grain(f), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* gr = row(a.gate, r);
+        const scalar_t* ur = row(a.up, r);
+        scalar_t* yr = static_cast<scalar_t*>(a.out) + r * a.out_stride;
+        for (int64_t c = 0; c < f; c += kW) {
+          const int64_t m = std::min(kW, f - c);
+          const Vec g = load(gr + c, m);
+          store(g * sigmoid(g) * load(ur + c, m), yr + c, m);
+        }
+      }
+    });
+  }
+
+  static void swiglu_bwd(const SwigluCpuArgs& a) {
+    const int64_t f = a.f;
+    const Vec one(opmath_t(1));
+    at::parallel_for(0, a.rows, grain(f), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* dyr = row(a.dy, r);
+        const scalar_t* gr = row(a.gate, r);
+        const scalar_t* ur = row(a.up, r);
+        scalar_t* dgr = static_cast<scalar_t*>(a.out) + r * a.out_stride;
+        scalar_t* dur = static_cast<scalar_t*>(a.dup) + r * a.dup_stride;
+        for (int64_t c = 0; c < f; c += kW) {
+          const int64_t m = std::min(kW, f - c);
+          const Vec d = load(dyr + c, m), g = load(gr + c, m), u = load(ur + c, m);
+          const Vec s = sigmoid(g);
+          store(d * u * s * (one + g * (one - s)), dgr + c, m);
+          store(d * g * s, dur + c, m);
+        }
+      }
+    });
+  }
+};
+
+}  // namespace
+
+void rms_norm_fwd(const RmsNormCpuArgs& a) { dispatch_kind<LlamaCpu>(a.kind, [&](auto k) { decltype(k)::rms_norm_fwd(a); }); }
+void rms_norm_bwd(const RmsNormCpuArgs& a) { dispatch_kind<LlamaCpu>(a.kind, [&](auto k) { decltype(k)::rms_norm_bwd(a); }); }
+void swiglu_fwd(const SwigluCpuArgs& a) { dispatch_kind<LlamaCpu>(a.kind, [&](auto k) { decltype(k)::swiglu_fwd(a); }); }
+void swiglu_bwd(const SwigluCpuArgs& a) { dispatch_kind<LlamaCpu>(a.kind, [&](auto k) { decltype(k)::swiglu_bwd(a); }); }
+
+}  // namespace TPK_CPU_NS
+}  // namespace tpkernels

@@ -1,0 +1,103 @@
+// CPU entry points of the Llama ops: validate the 2-D views, allocate outputs, pick the ISA variant.
+#include <ATen/ATen.h>
+
+#include "llama_ops.h"
+
+namespace tpkernels {
+namespace {
+
+void check_rows(const at::Tensor& t, const char* op, const char* name, const at::Tensor& like) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.dim() == 2 && t.sizes() == like.sizes(), op, ": ", name, " must be 2-D of shape ", like.sizes(),
+              ", got ", t.sizes());
+  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, op, ": ", name, " must have last-dim stride 1");
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": ", name, " dtype ", t.scalar_type(), " must be ",
+              like.scalar_type());
+}
+
+RowsView view(const at::Tensor& t) { return {t.data_ptr(), t.stride(0)}; }
+RowsView view(const OptTensor& t) { return t.has_value() ? view(*t) : RowsView{nullptr, 0}; }
+
+void check_weight(const at::Tensor& w, const at::Tensor& x) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() &&
+                  w.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be a contiguous ", x.scalar_type(), " CPU tensor of shape (", x.size(1),
+              ",), got ", w.scalar_type(), " ", w.sizes());
+}
+
+at::ScalarType stat_type(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+template <typename Fn>
+void run(Fn&& fn) {
+  with_isa<llama_default::Kernels, llama_avx2::Kernels, llama_avx512::Kernels>(fn);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, OptTensor, at::Tensor> rms_norm_fwd_cpu(const at::Tensor& x, const at::Tensor& weight,
+                                                               double eps, const OptTensor& residual,
+                                                               const OptTensor& out, const OptTensor& h_out) {
+  check_rows(x, "rms_norm", "x", x);
+  check_weight(weight, x);
+  if (residual.has_value()) check_rows(*residual, "rms_norm", "residual", x);
+  const ScalarKind kind = kind_of(x, "rms_norm");
+  auto y = output_like(out, x, "rms_norm", "out");
+  OptTensor h;
+  if (residual.has_value()) h = output_like(h_out, x, "rms_norm", "h_out");
+  auto rstd = at::empty({x.size(0)}, x.options().dtype(stat_type(x)));
+  if (x.numel() == 0) return {y, h, rstd};
+  RmsNormCpuArgs a{kind, x.size(0), x.size(1), eps, view(x), view(residual), {nullptr, 0}, {nullptr, 0},
+                   weight.data_ptr(), y.data_ptr(), h.has_value() ? h->data_ptr() : nullptr, rstd.data_ptr(),
+                   nullptr};
+  run([&](auto k) { decltype(k)::rms_norm_fwd(a); });
+  return {y, h, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(const at::Tensor& dy, const at::Tensor& h,
+                                                    const at::Tensor& weight, const at::Tensor& rstd,
+                                                    const OptTensor& dh, const OptTensor& dx_out) {
+  check_rows(h, "rms_norm backward", "h", h);
+  check_rows(dy, "rms_norm backward", "dy", h);
+  if (dh.has_value()) check_rows(*dh, "rms_norm backward", "dh", h);
+  check_weight(weight, h);
+  TORCH_CHECK(rstd.dim() == 1 && rstd.size(0) == h.size(0) && rstd.is_contiguous() &&
+                  rstd.scalar_type() == stat_type(h),
+              "rms_norm backward: rstd must be a contiguous ", stat_type(h), " tensor of shape (", h.size(0), ",)");
+  const ScalarKind kind = kind_of(h, "rms_norm backward");
+  auto dx = output_like(dx_out, h, "rms_norm backward", "dx_out");
+  auto dw = at::empty(weight.sizes(), weight.options());
+  if (h.size(0) == 0) return {dx, dw.zero_()};
+  RmsNormCpuArgs a{kind, h.size(0), h.size(1), 0.0, view(h), {nullptr, 0}, view(dy), view(dh),
+                   weight.data_ptr(), dx.data_ptr(), nullptr, const_cast<void*>(rstd.data_ptr()), dw.data_ptr()};
+  run([&](auto k) { decltype(k)::rms_norm_bwd(a); });
+  return {dx, dw};
+}
+
+at::Tensor swiglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor out) {
+  check_rows(gate, "swiglu", "gate", gate);
+  check_rows(up, "swiglu", "up", gate);
+  check_rows(out, "swiglu", "out", gate);
+  const ScalarKind kind = kind_of(gate, "swiglu");
+  if (gate.numel() == 0) return out;
+  SwigluCpuArgs a{kind, gate.size(0), gate.size(1), view(gate), view(up), {nullptr, 0},
+                  out.data_ptr(), out.stride(0), nullptr, 0};
+  run([&](auto k) { decltype(k)::swiglu_fwd(a); });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& gate, const at::Tensor& up,
+                                                  at::Tensor dgate, at::Tensor dup) {
+  check_rows(gate, "swiglu backward", "gate", gate);
+  check_rows(up, "swiglu backward", "up", gate);
+  check_rows(dy, "swiglu backward", "dy", gate);
+  check_rows(dgate, "swiglu backward", "dgate", gate);
+  check_rows(dup, "swiglu backward", "dup", gate);
+  const ScalarKind kind = kind_of(gate, "swiglu backward");
+  if (gate.numel() == 0) return {dgate, dup};
+  SwigluCpuArgs a{kind, gate.size(0), gate.size(1), view(gate), view(up), view(dy),
+                  dgate.data_ptr(), dgate.stride(0), dup.data_ptr(), dup.stride(0)};
+  run([&](auto k) { decltype(k)::swiglu_bwd(a); });
+  return {dgate, dup};
+}
+
+}  // namespace tpkernels

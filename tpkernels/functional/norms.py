@@ -1,0 +1,189 @@
+"""RMSNorm (Llama family) with the fused residual add that every pre-norm layer does twice.
+
+    y = rms_norm(x, weight, eps)                  y = x · rsqrt(mean(x²) + eps) · weight
+    y, h = rms_norm(x, weight, eps, residual=r)   h = x + r (the residual stream), y = rms_norm(h)
+
+Layers, top to bottom:
+    rms_norm()                 public function: validates, calls the op (autograd-aware)
+    torch.ops.tpkernels.rms_norm_forward / rms_norm_backward
+                               torch.library custom ops with fake impls (torch.compile traces them as
+                               opaque calls) and registered autograd
+    kernels                    triton (kernels/triton/rms_norm.py), cpp (tpkernels._C), reference
+
+Memory: the forward saves h (x itself without a residual: no copy), the weight and rstd, one fp32
+per row; never the normalised output, which the backward recomputes. The statistics are fp32
+(fp64 for fp64 inputs). dweight is reduced in two levels without atomics (per-program fp32 rows,
+then one fixed-order sum): deterministic, on the CPU also across thread counts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from tpkernels import backends
+from tpkernels._extension import extension
+from tpkernels.kernels import reference
+
+OP = "rms_norm"
+_FLOAT = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _impl_limits(impl: str, device: torch.device, dtype: torch.dtype | None, n: int | None = None) -> str | None:
+    if impl != "triton":
+        return None
+    from tpkernels.kernels.triton.rms_norm import MAX_N  # noqa: PLC0415  (only when Triton is a candidate)
+
+    if n is not None and n > MAX_N:
+        return f"the Triton kernel holds whole rows of at most {MAX_N} elements, got rows of {n}"
+    return backends.triton_dtype_limits(device, dtype)
+
+
+backends.register_op(OP, ("triton", "cpp", "reference"), check=_impl_limits)
+
+
+def _check(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None) -> None:
+    if not isinstance(x, Tensor) or not isinstance(weight, Tensor):
+        raise TypeError(f"x and weight must be tensors, got {type(x).__name__} and {type(weight).__name__}")
+    if x.dtype not in _FLOAT:
+        raise TypeError(f"x dtype ({x.dtype}) must be float32, float16, bfloat16 or float64")
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x must be (..., hidden) with hidden >= 1, got shape {tuple(x.shape)}")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight shape {tuple(weight.shape)} must be ({x.shape[-1]},), the last dim of x")
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match x ({x.dtype}, {x.device})")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps ({eps!r}) must be a finite number >= 0")
+    if residual is not None:
+        if not isinstance(residual, Tensor) or residual.shape != x.shape or residual.dtype != x.dtype or \
+                residual.device != x.device:
+            got = (f"{residual.dtype} {tuple(residual.shape)} on {residual.device}" if isinstance(residual, Tensor)
+                   else type(residual).__name__)
+            raise ValueError(f"residual ({got}) must be a tensor like x ({x.dtype} {tuple(x.shape)} on {x.device})")
+
+
+def _rows(t: Tensor) -> Tensor:
+    """(..., n) -> (rows, n) with last-dim stride 1; a view whenever possible."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
+
+
+def _select(x: Tensor, backend: str | None) -> str:
+    return backends.select(OP, x.device, backend, dtype=x.dtype, n=x.shape[-1])
+
+
+def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, *,
+                 backend: str | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Forward launcher (no autograd). x, residual: (..., n); weight (n,) -> (y like x, h like x or
+    None, rstd (rows,) fp32 (fp64 for fp64))."""
+    shape, n = x.shape, x.shape[-1]
+    x2, r2 = _rows(x), None if residual is None else _rows(residual)
+    name = _select(x, backend)
+    if name == "triton":
+        from tpkernels.kernels.triton import rms_norm as tk  # noqa: PLC0415  (triton import is slow)
+
+        y, h, rstd = tk.rms_norm_fwd(x2, weight.contiguous(), float(eps), r2)
+    elif name == "cpp":
+        y, h, rstd = extension().rms_norm_fwd_cpu(x2, weight.contiguous(), float(eps), r2)
+    else:
+        y, h, rstd = reference.rms_norm_fwd(x2, weight, float(eps), r2)
+    return y.view(shape), (None if h is None else h.view(shape)), rstd
+
+
+def rms_norm_bwd(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dh: Tensor | None = None, *,
+                 backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """Backward launcher: dy, h, dh (..., n); rstd (rows,) -> (dx like h, dweight (n,))."""
+    shape = h.shape
+    args = (_rows(dy), _rows(h), weight.contiguous(), rstd.contiguous(), None if dh is None else _rows(dh))
+    name = _select(h, backend)
+    if name == "triton":
+        from tpkernels.kernels.triton import rms_norm as tk  # noqa: PLC0415
+
+        dx, dw = tk.rms_norm_bwd(*args)
+    elif name == "cpp":
+        dx, dw = extension().rms_norm_bwd_cpu(*args)
+    else:
+        dx, dw = reference.rms_norm_bwd(*args)
+    return dx.view(shape), dw
+
+
+# ---- torch.library registration: opaque to torch.compile, with fake impls and autograd ----
+# `backend` is "" for the dispatch rule, else a backend name. h is an empty tensor without a residual.
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("tpkernels::rms_norm_forward", mutates_args=())
+def _forward_op(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float,
+                backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    y, h, rstd = rms_norm_fwd(x, weight, eps, residual, backend=backend or None)
+    return y, (x.new_empty(0) if h is None else h), rstd
+
+
+@_forward_op.register_fake
+def _(x, weight, residual, eps, backend):
+    rows = math.prod(x.shape[:-1])
+    h = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+    return x.new_empty(x.shape), h, x.new_empty((rows,), dtype=_stat_dtype(x.dtype))
+
+
+@torch.library.custom_op("tpkernels::rms_norm_backward", mutates_args=())
+def _backward_op(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dh: Optional[Tensor],
+                 backend: str) -> tuple[Tensor, Tensor]:
+    return rms_norm_bwd(dy, h, weight, rstd, dh, backend=backend or None)
+
+
+@_backward_op.register_fake
+def _(dy, h, weight, rstd, dh, backend):
+    return h.new_empty(h.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, residual, eps, backend = inputs
+    _, h, rstd = output
+    ctx.has_residual, ctx.backend = residual is not None, backend
+    ctx.save_for_backward(h if residual is not None else x, weight, rstd)
+
+
+def _backward(ctx, dy, dh, _drstd):
+    h, weight, rstd = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(h)
+    dx, dw = _backward_op(dy.contiguous(), h, weight, rstd, dh if ctx.has_residual else None, ctx.backend)
+    need = ctx.needs_input_grad
+    return (dx if need[0] else None, dw if need[1] else None, dx if ctx.has_residual and need[2] else None,
+            None, None)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, residual: Tensor | None = None,
+             backend: str | None = None):
+    """RMSNorm as Llama/Qwen/Mistral define it, with autograd, optionally fused with the residual add.
+
+    Args:
+        x: (..., hidden), float32 / float16 / bfloat16 (float64 on the CPU paths); any strides (a copy
+           only when the last dim is not unit-stride).
+        weight: (hidden,), the same dtype and device as x.
+        eps: added to the mean square (Llama: 1e-5 or 1e-6, from the model's ``rms_norm_eps``).
+        residual: (..., hidden) like x, or None. Given, the function computes h = x + residual (in
+           x's dtype, as the unfused code stores it) and normalises h.
+        backend: "triton", "cpp" or "reference" for this call (beats ``TPKERNELS_BACKEND``).
+
+    Returns:
+        y = h · rsqrt(mean(h²) + eps) · weight, (..., hidden), contiguous, dtype of x; with a
+        residual, (y, h): h is the residual stream the next layer adds to. Gradients flow into
+        both; x and residual get the same gradient.
+    """
+    _check(x, weight, eps, residual)
+    y, h, _ = _forward_op(x, weight, residual, float(eps), backend or "")
+    return y if residual is None else (y, h)
+
+
+__all__ = ["rms_norm", "rms_norm_bwd", "rms_norm_fwd"]
