@@ -14,6 +14,8 @@ Public API (this release):
     tpkernels.vocab_parallel_cross_entropy            loss over vocabulary-sharded logits
     tpkernels.rms_norm(x, weight, eps, residual=None) RMSNorm, fused with the residual add
     tpkernels.swiglu(gate, up=None)                   silu(gate) * up, or of a fused [gate | up]
+    tpkernels.apply_rotary(q, k, cos, sin, ...)       rotary embedding (half-split or interleaved, packed)
+    tpkernels.rotary_cache(head_dim, max_pos, theta, scaling)  cos/sin as Hugging Face computes them
     tpkernels.parallel.mappings                        copy/reduce/scatter/gather autograd mappings
     tpkernels.parallel.trace.CommTrace                 chrome trace of comm/GEMM overlap
     tpkernels.pipeline                                 schedules as data, simulator, P2P engine, runtime, timeline
@@ -29,15 +31,17 @@ from tpkernels._version import __version__
 from tpkernels import backends, nn  # noqa: E402  (nn imports functional)
 from tpkernels.functional import (
     all_gather_matmul,
+    apply_rotary,
     bias_gelu,
     flash_attn_func,
     flash_attn_varlen_func,
     matmul_reduce_scatter,
     rms_norm,
+    rotary_cache,
     swiglu,
     vocab_parallel_cross_entropy,
 )
 
-__all__ = ["__version__", "all_gather_matmul", "backends", "bias_gelu", "build_info", "flash_attn_func",
-           "flash_attn_varlen_func", "matmul_reduce_scatter", "nn", "rms_norm", "swiglu",
+__all__ = ["__version__", "all_gather_matmul", "apply_rotary", "backends", "bias_gelu", "build_info", "flash_attn_func",
+           "flash_attn_varlen_func", "matmul_reduce_scatter", "nn", "rms_norm", "rotary_cache", "swiglu",
            "vocab_parallel_cross_entropy"]

@@ -85,6 +85,33 @@ def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     return (d * u * s * (1 + g * (1 - s))).to(gate.dtype), (d * g * s).to(up.dtype)
 
 
+# ---- rotary position embedding (RoPE) ----
+
+def rotary_fwd(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool,
+               conjugate: bool = False) -> Tensor:
+    """Rotate the first 2·cos.shape[-1] features of each head of x by the angle of its token's position.
+
+    x: (tokens, heads, head_dim); cos, sin: (max_positions, r/2) fp32; positions: (tokens,) int.
+    Half-split (GPT-NeoX / Hugging Face Llama): pairs (i, i + r/2); interleaved (GPT-J): (2i, 2i+1).
+    ``conjugate``: rotate by the opposite angle (the backward). Features past r pass through."""
+    half = cos.shape[-1]
+    c = _opmath(cos[positions])[:, None, :]  # (tokens, 1, r/2)
+    s = _opmath(sin[positions])[:, None, :]
+    if conjugate:
+        s = -s
+    xf = _opmath(x)
+    out = xf.clone()
+    if interleaved:
+        x1, x2 = xf[..., 0:2 * half:2], xf[..., 1:2 * half:2]
+        out[..., 0:2 * half:2] = x1 * c - x2 * s
+        out[..., 1:2 * half:2] = x2 * c + x1 * s
+    else:
+        x1, x2 = xf[..., :half], xf[..., half:2 * half]
+        out[..., :half] = x1 * c - x2 * s
+        out[..., half:2 * half] = x2 * c + x1 * s
+    return out.to(x.dtype)
+
+
 # ---- attention (FlashAttention semantics) ----
 # Layout (FlashAttention's): q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_kv, d).
 # Masks align to the bottom-right: with off = seqlen_k - seqlen_q, query i sees key j iff

@@ -5,4 +5,5 @@ them all for given SM targets without a GPU.
 """
 
 KERNEL_MODULES = ("tpkernels.kernels.triton.bias_gelu", "tpkernels.kernels.triton.flash_attn",
-                  "tpkernels.kernels.triton.rms_norm", "tpkernels.kernels.triton.swiglu")
+                  "tpkernels.kernels.triton.rms_norm", "tpkernels.kernels.triton.swiglu",
+                  "tpkernels.kernels.triton.rotary")
