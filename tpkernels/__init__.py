@@ -16,6 +16,7 @@ Public API (this release):
     tpkernels.swiglu(gate, up=None)                   silu(gate) * up, or of a fused [gate | up]
     tpkernels.apply_rotary(q, k, cos, sin, ...)       rotary embedding (half-split or interleaved, packed)
     tpkernels.rotary_cache(head_dim, max_pos, theta, scaling)  cos/sin as Hugging Face computes them
+    tpkernels.linear_cross_entropy(hidden, weight, target, tp_group=...)  LM head + loss, no logits
     tpkernels.parallel.mappings                        copy/reduce/scatter/gather autograd mappings
     tpkernels.parallel.trace.CommTrace                 chrome trace of comm/GEMM overlap
     tpkernels.pipeline                                 schedules as data, simulator, P2P engine, runtime, timeline
@@ -35,6 +36,7 @@ from tpkernels.functional import (
     bias_gelu,
     flash_attn_func,
     flash_attn_varlen_func,
+    linear_cross_entropy,
     matmul_reduce_scatter,
     rms_norm,
     rotary_cache,
@@ -43,5 +45,5 @@ from tpkernels.functional import (
 )
 
 __all__ = ["__version__", "all_gather_matmul", "apply_rotary", "backends", "bias_gelu", "build_info", "flash_attn_func",
-           "flash_attn_varlen_func", "matmul_reduce_scatter", "nn", "rms_norm", "rotary_cache", "swiglu",
+           "flash_attn_varlen_func", "linear_cross_entropy", "matmul_reduce_scatter", "nn", "rms_norm", "rotary_cache", "swiglu",
            "vocab_parallel_cross_entropy"]

@@ -112,6 +112,35 @@ def rotary_fwd(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleav
     return out.to(x.dtype)
 
 
+# ---- cross-entropy over a (vocabulary shard of) logits chunk ----
+
+def ce_stats(z: Tensor, target: Tensor, lo: int) -> Tensor:
+    """Per row of logits z (rows, V_local) whose columns are vocabulary ids [lo, lo + V_local):
+    (4, rows) fp32 = (local max m, Σ exp(z − m), the target's logit if it is in this shard else 0,
+    Σ z). fp64 for fp64 logits."""
+    zf = _opmath(z)
+    m = zf.max(dim=-1).values
+    local = target - lo
+    mine = (local >= 0) & (local < z.shape[-1])
+    tz = zf.gather(-1, torch.where(mine, local, torch.zeros_like(local))[:, None])[:, 0]
+    return torch.stack([m, (zf - m[:, None]).exp().sum(-1), torch.where(mine, tz, torch.zeros_like(tz)), zf.sum(-1)])
+
+
+def ce_grad_(z: Tensor, target: Tensor, lo: int, lse: Tensor, row_scale: Tensor, vocab: int, smoothing: float,
+             z_loss: float) -> Tensor:
+    """z ← d loss / d z in place, for loss = lse − (1−ε)·z_target − ε/V·Σz + z_loss·lse², each row
+    weighted by row_scale (0 for ignored rows). lse, row_scale: (rows,) fp32."""
+    zf = _opmath(z)
+    p = (zf - lse[:, None].to(zf.dtype)).exp() * (1 + 2 * z_loss * lse[:, None].to(zf.dtype))
+    if smoothing:
+        p = p - smoothing / vocab
+    local = target - lo
+    mine = (local >= 0) & (local < z.shape[-1])
+    idx = torch.where(mine, local, torch.zeros_like(local))[:, None]
+    p.scatter_add_(-1, idx, -(1.0 - smoothing) * mine.to(p.dtype)[:, None])
+    return z.copy_(p * row_scale[:, None].to(p.dtype))
+
+
 # ---- attention (FlashAttention semantics) ----
 # Layout (FlashAttention's): q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_kv, d).
 # Masks align to the bottom-right: with off = seqlen_k - seqlen_q, query i sees key j iff

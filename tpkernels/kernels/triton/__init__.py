@@ -6,4 +6,4 @@ them all for given SM targets without a GPU.
 
 KERNEL_MODULES = ("tpkernels.kernels.triton.bias_gelu", "tpkernels.kernels.triton.flash_attn",
                   "tpkernels.kernels.triton.rms_norm", "tpkernels.kernels.triton.swiglu",
-                  "tpkernels.kernels.triton.rotary")
+                  "tpkernels.kernels.triton.rotary", "tpkernels.kernels.triton.cross_entropy")

@@ -1,0 +1,242 @@
+"""The LM head GEMM and the (vocabulary-parallel) cross-entropy, chunk by chunk over tokens, so that
+the (tokens, vocab / TP) logits never exist: only one chunk's (chunk, vocab / TP) logits at a time.
+
+    loss = linear_cross_entropy(hidden, weight, target, tp_group=tp)   # = vocab_parallel_cross_entropy(hidden @ weight.T, ...)
+
+For each chunk of tokens c (the gradients of the summed per-token losses are made in the same
+pass, as Liger-Kernel does; with ``reduction="none"`` the backward redoes the chunk loop with the
+upstream per-token weights instead):
+
+    z = h_c @ Wᵀ                       (chunk, V/P) in the GEMM dtype, statistics in fp32
+    m, Σexp, z_target, Σz per row      one pass over z (Triton on GPUs); the ranks combine them in
+                                       two all-reduces of a few floats per token (max, then sums)
+    loss_c = lse − (1−ε)·z_target − ε/V·Σz + z_loss·lse²
+    dz = softmax·(1 + 2·z_loss·lse) − ε/V − (1−ε)·onehot      written over z, in place
+    dh_c = dz @ W,  dW += dzᵀ @ h_c    (dW accumulated in fp32 for 16-bit weights)
+
+dh is summed over the TP group at the end (one all-reduce, as a column-parallel LM head's
+backward does), so the input gradient is that of the replicated hidden state.
+
+Memory beyond inputs and gradients: one chunk's logits (chunk × V/P) plus O(tokens) statistics.
+The default chunk makes the logits chunk as large as the hidden state (chunk · V/P ≈ tokens · h).
+Neither Liger-Kernel (not vocabulary-parallel) nor Megatron (materialises the logits shard) has this.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from tpkernels import backends
+from tpkernels.dtypes import widen
+from tpkernels.kernels import reference
+from tpkernels.parallel import consistency
+from tpkernels.parallel.groups import group_rank_size
+
+OP = "linear_cross_entropy"
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _impl_limits(impl: str, device: torch.device, dtype: torch.dtype | None) -> str | None:
+    return backends.triton_dtype_limits(device, dtype) if impl == "triton" else None
+
+
+backends.register_op(OP, ("triton", "reference"), check=_impl_limits)
+
+
+def _ce_kernels(name: str):
+    if name == "triton":
+        from tpkernels.kernels.triton import cross_entropy as tk  # noqa: PLC0415  (triton import is slow)
+
+        return tk.ce_stats, tk.ce_grad_
+    return reference.ce_stats, reference.ce_grad_
+
+
+def default_chunk_size(tokens: int, hidden: int, vocab_local: int) -> int:
+    """Tokens per chunk: the logits chunk about as large as the hidden state, at least 1."""
+    return max(1, min(tokens, math.ceil(tokens * hidden / max(vocab_local, 1))))
+
+
+def _all_reduce(t: Tensor, group, op=dist.ReduceOp.SUM) -> Tensor:
+    if group_rank_size(group)[1] > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _chunk_pass(hidden: Tensor, weight: Tensor, target: Tensor, group, chunk: int, ignore_index: int,
+                smoothing: float, z_loss: float, row_weights: Tensor | None, want_grads: bool, name: str):
+    """The chunk loop. hidden (n, h), weight (V/P, h), target (n,) int64; row_weights (n,) fp32 or None
+    (unit weights). Returns (per-token losses (n,) fp32 or None, dh (n, h) or None, dW (V/P, h) or None)."""
+    rank, world = group_rank_size(group)
+    n, v_local = hidden.shape[0], weight.shape[0]
+    vocab, lo = v_local * world, rank * v_local
+    stats_fn, grad_fn = _ce_kernels(name)  # name: "triton" or "reference"
+    stat_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    losses = torch.empty(n, dtype=stat_dtype, device=hidden.device)
+    dh = torch.empty_like(hidden) if want_grads else None
+    dw = None
+    valid = target != ignore_index
+    for c0 in range(0, n, chunk):
+        h_c, t_c = hidden[c0:c0 + chunk], target[c0:c0 + chunk]
+        z = h_c @ weight.t()  # (c, V/P): the only logits that exist
+        st = stats_fn(z, t_c, lo)  # (4, c): local max, Σ exp(z − max), target logit, Σ z
+        m = _all_reduce(st[0].clone(), group, dist.ReduceOp.MAX)
+        sums = torch.stack([st[1] * (st[0] - m).exp(), st[2], st[3]])
+        _all_reduce(sums, group)
+        lse = m + sums[0].log()
+        loss = lse - (1.0 - smoothing) * sums[1] - smoothing / vocab * sums[2] + z_loss * lse * lse
+        v_c = valid[c0:c0 + chunk]
+        losses[c0:c0 + chunk] = torch.where(v_c, loss, torch.zeros_like(loss))
+        if want_grads:
+            scale = v_c.to(stat_dtype) if row_weights is None else row_weights[c0:c0 + chunk] * v_c
+            dz = grad_fn(z, t_c, lo, lse.contiguous(), scale.to(stat_dtype).contiguous(), vocab, smoothing, z_loss)
+            torch.matmul(dz, weight, out=dh[c0:c0 + chunk])
+            part = dz.t() @ h_c
+            dw = widen(part) if dw is None else dw.add_(part)
+    if want_grads:
+        if world > 1:  # the replicated hidden state's gradient: every vocabulary shard contributes
+            dh_wide = widen(dh)
+            dist.all_reduce(dh_wide, group=group)
+            dh = dh_wide.to(hidden.dtype) if dh_wide is not dh else dh
+        dw = torch.zeros_like(weight) if dw is None else dw.to(weight.dtype)
+    return losses, dh, dw
+
+
+def _group(name: str):
+    """The process group behind a custom op's group name ("" for none): ops take names, not groups."""
+    return None if not name else dist.distributed_c10d._resolve_process_group(name)
+
+
+def _check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"target ({int(target[bad][0])}) must be in [0, vocab_size ({vocab})) or equal ignore_index "
+                         f"({ignore_index})")
+
+
+# ---- torch.library registration: opaque to torch.compile (collectives and host checks inside) ----
+# The forward returns the reduced loss and, for "mean"/"sum" when a gradient is wanted, the
+# gradients of the summed losses (made in the same pass), which the backward scales; for "none"
+# the backward op redoes the chunk loop with the upstream per-token weights.
+
+@torch.library.custom_op("tpkernels::linear_cross_entropy_forward", mutates_args=())
+def _forward_op(hidden: Tensor, weight: Tensor, target: Tensor, group_name: str, chunk: int, ignore_index: int,
+                smoothing: float, z_loss: float, reduction: str, want_grads: bool,
+                backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    group = _group(group_name)
+    _check_targets(target, weight.shape[0] * group_rank_size(group)[1], ignore_index)
+    eager = want_grads and reduction != "none"
+    losses, dh, dw = _chunk_pass(hidden, weight, target, group, chunk, ignore_index, smoothing, z_loss, None, eager,
+                                 backend)
+    count = (target != ignore_index).sum()
+    loss = losses if reduction == "none" else (losses.sum() if reduction == "sum" else
+                                               losses.sum() / count.clamp(min=1))
+    return loss, (dh if eager else hidden.new_empty(0)), (dw if eager else weight.new_empty(0)), count
+
+
+@_forward_op.register_fake
+def _(hidden, weight, target, group_name, chunk, ignore_index, smoothing, z_loss, reduction, want_grads, backend):
+    stat = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=stat)
+    eager = want_grads and reduction != "none"
+    return (loss, hidden.new_empty(hidden.shape if eager else (0,)), weight.new_empty(weight.shape if eager else (0,)),
+            target.new_empty((), dtype=torch.int64))
+
+
+@torch.library.custom_op("tpkernels::linear_cross_entropy_backward", mutates_args=())
+def _backward_op(hidden: Tensor, weight: Tensor, target: Tensor, row_weights: Tensor, group_name: str, chunk: int,
+                 ignore_index: int, smoothing: float, z_loss: float, backend: str) -> tuple[Tensor, Tensor]:
+    _, dh, dw = _chunk_pass(hidden, weight, target, _group(group_name), chunk, ignore_index, smoothing, z_loss,
+                            row_weights, True, backend)
+    return dh, dw
+
+
+@_backward_op.register_fake
+def _(hidden, weight, target, row_weights, group_name, chunk, ignore_index, smoothing, z_loss, backend):
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, target, group_name, chunk, ignore_index, smoothing, z_loss, reduction, want_grads, backend = inputs
+    _, dh, dw, count = output
+    ctx.reduction = reduction
+    if reduction != "none":
+        ctx.save_for_backward(dh, dw, count)
+    else:
+        ctx.save_for_backward(hidden, weight, target)
+        ctx.args = (group_name, chunk, ignore_index, smoothing, z_loss, backend)
+
+
+def _backward(ctx, g, *_):
+    if ctx.reduction != "none":
+        dh, dw, count = ctx.saved_tensors
+        scale = g if ctx.reduction == "sum" else g / count.clamp(min=1)
+        dh, dw = dh * scale.to(dh.dtype), dw * scale.to(dw.dtype)
+    else:
+        hidden, weight, target = ctx.saved_tensors
+        dh, dw = _backward_op(hidden, weight, target, g.contiguous(), *ctx.args)
+    need = ctx.needs_input_grad
+    return (dh if need[0] else None, dw if need[1] else None) + (None,) * 9
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, tp_group=None,
+                         chunk_size: int | None = None, ignore_index: int = -100, label_smoothing: float = 0.0,
+                         reduction: str = "mean", z_loss: float = 0.0, backend: str | None = None) -> Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` without the logits (see the module docstring).
+
+    Args:
+        hidden: (..., h), the final hidden states, the same on every rank of ``tp_group``.
+        weight: (V/P, h), this rank's rows [r·V/P, (r+1)·V/P) of the LM head (all of it without TP).
+        target: (...) int ids in [0, V) or ``ignore_index``.
+        tp_group: the tensor-parallel group over which the vocabulary is split (None: one rank).
+        chunk_size: tokens per chunk (default: the logits chunk about as large as ``hidden``).
+        label_smoothing, ignore_index, reduction ("mean" over non-ignored tokens, "sum", "none"):
+           as ``F.cross_entropy``.
+        z_loss: coefficient of the PaLM z-loss, z_loss · logsumexp(z)², added per token.
+        backend: "triton" or "reference" for the per-chunk loss kernels.
+
+    Returns:
+        The loss (a scalar, or (...) per token with ``reduction="none"``), fp32 (fp64 for fp64 inputs).
+        Gradients reach hidden (summed over the TP group) and weight.
+    """
+    for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be (vocab / tensor_parallel_size, {hidden.shape[-1] if hidden.dim() else '?'}), "
+                         f"got shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, {hidden.device})")
+    if target.shape != hidden.shape[:-1]:
+        raise ValueError(f"target shape {tuple(target.shape)} must equal hidden's shape without its last dim "
+                         f"{tuple(hidden.shape[:-1])}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"target dtype ({target.dtype}) must be an integer type")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing ({label_smoothing}) must be in [0, 1]")
+    if not isinstance(z_loss, (int, float)) or not math.isfinite(z_loss) or z_loss < 0:
+        raise ValueError(f"z_loss ({z_loss!r}) must be a finite number >= 0")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction ({reduction!r}) must be 'mean', 'sum' or 'none'")
+    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).long()
+    if chunk_size is None:
+        chunk_size = default_chunk_size(h2.shape[0], h2.shape[1], weight.shape[0])
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size ({chunk_size!r}) must be a positive integer")
+    consistency.agree(tp_group, OP, **{"hidden.shape": hidden.shape, "hidden.dtype": hidden.dtype,
+                                       "weight.shape": weight.shape, "chunk_size": chunk_size})
+    group_rank_size(tp_group)  # a rank outside the group: a clear error now
+    name = backends.select(OP, hidden.device, backend, dtype=hidden.dtype)
+    want_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    loss, _, _, _ = _forward_op(h2, weight, t1, "" if tp_group is None else tp_group.group_name, chunk_size,
+                                ignore_index, float(label_smoothing), float(z_loss), reduction, want_grads, name)
+    return loss.view(target.shape) if reduction == "none" else loss
+
+
+__all__ = ["default_chunk_size", "linear_cross_entropy"]
