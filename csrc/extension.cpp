@@ -48,6 +48,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("gate"), pybind11::arg("up"), pybind11::arg("out"));
   m.def("swiglu_bwd_cpu", &tpkernels::swiglu_bwd_cpu, "(dgate, dup) of silu(gate) * up, written into the given views",
         pybind11::arg("dy"), pybind11::arg("gate"), pybind11::arg("up"), pybind11::arg("dgate"), pybind11::arg("dup"));
+  m.def("rotary_cpu", &tpkernels::rotary_cpu, "out <- x rotated by the angles of positions (conjugate: inverse)",
+        pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("positions"),
+        pybind11::arg("interleaved"), pybind11::arg("conjugate"), pybind11::arg("out"));
 #ifdef TPKERNELS_WITH_CUDA
   m.def("bias_gelu_fwd_cuda", &tpkernels::bias_gelu_fwd_cuda, "y = gelu(x + bias); x (rows, cols), bias (cols,)",
         pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("tanh_approx"), pybind11::arg("out") = pybind11::none());

@@ -11,12 +11,13 @@ import torch
 
 import tpkernels
 from tpkernels import backends
+from tpkernels._extension import extension
 from tpkernels.functional.rotary import inverse_frequencies
 from tpkernels.kernels import reference
 from tpkernels.testing.tolerance import assert_fa_close
 
 CPU = torch.device("cpu")
-BACKENDS = [b for b in ("reference", "triton") if backends.why_not(b, "rotary", CPU) is None]
+BACKENDS = [b for b in ("cpp", "reference", "triton") if backends.why_not(b, "rotary", CPU) is None]
 NAN = float("nan")
 
 
@@ -40,7 +41,7 @@ def _naive(x, cos, sin, positions, interleaved):
 @pytest.mark.parametrize("head_dim,rotary_dim,heads", [(64, 64, 3), (64, 32, 5), (128, 128, 1), (16, 2, 4)], ids=str)
 def test_kernels_match_float64(backend, interleaved, head_dim, rotary_dim, heads):
     cos, sin = tpkernels.rotary_cache(head_dim, 300, 10000.0, rotary_dim=rotary_dim)
-    for dtype in [torch.float32, torch.float16] + ([torch.float64] if backend == "reference" else []):
+    for dtype in [torch.float32, torch.float16] + ([torch.float64] if backend != "triton" else []):
         tokens = 37
         packed = torch.randn(tokens, heads, 3, head_dim, dtype=torch.float64).to(dtype)
         x = packed[:, :, 1]  # a strided view, as q/k/v of a packed projection
@@ -51,6 +52,9 @@ def test_kernels_match_float64(backend, interleaved, head_dim, rotary_dim, heads
 
                 out = torch.full(x.shape, NAN, dtype=dtype)
                 tk.rotary(x, cos, sin, positions, interleaved, conj, out)
+            elif backend == "cpp":
+                out = torch.full(x.shape, NAN, dtype=dtype)
+                extension().rotary_cpu(x, cos, sin, positions, interleaved, conj, out)
             else:
                 out = reference.rotary_fwd(x, cos, sin, positions, interleaved, conj)
             s = -sin if conj else sin
@@ -62,10 +66,10 @@ def test_kernels_match_float64(backend, interleaved, head_dim, rotary_dim, heads
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backward_is_the_inverse_rotation(backend):
     cos, sin = tpkernels.rotary_cache(32, 64, rotary_dim=24)
-    dtype = torch.float64 if backend == "reference" else torch.float32
+    dtype = torch.float64 if backend != "triton" else torch.float32
     q = torch.randn(2, 9, 4, 32, dtype=dtype, requires_grad=True)
     k = torch.randn(2, 9, 2, 32, dtype=dtype, requires_grad=True)
-    if backend == "reference":
+    if backend != "triton":
         small = [torch.randn(1, 5, n, 32, dtype=dtype, requires_grad=True) for n in (2, 1)]
         assert torch.autograd.gradcheck(lambda a, b: tpkernels.apply_rotary(a, b, cos, sin, backend=backend), small)
     qr, kr = tpkernels.apply_rotary(q, k, cos, sin, backend=backend)
@@ -143,24 +147,25 @@ def test_packed_sequences_equal_each_sequence_alone(backend):
         torch.testing.assert_close(kr[a:a + n], ka[0], rtol=0, atol=1e-6)
 
 
-def test_position_ids_and_in_place():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_position_ids_and_in_place(backend):
     cos, sin = tpkernels.rotary_cache(32, 100)
     q, k = torch.randn(3, 11, 2, 32), torch.randn(3, 11, 1, 32)
     pos = torch.randint(0, 100, (3, 11))
-    qr, kr = tpkernels.apply_rotary(q, k, cos, sin, position_ids=pos)
+    qr, kr = tpkernels.apply_rotary(q, k, cos, sin, position_ids=pos, backend=backend)
     want = _naive(q.reshape(-1, 2, 32), cos, sin, pos.reshape(-1), False).reshape(q.shape)
     torch.testing.assert_close(qr, want, rtol=1e-6, atol=1e-6)
-    shared = tpkernels.apply_rotary(q, k, cos, sin, position_ids=pos[0])[0]  # (seqlen,) for every row
+    shared = tpkernels.apply_rotary(q, k, cos, sin, position_ids=pos[0], backend=backend)[0]  # (seqlen,) for every row
     torch.testing.assert_close(shared[0], qr[0], rtol=0, atol=0)
     # in place, inside autograd: the projection's output is rotated in its own storage
     w = torch.randn(32, 32, requires_grad=True)
     qp, kp = (q @ w), (k @ w)
     ptr = qp.data_ptr()
-    qi, ki = tpkernels.apply_rotary(qp, kp, cos, sin, position_ids=pos, inplace=True)
+    qi, ki = tpkernels.apply_rotary(qp, kp, cos, sin, position_ids=pos, inplace=True, backend=backend)
     assert qi.data_ptr() == ptr
     (qi.square().sum() + ki.sum()).backward()
     w2 = w.detach().clone().requires_grad_()
-    qo, ko = tpkernels.apply_rotary(q @ w2, k @ w2, cos, sin, position_ids=pos)
+    qo, ko = tpkernels.apply_rotary(q @ w2, k @ w2, cos, sin, position_ids=pos, backend=backend)
     (qo.square().sum() + ko.sum()).backward()
     torch.testing.assert_close(qi, qo)
     torch.testing.assert_close(w.grad, w2.grad)

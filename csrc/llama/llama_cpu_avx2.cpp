@@ -13,5 +13,6 @@ void rms_norm_fwd(const RmsNormCpuArgs& a) { llama_default::rms_norm_fwd(a); }
 void rms_norm_bwd(const RmsNormCpuArgs& a) { llama_default::rms_norm_bwd(a); }
 void swiglu_fwd(const SwigluCpuArgs& a) { llama_default::swiglu_fwd(a); }
 void swiglu_bwd(const SwigluCpuArgs& a) { llama_default::swiglu_bwd(a); }
+void rotary(const RotaryCpuArgs& a) { llama_default::rotary(a); }
 }  // namespace tpkernels::llama_avx2
 #endif

@@ -157,6 +157,41 @@ struct LlamaCpu : VecIO<scalar_t, opmath_t> {
       }
     });
   }
+
+  static void rotary(const RotaryCpuArgs& a) {
+    using FIO = VecIO<float, opmath_t>;  // cos/sin are float32 whatever x is
+    const int64_t half = a.half, d = a.head_dim;
+    const int64_t per_token = a.heads * d;
+    at::parallel_for(0, a.tokens, grain(per_token), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* cr = a.cos + a.positions[t] * half;
+        const float* sr = a.sin + a.positions[t] * half;
+        for (int64_t h = 0; h < a.heads; ++h) {
+          const scalar_t* xr = static_cast<const scalar_t*>(a.x) + t * a.x_token_stride + h * a.x_head_stride;
+          scalar_t* orow = static_cast<scalar_t*>(a.out) + t * a.out_token_stride + h * a.out_head_stride;
+          if (a.interleaved) {  // pairs (2i, 2i+1): strided, scalar
+            for (int64_t i = 0; i < half; ++i) {
+              const opmath_t c = cr[i], s = a.conjugate ? -opmath_t(sr[i]) : opmath_t(sr[i]);
+              const opmath_t x1 = xr[2 * i], x2 = xr[2 * i + 1];
+              orow[2 * i] = static_cast<scalar_t>(x1 * c - x2 * s);
+              orow[2 * i + 1] = static_cast<scalar_t>(x2 * c + x1 * s);
+            }
+          } else {  // halves (i, i + half): contiguous, vectorised
+            for (int64_t i = 0; i < half; i += kW) {
+              const int64_t m = std::min(kW, half - i);
+              const Vec c = FIO::load(cr + i, m);
+              const Vec s = a.conjugate ? FIO::load(sr + i, m).neg() : FIO::load(sr + i, m);
+              const Vec x1 = load(xr + i, m), x2 = load(xr + half + i, m);
+              store(x1 * c - x2 * s, orow + i, m);
+              store(x2 * c + x1 * s, orow + half + i, m);
+            }
+          }
+          if (orow != xr)  // partial rotary: the features past 2·half pass through
+            for (int64_t j = 2 * half; j < d; ++j) orow[j] = xr[j];
+        }
+      }
+    });
+  }
 };
 
 }  // namespace
@@ -165,6 +200,7 @@ void rms_norm_fwd(const RmsNormCpuArgs& a) { dispatch_kind<LlamaCpu>(a.kind, [&]
 void rms_norm_bwd(const RmsNormCpuArgs& a) { dispatch_kind<LlamaCpu>(a.kind, [&](auto k) { decltype(k)::rms_norm_bwd(a); }); }
 void swiglu_fwd(const SwigluCpuArgs& a) { dispatch_kind<LlamaCpu>(a.kind, [&](auto k) { decltype(k)::swiglu_fwd(a); }); }
 void swiglu_bwd(const SwigluCpuArgs& a) { dispatch_kind<LlamaCpu>(a.kind, [&](auto k) { decltype(k)::swiglu_bwd(a); }); }
+void rotary(const RotaryCpuArgs& a) { dispatch_kind<LlamaCpu>(a.kind, [&](auto k) { decltype(k)::rotary(a); }); }
 
 }  // namespace TPK_CPU_NS
 }  // namespace tpkernels

@@ -6,9 +6,12 @@
 //   swiglu:    gate, up, dy, dgate, dup (rows, f), last-dim stride 1, any row stride (the halves of
 //              a fused [gate | up] tensor are such views)
 //
+//   rotary:    x, out (tokens, heads, head_dim), unit feature stride, any token/head strides
+//
 // Traffic floors per element (b bytes of the dtype): rms_norm forward 2b (4b with the residual),
 // backward 3b (4b with dh), plus O(n) per row chunk for the dweight partial sums; swiglu forward
-// 3b, backward 5b. Math in float (double for double).
+// 3b, backward 5b; rotary 2b (its cos/sin row is read once per token for all heads). Math in
+// float (double for double).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -29,6 +32,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(const at::Tensor& dy, const 
                                                     const at::Tensor& weight, const at::Tensor& rstd,
                                                     const OptTensor& dh, const OptTensor& dx_out);
 at::Tensor swiglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tensor out);
+// out (tokens, heads, head_dim) <- x rotated by the angles of `positions` (conjugate: the inverse
+// rotation); cos, sin (max_positions, half) float32; x and out may be the same tensor (in place).
+at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                      bool interleaved, bool conjugate, at::Tensor out);
 std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& gate, const at::Tensor& up,
                                                   at::Tensor dgate, at::Tensor dup);
 
@@ -60,17 +67,32 @@ struct SwigluCpuArgs {
   int64_t dup_stride;
 };
 
+struct RotaryCpuArgs {
+  ScalarKind kind;
+  int64_t tokens, heads, head_dim, half;
+  const void* x;
+  int64_t x_token_stride, x_head_stride;
+  void* out;
+  int64_t out_token_stride, out_head_stride;
+  const float* cos;  // (max_positions, half)
+  const float* sin;
+  const int64_t* positions;  // (tokens,)
+  bool interleaved, conjugate;
+};
+
 #define TPK_DECLARE_LLAMA_CPU(ns)                          \
   namespace ns {                                           \
   void rms_norm_fwd(const RmsNormCpuArgs&);                \
   void rms_norm_bwd(const RmsNormCpuArgs&);                \
   void swiglu_fwd(const SwigluCpuArgs&);                   \
   void swiglu_bwd(const SwigluCpuArgs&);                   \
+  void rotary(const RotaryCpuArgs&);                       \
   struct Kernels {                                         \
     static void rms_norm_fwd(const RmsNormCpuArgs& a) { ns::rms_norm_fwd(a); } \
     static void rms_norm_bwd(const RmsNormCpuArgs& a) { ns::rms_norm_bwd(a); } \
     static void swiglu_fwd(const SwigluCpuArgs& a) { ns::swiglu_fwd(a); }      \
     static void swiglu_bwd(const SwigluCpuArgs& a) { ns::swiglu_bwd(a); }      \
+    static void rotary(const RotaryCpuArgs& a) { ns::rotary(a); }              \
   };                                                       \
   }
 TPK_DECLARE_LLAMA_CPU(llama_default)

@@ -100,4 +100,25 @@ std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& dy, const at
   return {dgate, dup};
 }
 
+at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                      bool interleaved, bool conjugate, at::Tensor out) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, "rotary: x must be a CPU tensor "
+              "(tokens, heads, head_dim) with unit feature stride, got ", x.sizes(), " strides ", x.strides());
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() && out.stride(2) == 1,
+              "rotary: out must be like x (", x.sizes(), ", ", x.scalar_type(), ", unit feature stride)");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() && 2 * cos.size(1) <= x.size(2),
+              "rotary: cos and sin must be contiguous float32 (max_positions, half) with 2·half <= head_dim");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 1 &&
+                  positions.size(0) == x.size(0),
+              "rotary: positions must be a contiguous int64 tensor of shape (", x.size(0), ",)");
+  const ScalarKind kind = kind_of(x, "rotary");
+  if (x.numel() == 0) return out;
+  RotaryCpuArgs a{kind, x.size(0), x.size(1), x.size(2), cos.size(1), x.data_ptr(), x.stride(0), x.stride(1),
+                  out.data_ptr(), out.stride(0), out.stride(1), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                  positions.data_ptr<int64_t>(), interleaved, conjugate};
+  run([&](auto k) { decltype(k)::rotary(a); });
+  return out;
+}
+
 }  // namespace tpkernels

@@ -82,7 +82,7 @@ def _chunk_pass(hidden: Tensor, weight: Tensor, target: Tensor, group, chunk: in
     for c0 in range(0, n, chunk):
         h_c, t_c = hidden[c0:c0 + chunk], target[c0:c0 + chunk]
         z = h_c @ weight.t()  # (c, V/P): the only logits that exist
-        st = stats_fn(z, t_c, lo)  # (4, c): local max, Σ exp(z − max), target logit, Σ z
+        st = stats_fn(z, t_c, lo)  # (4, c): a pivot m, Σ exp(z − m), target logit, Σ z
         m = _all_reduce(st[0].clone(), group, dist.ReduceOp.MAX)
         sums = torch.stack([st[1] * (st[0] - m).exp(), st[2], st[3]])
         _all_reduce(sums, group)
@@ -94,8 +94,12 @@ def _chunk_pass(hidden: Tensor, weight: Tensor, target: Tensor, group, chunk: in
             scale = v_c.to(stat_dtype) if row_weights is None else row_weights[c0:c0 + chunk] * v_c
             dz = grad_fn(z, t_c, lo, lse.contiguous(), scale.to(stat_dtype).contiguous(), vocab, smoothing, z_loss)
             torch.matmul(dz, weight, out=dh[c0:c0 + chunk])
-            part = dz.t() @ h_c
-            dw = widen(part) if dw is None else dw.add_(part)
+            if dw is None:
+                dw = widen(dz.t() @ h_c)
+            elif dw.dtype == dz.dtype:
+                dw.addmm_(dz.t(), h_c)  # accumulate in place: no weight-sized temporary per chunk
+            else:
+                dw.add_(dz.t() @ h_c)
     if want_grads:
         if world > 1:  # the replicated hidden state's gradient: every vocabulary shard contributes
             dh_wide = widen(dh)

@@ -18,8 +18,8 @@ inverse frequencies, fp32 angles), with its ``rope_scaling`` kinds "linear", "dy
 "llama3" (Llama 3.1's low/high frequency factors).
 
 Layers: apply_rotary() → torch.ops.tpkernels.rotary_forward / rotary_backward (custom ops, fake
-impls, autograd) → kernels: triton (kernels/triton/rotary.py), reference. On CPU tensors the
-reference path runs (PyTorch ops; see the README for the measured comparison with a C++ kernel).
+impls, autograd) → kernels: triton (kernels/triton/rotary.py), cpp (tpkernels._C: it beats the
+PyTorch reference on the CPU, see the README's measured results), reference.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from tpkernels import backends
+from tpkernels._extension import extension
 from tpkernels.kernels import reference
 
 OP = "rotary"
@@ -41,7 +42,7 @@ def _impl_limits(impl: str, device: torch.device, dtype: torch.dtype | None) -> 
     return backends.triton_dtype_limits(device, dtype) if impl == "triton" else None
 
 
-backends.register_op(OP, ("triton", "reference"), check=_impl_limits)
+backends.register_op(OP, ("triton", "cpp", "reference"), check=_impl_limits)
 
 
 # ---- the cos/sin cache ----
@@ -172,20 +173,31 @@ def _tokens(x: Tensor) -> Tensor:
     return x3 if x3.stride(-1) == 1 else x3.contiguous()
 
 
+def _in_place_view(x: Tensor) -> Tensor:
+    try:
+        return x.view(-1, x.shape[-2], x.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"inplace=True needs q and k whose leading dims merge into one view (strides "
+                         f"{x.stride()}); pass inplace=False") from None
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool, conjugate: bool,
             backend: str | None, out: Tensor | None = None) -> Tensor:
     """Launcher: x (..., heads, d) -> rotated, shaped like x (``out``: where to write, e.g. x itself)."""
     x3 = _tokens(x)
     name = backends.select(OP, x.device, backend, dtype=x.dtype)
-    if name == "triton":
-        from tpkernels.kernels.triton import rotary as tk  # noqa: PLC0415  (triton import is slow)
+    if name in ("triton", "cpp"):
+        o3 = torch.empty(x3.shape, dtype=x.dtype, device=x.device) if out is None else _in_place_view(out)
+        if name == "triton":
+            from tpkernels.kernels.triton import rotary as tk  # noqa: PLC0415  (triton import is slow)
 
-        o3 = torch.empty(x3.shape, dtype=x.dtype, device=x.device) if out is None else _tokens(out)
-        tk.rotary(x3, cos, sin, positions, interleaved, conjugate, o3)
+            tk.rotary(x3, cos, sin, positions, interleaved, conjugate, o3)
+        else:
+            extension().rotary_cpu(x3, cos, sin, positions, interleaved, conjugate, o3)
     else:
         o3 = reference.rotary_fwd(x3, cos, sin, positions, interleaved, conjugate)
         if out is not None:
-            _tokens(out).copy_(o3)
+            _in_place_view(out).copy_(o3)
             return out
     return o3.view(x.shape) if out is None else out
 

@@ -116,14 +116,16 @@ def rotary_fwd(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleav
 
 def ce_stats(z: Tensor, target: Tensor, lo: int) -> Tensor:
     """Per row of logits z (rows, V_local) whose columns are vocabulary ids [lo, lo + V_local):
-    (4, rows) fp32 = (local max m, Σ exp(z − m), the target's logit if it is in this shard else 0,
-    Σ z). fp64 for fp64 logits."""
+    (4, rows) fp32 = (a pivot m, Σ exp(z − m), the target's logit if it is in this shard else 0,
+    Σ z); the pivot is any value that keeps the exponentials finite (here the shard's logsumexp).
+    fp64 for fp64 logits."""
     zf = _opmath(z)
-    m = zf.max(dim=-1).values
+    # logsumexp is one fused pass: (lse, 1) is a valid (m, Σ exp(z − m)) pair and combines the same way
+    m = torch.logsumexp(zf, dim=-1)
     local = target - lo
     mine = (local >= 0) & (local < z.shape[-1])
     tz = zf.gather(-1, torch.where(mine, local, torch.zeros_like(local))[:, None])[:, 0]
-    return torch.stack([m, (zf - m[:, None]).exp().sum(-1), torch.where(mine, tz, torch.zeros_like(tz)), zf.sum(-1)])
+    return torch.stack([m, torch.ones_like(m), torch.where(mine, tz, torch.zeros_like(tz)), zf.sum(-1)])
 
 
 def ce_grad_(z: Tensor, target: Tensor, lo: int, lse: Tensor, row_scale: Tensor, vocab: int, smoothing: float,
@@ -131,14 +133,16 @@ def ce_grad_(z: Tensor, target: Tensor, lo: int, lse: Tensor, row_scale: Tensor,
     """z ← d loss / d z in place, for loss = lse − (1−ε)·z_target − ε/V·Σz + z_loss·lse², each row
     weighted by row_scale (0 for ignored rows). lse, row_scale: (rows,) fp32."""
     zf = _opmath(z)
-    p = (zf - lse[:, None].to(zf.dtype)).exp() * (1 + 2 * z_loss * lse[:, None].to(zf.dtype))
+    p = zf.sub_(lse[:, None].to(zf.dtype)) if zf is z else zf - lse[:, None].to(zf.dtype)  # in place when z is fp32
+    p = p.exp_().mul_(1 + 2 * z_loss * lse[:, None].to(zf.dtype))
     if smoothing:
-        p = p - smoothing / vocab
+        p = p.sub_(smoothing / vocab)
     local = target - lo
     mine = (local >= 0) & (local < z.shape[-1])
     idx = torch.where(mine, local, torch.zeros_like(local))[:, None]
     p.scatter_add_(-1, idx, -(1.0 - smoothing) * mine.to(p.dtype)[:, None])
-    return z.copy_(p * row_scale[:, None].to(p.dtype))
+    p.mul_(row_scale[:, None].to(p.dtype))
+    return p if p is z else z.copy_(p)
 
 
 # ---- attention (FlashAttention semantics) ----

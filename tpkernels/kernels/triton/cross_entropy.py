@@ -2,7 +2,7 @@
 
 Per row of a logits chunk z (rows, V_local), this rank's vocabulary ids [lo, lo + V_local):
 
-    _ce_stats_kernel   (local max m, Σ exp(z − m), the target's logit or 0, Σ z): one pass over the
+    _ce_stats_kernel   (the row's max m, Σ exp(z − m), the target's logit or 0, Σ z): one pass over the
                        row with the online softmax (the ranks combine these in one all-reduce)
     _ce_grad_kernel    z ← row_scale · (exp(z − lse)·(1 + 2·z_loss·lse) − ε/V − (1−ε)·onehot), in place
 
