@@ -26,7 +26,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 $PY -m tpkernels.cli info | tee "$OUT/tpkernels_info.txt"
 
 step "cuda-marked tests (all but attention)"
-timeout 75 $PY -m pytest tests -m cuda -q --timeout 60 -p no:cacheprovider --ignore tests/test_gpu_attention.py \
+timeout 100 $PY -m pytest tests -m cuda -q --timeout 60 -p no:cacheprovider --ignore tests/test_gpu_attention.py \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
@@ -41,6 +41,9 @@ timeout 40 $PY benchmarks/bench_bias_gelu.py --sizes 1 16 64 2>&1 | tee "$OUT/be
 # attention at the key shapes of the issue's targets (bf16, headdim 128, seqlen >= 2k), autotuned
 timeout 100 $PY benchmarks/bench_attention.py --headdims 128 --seqlens 2048 8192 --name attention_key_shapes \
   2>&1 | tee "$OUT/bench_attention.log" | tail -30
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# RMSNorm, SwiGLU, rotary, linear_cross_entropy at Llama-3-8B widths, bf16 (Liger-Kernel too if it imports)
+timeout 60 $PY benchmarks/bench_llama_ops.py --reps 5 2>&1 | tee "$OUT/bench_llama_ops.log" | tail -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "done: status $status"
