@@ -200,7 +200,8 @@ def test_opcheck_and_torch_compile():
     cos, sin = tpkernels.rotary_cache(16, 32)
     q, k = torch.randn(2, 5, 3, 16), torch.randn(2, 5, 1, 16)
     pos = torch.arange(5).repeat(2)
-    torch.library.opcheck(torch.ops.tpkernels.rotary_forward.default, (q, k, cos, sin, pos, False, ""))
+    for interleaved, conjugate in ((False, False), (True, True)):
+        torch.library.opcheck(torch.ops.tpkernels.rotary.default, (q, k, cos, sin, pos, interleaved, conjugate, ""))
     torch._dynamo.reset()
 
     def block(q, k):

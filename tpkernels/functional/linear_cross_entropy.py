@@ -32,12 +32,12 @@ from torch import Tensor
 
 from tpkernels import backends
 from tpkernels.dtypes import widen
+from tpkernels.functional.vocab_parallel import check_loss_args
 from tpkernels.kernels import reference
 from tpkernels.parallel import consistency
 from tpkernels.parallel.groups import group_rank_size
 
 OP = "linear_cross_entropy"
-REDUCTIONS = ("mean", "sum", "none")
 
 
 def _impl_limits(impl: str, device: torch.device, dtype: torch.dtype | None) -> str | None:
@@ -217,17 +217,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, tp_g
                          f"got shape {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype or weight.device != hidden.device:
         raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, {hidden.device})")
-    if target.shape != hidden.shape[:-1]:
-        raise ValueError(f"target shape {tuple(target.shape)} must equal hidden's shape without its last dim "
-                         f"{tuple(hidden.shape[:-1])}")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"target dtype ({target.dtype}) must be an integer type")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing ({label_smoothing}) must be in [0, 1]")
+    check_loss_args(target, hidden.shape[:-1], label_smoothing, reduction, "hidden")
     if not isinstance(z_loss, (int, float)) or not math.isfinite(z_loss) or z_loss < 0:
         raise ValueError(f"z_loss ({z_loss!r}) must be a finite number >= 0")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction ({reduction!r}) must be 'mean', 'sum' or 'none'")
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).long()
     if chunk_size is None:
         chunk_size = default_chunk_size(h2.shape[0], h2.shape[1], weight.shape[0])

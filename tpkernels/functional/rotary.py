@@ -17,8 +17,8 @@ activation is saved, and ``inplace=True`` rotates q and k in their own storage.
 inverse frequencies, fp32 angles), with its ``rope_scaling`` kinds "linear", "dynamic" (NTK) and
 "llama3" (Llama 3.1's low/high frequency factors).
 
-Layers: apply_rotary() → torch.ops.tpkernels.rotary_forward / rotary_backward (custom ops, fake
-impls, autograd) → kernels: triton (kernels/triton/rotary.py), cpp (tpkernels._C: it beats the
+Layers: apply_rotary() → torch.ops.tpkernels.rotary (a custom op with a fake impl and autograd:
+its backward is the same op with the opposite angles) → kernels: triton (kernels/triton/rotary.py), cpp (tpkernels._C: it beats the
 PyTorch reference on the CPU, see the README's measured results), reference.
 """
 
@@ -202,43 +202,34 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved:
     return o3.view(x.shape) if out is None else out
 
 
-@torch.library.custom_op("tpkernels::rotary_forward", mutates_args=())
-def _forward_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool,
-                backend: str) -> tuple[Tensor, Tensor]:
+@torch.library.custom_op("tpkernels::rotary", mutates_args=())
+def _rotary_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool, conjugate: bool,
+               backend: str) -> tuple[Tensor, Tensor]:
+    """q and k rotated (``conjugate``: by the opposite angles, the backward of the rotation)."""
     b = backend or None
-    return _rotate(q, cos, sin, positions, interleaved, False, b), _rotate(k, cos, sin, positions, interleaved, False, b)
+    return (_rotate(q, cos, sin, positions, interleaved, conjugate, b),
+            _rotate(k, cos, sin, positions, interleaved, conjugate, b))
 
 
-@_forward_op.register_fake
-def _(q, k, cos, sin, positions, interleaved, backend):
+@_rotary_op.register_fake
+def _(q, k, cos, sin, positions, interleaved, conjugate, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-@torch.library.custom_op("tpkernels::rotary_backward", mutates_args=())
-def _backward_op(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool,
-                 backend: str) -> tuple[Tensor, Tensor]:
-    b = backend or None
-    return _rotate(dq, cos, sin, positions, interleaved, True, b), _rotate(dk, cos, sin, positions, interleaved, True, b)
-
-
-@_backward_op.register_fake
-def _(dq, dk, cos, sin, positions, interleaved, backend):
-    return dq.new_empty(dq.shape), dk.new_empty(dk.shape)
-
-
 def _setup_context(ctx, inputs, output):
-    _, _, cos, sin, positions, interleaved, backend = inputs
+    _, _, cos, sin, positions, interleaved, conjugate, backend = inputs
     ctx.save_for_backward(cos, sin, positions)
-    ctx.interleaved, ctx.backend = interleaved, backend
+    ctx.interleaved, ctx.conjugate, ctx.backend = interleaved, conjugate, backend
 
 
 def _backward(ctx, dq, dk):
     cos, sin, positions = ctx.saved_tensors
-    dq_in, dk_in = _backward_op(dq.contiguous(), dk.contiguous(), cos, sin, positions, ctx.interleaved, ctx.backend)
-    return dq_in, dk_in, None, None, None, None, None
+    dq_in, dk_in = _rotary_op(dq.contiguous(), dk.contiguous(), cos, sin, positions, ctx.interleaved,
+                              not ctx.conjugate, ctx.backend)
+    return dq_in, dk_in, None, None, None, None, None, None
 
 
-_forward_op.register_autograd(_backward, setup_context=_setup_context)
+_rotary_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _RotaryInPlace(torch.autograd.Function):
@@ -298,7 +289,7 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position_ids
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     if inplace:
         return _RotaryInPlace.apply(q, k, cos, sin, positions, interleaved, backend)
-    return _forward_op(q, k, cos, sin, positions, interleaved, backend or "")
+    return _rotary_op(q, k, cos, sin, positions, interleaved, False, backend or "")
 
 
 __all__ = ["apply_rotary", "inverse_frequencies", "rotary_cache"]

@@ -86,6 +86,19 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         return g.to(ctx.dtype), None, None, None, None
 
 
+def check_loss_args(target: torch.Tensor, rows_shape, label_smoothing: float, reduction: str, what: str) -> None:
+    """The arguments every loss of the package checks alike (``what``: the tensor target must match)."""
+    if tuple(rows_shape) != tuple(target.shape):
+        raise ValueError(f"target shape {tuple(target.shape)} must equal {what} shape without its last dim "
+                         f"{tuple(rows_shape)}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"target dtype ({target.dtype}) must be an integer type")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing ({label_smoothing}) must be in [0, 1]")
+    if reduction not in ("none", "sum", "mean"):
+        raise ValueError(f"reduction ({reduction!r}) must be 'none', 'sum' or 'mean'")
+
+
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, tp_group=None,
                                  label_smoothing: float = 0.0, ignore_index: int = -100,
                                  reduction: str = "mean") -> torch.Tensor:
@@ -95,15 +108,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     ids in [0, V) or ``ignore_index``. reduction: "none" → (...) per-token losses (0 where ignored);
     "sum"; "mean" over the tokens that are not ignored (as ``F.cross_entropy``).
     """
-    if logits_shard.shape[:-1] != target.shape:
-        raise ValueError(f"target shape {tuple(target.shape)} must equal logits_shard shape without its last "
-                         f"dim {tuple(logits_shard.shape[:-1])}")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"target dtype ({target.dtype}) must be an integer type")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing ({label_smoothing}) must be in [0, 1]")
-    if reduction not in ("none", "sum", "mean"):
-        raise ValueError(f"reduction ({reduction!r}) must be 'none', 'sum' or 'mean'")
+    check_loss_args(target, logits_shard.shape[:-1], label_smoothing, reduction, "logits_shard")
     consistency.agree(tp_group, "vocab_parallel_cross_entropy", **{"logits_shard.shape": logits_shard.shape,
                                                                    "logits_shard.dtype": logits_shard.dtype})
     loss = VocabParallelCrossEntropyFunction.apply(logits_shard, target.long(), tp_group, float(label_smoothing),
