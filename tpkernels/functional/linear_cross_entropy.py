@@ -32,7 +32,7 @@ from torch import Tensor
 
 from tpkernels import backends
 from tpkernels.dtypes import widen
-from tpkernels.functional.vocab_parallel import check_loss_args
+from tpkernels.functional.vocab_parallel import check_loss_args, out_of_range_targets, target_range_error
 from tpkernels.kernels import reference
 from tpkernels.parallel import consistency
 from tpkernels.parallel.groups import group_rank_size
@@ -115,10 +115,9 @@ def _group(name: str):
 
 
 def _check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
-    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    bad = out_of_range_targets(target, vocab, ignore_index)
     if bool(bad.any()):
-        raise ValueError(f"target ({int(target[bad][0])}) must be in [0, vocab_size ({vocab})) or equal ignore_index "
-                         f"({ignore_index})")
+        raise target_range_error(target, bad, vocab, ignore_index)
 
 
 # ---- torch.library registration: opaque to torch.compile (collectives and host checks inside) ----

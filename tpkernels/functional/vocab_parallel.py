@@ -42,15 +42,14 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         zmax = torch.cat([z.max(dim=-1).values.reshape(-1),
                           torch.tensor([v_local, -v_local], dtype=z.dtype, device=z.device)])
         _all_reduce(zmax, group, dist.ReduceOp.MAX)
-        bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+        bad = out_of_range_targets(target, vocab, ignore_index)
         widest, narrowest, any_bad = torch.stack([zmax[-2], -zmax[-1], bad.any().to(zmax.dtype)]).tolist()  # 1 sync
         if widest != narrowest:
             raise ValueError(f"logits_shard.shape[-1] differs across the TP group (from {int(narrowest)} to "
                              f"{int(widest)} columns; {v_local} here): every rank must hold vocab_size / "
                              "tensor_parallel_size")
         if any_bad:
-            raise ValueError(f"target ({int(target[bad][0])}) must be in [0, vocab_size ({vocab})) or equal "
-                             f"ignore_index ({ignore_index})")
+            raise target_range_error(target, bad, vocab, ignore_index)
         zmax = zmax[:-2].view(target.shape)
         z = z - zmax.unsqueeze(-1)  # a fresh tensor: safe to reuse for the softmax below
         local_t = target - lo
@@ -84,6 +83,17 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         g.scatter_add_(-1, idx.unsqueeze(-1), -onehot.unsqueeze(-1))
         g.mul_((dloss * valid).unsqueeze(-1))
         return g.to(ctx.dtype), None, None, None, None
+
+
+def out_of_range_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """Mask of the targets outside ``[0, vocab)`` that are not ``ignore_index``."""
+    return (target != ignore_index) & ((target < 0) | (target >= vocab))
+
+
+def target_range_error(target: torch.Tensor, bad: torch.Tensor, vocab: int, ignore_index: int) -> ValueError:
+    """The error for the first target ``bad`` (from ``out_of_range_targets``) marks."""
+    return ValueError(f"target ({int(target[bad][0])}) must be in [0, vocab_size ({vocab})) or equal ignore_index "
+                      f"({ignore_index})")
 
 
 def check_loss_args(target: torch.Tensor, rows_shape, label_smoothing: float, reduction: str, what: str) -> None:

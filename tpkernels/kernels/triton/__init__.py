@@ -1,7 +1,7 @@
 """Triton kernels. Import lazily: importing triton costs about a second.
 
-Every module here exposes ``compile_specs(arch)``; ``tpkernels.kernels.triton.aot_check`` compiles
-them all for given SM targets without a GPU.
+Every kernel module (``KERNEL_MODULES``) exposes ``compile_specs(arch)``;
+``tpkernels.kernels.triton.aot_check`` compiles them all for given SM targets without a GPU.
 """
 
 KERNEL_MODULES = ("tpkernels.kernels.triton.bias_gelu", "tpkernels.kernels.triton.flash_attn",

@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tpkernels.kernels.triton.occupancy import program_target
+
 # GeLU constants (csrc/gelu/bias_gelu_math.h explains each).
 _INV_SQRT2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
@@ -115,14 +117,6 @@ def tile_for(n: int) -> tuple[int, int]:
     return TILE_ELEMENTS // block_n, block_n
 
 
-def _program_target(device: torch.device) -> int:
-    # 4 resident programs per SM keep the memory system busy; under the interpreter (CPU)
-    # programs run one after another, so a handful is enough.
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def bias_gelu_fwd(x: Tensor, bias: Tensor, approximate: str, out: Tensor | None = None) -> Tensor:
     """x: (M, N) with last-dim stride 1; bias: (N,) -> y: (M, N) contiguous."""
     m, n = x.shape
@@ -146,7 +140,7 @@ def bias_gelu_bwd(grad: Tensor, x: Tensor, bias: Tensor, approximate: str, grad_
         return dx, db.zero_()
     block_m, block_n = tile_for(n)
     programs_n = triton.cdiv(n, block_n)
-    want_m = max(1, _program_target(x.device) // programs_n)
+    want_m = max(1, program_target(x.device) // programs_n)
     rows_per_program = triton.cdiv(triton.cdiv(m, want_m), block_m) * block_m
     programs_m = triton.cdiv(m, rows_per_program)
     partial = torch.empty((programs_m, n), dtype=torch.float32, device=x.device)

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from tpkernels.kernels import reference
+from tpkernels.kernels.triton.occupancy import program_target
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x·log2 e): exp2 is the hardware unit
 AUTOTUNE_ENV = "TPKERNELS_FLASH_AUTOTUNE"  # "0": always the first (default) config, no tuning
@@ -551,7 +552,7 @@ def _group_split(programs: int, group: int, device: torch.device) -> int:
     ``group`` that gives two programs per SM."""
     if device.type != "cuda" or group == 1:
         return 1
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    target = program_target(device, per_sm=2)
     for split in range(1, group + 1):
         if group % split == 0 and programs * split >= target:
             return split

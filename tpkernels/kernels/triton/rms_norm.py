@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tpkernels.kernels.triton.occupancy import program_target
+
 # Whole rows live in registers up to here (Llama 3 70B's hidden size). Longer rows run the reference
 # path: at 16384 (Llama 3 405B) the backward spills even with 32 warps (64 registers a thread).
 MAX_N = 8192
@@ -92,12 +94,6 @@ def tile_for(n: int, backward: bool = False) -> tuple[int, int, int]:
     return block_m, block_n, 8 if block_n <= 4096 else 16
 
 
-def _program_target(device: torch.device) -> int:
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter runs programs one by one
-
-
 def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, out: Tensor | None = None,
                  h_out: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
     """x, residual: (M, N), last-dim stride 1; weight (N,) -> (y, h or None, rstd (M,) fp32)."""
@@ -125,7 +121,7 @@ def rms_norm_bwd(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dh: Tensor
             dx.copy_(dh)
         return dx, torch.zeros_like(weight)
     block_m, block_n, warps = tile_for(n, backward=True)
-    rows_per_program = triton.cdiv(triton.cdiv(m, _program_target(h.device)), block_m) * block_m
+    rows_per_program = triton.cdiv(triton.cdiv(m, program_target(h.device)), block_m) * block_m
     programs = triton.cdiv(m, rows_per_program)
     partial = torch.empty((programs, n), dtype=torch.float32, device=h.device)
     g = dh if dh is not None else dy
