@@ -66,13 +66,23 @@ def _all_reduce(t: Tensor, group, op=dist.ReduceOp.SUM) -> Tensor:
     return t
 
 
+def real_vocab(vocab_size: int, v_local: int, world: int) -> int:
+    """The vocabulary the loss runs over: ``vocab_size`` (0: every row of every shard)."""
+    return vocab_size or v_local * world
+
+
 def _chunk_pass(hidden: Tensor, weight: Tensor, target: Tensor, group, chunk: int, ignore_index: int,
-                smoothing: float, z_loss: float, row_weights: Tensor | None, want_grads: bool, name: str):
+                smoothing: float, z_loss: float, row_weights: Tensor | None, want_grads: bool, name: str,
+                vocab_size: int = 0):
     """The chunk loop. hidden (n, h), weight (V/P, h), target (n,) int64; row_weights (n,) fp32 or None
-    (unit weights). Returns (per-token losses (n,) fp32 or None, dh (n, h) or None, dW (V/P, h) or None)."""
+    (unit weights); vocab_size: the real vocabulary (0: all V rows), the rows past it being padding.
+    Returns (per-token losses (n,) fp32 or None, dh (n, h) or None, dW (V/P, h) or None)."""
     rank, world = group_rank_size(group)
     n, v_local = hidden.shape[0], weight.shape[0]
-    vocab, lo = v_local * world, rank * v_local
+    vocab, lo = real_vocab(vocab_size, v_local, world), rank * v_local
+    # padding rows never enter the GEMM: their logits are not masked, they do not exist (and get dW = 0)
+    n_real = max(0, min(v_local, vocab - lo))
+    w_real = weight[:n_real]
     stats_fn, grad_fn = _ce_kernels(name)  # name: "triton" or "reference"
     stat_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     losses = torch.empty(n, dtype=stat_dtype, device=hidden.device)
@@ -81,8 +91,12 @@ def _chunk_pass(hidden: Tensor, weight: Tensor, target: Tensor, group, chunk: in
     valid = target != ignore_index
     for c0 in range(0, n, chunk):
         h_c, t_c = hidden[c0:c0 + chunk], target[c0:c0 + chunk]
-        z = h_c @ weight.t()  # (c, V/P): the only logits that exist
-        st = stats_fn(z, t_c, lo)  # (4, c): a pivot m, Σ exp(z − m), target logit, Σ z
+        z = h_c @ w_real.t()  # (c, V/P): the only logits that exist
+        if n_real:
+            st = stats_fn(z, t_c, lo)  # (4, c): a pivot m, Σ exp(z − m), target logit, Σ z
+        else:  # a shard of padding only: it adds nothing to any sum
+            st = torch.zeros(4, z.shape[0], dtype=stat_dtype, device=z.device)
+            st[0] = -math.inf
         m = _all_reduce(st[0].clone(), group, dist.ReduceOp.MAX)
         sums = torch.stack([st[1] * (st[0] - m).exp(), st[2], st[3]])
         _all_reduce(sums, group)
@@ -92,8 +106,11 @@ def _chunk_pass(hidden: Tensor, weight: Tensor, target: Tensor, group, chunk: in
         losses[c0:c0 + chunk] = torch.where(v_c, loss, torch.zeros_like(loss))
         if want_grads:
             scale = v_c.to(stat_dtype) if row_weights is None else row_weights[c0:c0 + chunk] * v_c
+            if not n_real:
+                dh[c0:c0 + chunk] = 0
+                continue
             dz = grad_fn(z, t_c, lo, lse.contiguous(), scale.to(stat_dtype).contiguous(), vocab, smoothing, z_loss)
-            torch.matmul(dz, weight, out=dh[c0:c0 + chunk])
+            torch.matmul(dz, w_real, out=dh[c0:c0 + chunk])
             if dw is None:
                 dw = widen(dz.t() @ h_c)
             elif dw.dtype == dz.dtype:
@@ -105,7 +122,10 @@ def _chunk_pass(hidden: Tensor, weight: Tensor, target: Tensor, group, chunk: in
             dh_wide = widen(dh)
             dist.all_reduce(dh_wide, group=group)
             dh = dh_wide.to(hidden.dtype) if dh_wide is not dh else dh
-        dw = torch.zeros_like(weight) if dw is None else dw.to(weight.dtype)
+        full = torch.zeros_like(weight)
+        if dw is not None:
+            full[:n_real] = dw
+        dw = full
     return losses, dh, dw
 
 
@@ -128,12 +148,12 @@ def _check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
 @torch.library.custom_op("tpkernels::linear_cross_entropy_forward", mutates_args=())
 def _forward_op(hidden: Tensor, weight: Tensor, target: Tensor, group_name: str, chunk: int, ignore_index: int,
                 smoothing: float, z_loss: float, reduction: str, want_grads: bool,
-                backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                backend: str, vocab_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     group = _group(group_name)
-    _check_targets(target, weight.shape[0] * group_rank_size(group)[1], ignore_index)
+    _check_targets(target, real_vocab(vocab_size, weight.shape[0], group_rank_size(group)[1]), ignore_index)
     eager = want_grads and reduction != "none"
     losses, dh, dw = _chunk_pass(hidden, weight, target, group, chunk, ignore_index, smoothing, z_loss, None, eager,
-                                 backend)
+                                 backend, vocab_size)
     count = (target != ignore_index).sum()
     loss = losses if reduction == "none" else (losses.sum() if reduction == "sum" else
                                                losses.sum() / count.clamp(min=1))
@@ -141,7 +161,8 @@ def _forward_op(hidden: Tensor, weight: Tensor, target: Tensor, group_name: str,
 
 
 @_forward_op.register_fake
-def _(hidden, weight, target, group_name, chunk, ignore_index, smoothing, z_loss, reduction, want_grads, backend):
+def _(hidden, weight, target, group_name, chunk, ignore_index, smoothing, z_loss, reduction, want_grads, backend,
+      vocab_size):
     stat = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=stat)
     eager = want_grads and reduction != "none"
@@ -151,26 +172,28 @@ def _(hidden, weight, target, group_name, chunk, ignore_index, smoothing, z_loss
 
 @torch.library.custom_op("tpkernels::linear_cross_entropy_backward", mutates_args=())
 def _backward_op(hidden: Tensor, weight: Tensor, target: Tensor, row_weights: Tensor, group_name: str, chunk: int,
-                 ignore_index: int, smoothing: float, z_loss: float, backend: str) -> tuple[Tensor, Tensor]:
+                 ignore_index: int, smoothing: float, z_loss: float, backend: str,
+                 vocab_size: int) -> tuple[Tensor, Tensor]:
     _, dh, dw = _chunk_pass(hidden, weight, target, _group(group_name), chunk, ignore_index, smoothing, z_loss,
-                            row_weights, True, backend)
+                            row_weights, True, backend, vocab_size)
     return dh, dw
 
 
 @_backward_op.register_fake
-def _(hidden, weight, target, row_weights, group_name, chunk, ignore_index, smoothing, z_loss, backend):
+def _(hidden, weight, target, row_weights, group_name, chunk, ignore_index, smoothing, z_loss, backend, vocab_size):
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, target, group_name, chunk, ignore_index, smoothing, z_loss, reduction, want_grads, backend = inputs
+    (hidden, weight, target, group_name, chunk, ignore_index, smoothing, z_loss, reduction, want_grads, backend,
+     vocab_size) = inputs
     _, dh, dw, count = output
     ctx.reduction = reduction
     if reduction != "none":
         ctx.save_for_backward(dh, dw, count)
     else:
         ctx.save_for_backward(hidden, weight, target)
-        ctx.args = (group_name, chunk, ignore_index, smoothing, z_loss, backend)
+        ctx.args = (group_name, chunk, ignore_index, smoothing, z_loss, backend, vocab_size)
 
 
 def _backward(ctx, g, *_):
@@ -182,7 +205,7 @@ def _backward(ctx, g, *_):
         hidden, weight, target = ctx.saved_tensors
         dh, dw = _backward_op(hidden, weight, target, g.contiguous(), *ctx.args)
     need = ctx.needs_input_grad
-    return (dh if need[0] else None, dw if need[1] else None) + (None,) * 9
+    return (dh if need[0] else None, dw if need[1] else None) + (None,) * 10
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -190,7 +213,8 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, tp_group=None,
                          chunk_size: int | None = None, ignore_index: int = -100, label_smoothing: float = 0.0,
-                         reduction: str = "mean", z_loss: float = 0.0, backend: str | None = None) -> Tensor:
+                         reduction: str = "mean", z_loss: float = 0.0, vocab_size: int | None = None,
+                         backend: str | None = None) -> Tensor:
     """Cross-entropy of ``hidden @ weight.T`` without the logits (see the module docstring).
 
     Args:
@@ -202,6 +226,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, tp_g
         label_smoothing, ignore_index, reduction ("mean" over non-ignored tokens, "sum", "none"):
            as ``F.cross_entropy``.
         z_loss: coefficient of the PaLM z-loss, z_loss · logsumexp(z)², added per token.
+        vocab_size: the real vocabulary V when the head is padded (to a multiple of TP and of the
+           GEMM tile): rows [V, P·V/P) of the sharded weight are padding, left out of the loss (their
+           logits are never formed; their weight gradient is 0). Default: no padding.
         backend: "triton" or "reference" for the per-chunk loss kernels.
 
     Returns:
@@ -224,13 +251,18 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, tp_g
         chunk_size = default_chunk_size(h2.shape[0], h2.shape[1], weight.shape[0])
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size ({chunk_size!r}) must be a positive integer")
+    world = group_rank_size(tp_group)[1]
+    if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool)
+                                   or not 1 <= vocab_size <= weight.shape[0] * world):
+        raise ValueError(f"vocab_size ({vocab_size!r}) must be an integer in [1, weight rows × tensor_parallel_size "
+                         f"({weight.shape[0]} × {world} = {weight.shape[0] * world})]")
     consistency.agree(tp_group, OP, **{"hidden.shape": hidden.shape, "hidden.dtype": hidden.dtype,
                                        "weight.shape": weight.shape, "chunk_size": chunk_size})
-    group_rank_size(tp_group)  # a rank outside the group: a clear error now
     name = backends.select(OP, hidden.device, backend, dtype=hidden.dtype)
     want_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss, _, _, _ = _forward_op(h2, weight, t1, "" if tp_group is None else tp_group.group_name, chunk_size,
-                                ignore_index, float(label_smoothing), float(z_loss), reduction, want_grads, name)
+                                ignore_index, float(label_smoothing), float(z_loss), reduction, want_grads, name,
+                                vocab_size or 0)
     return loss.view(target.shape) if reduction == "none" else loss
 
 

@@ -134,8 +134,10 @@ class ParallelConfig:
         return errs
 
     def model_errors(self, *, num_layers: int, num_attention_heads: int, num_kv_heads: int | None = None,
-                     ffn_hidden_size: int | None = None, seq_length: int | None = None) -> list[str]:
-        """Rules that tie the layout to a model's shape."""
+                     ffn_hidden_size: int | None = None, seq_length: int | None = None,
+                     layer_counts=None) -> list[str]:
+        """Rules that tie the layout to a model's shape. ``layer_counts`` (layers per virtual stage, in
+        pipeline order) replaces the even-split rule for uneven pipelines."""
         errs = []
         tp, pp, v = self.tp, self.pp, self.virtual_stages
         if num_attention_heads % tp:
@@ -148,7 +150,12 @@ class ParallelConfig:
             )
         if ffn_hidden_size is not None and ffn_hidden_size % tp:
             errs.append(f"ffn_hidden_size ({ffn_hidden_size}) must be divisible by tensor_parallel_size ({tp})")
-        if num_layers % (pp * v):
+        if layer_counts is not None:
+            counts = list(layer_counts)
+            if len(counts) != pp * v or sum(counts) != num_layers or min(counts, default=0) < 1:
+                errs.append(f"layer_counts ({counts}) must be pipeline_parallel_size × virtual_stages ({pp} × {v} = "
+                            f"{pp * v}) positive numbers summing to num_layers ({num_layers})")
+        elif num_layers % (pp * v):
             what = f"pipeline_parallel_size ({pp})" if v == 1 else \
                 f"pipeline_parallel_size ({pp}) × virtual_stages ({v}) = {pp * v}"
             errs.append(f"num_layers ({num_layers}) must be divisible by {what}")
@@ -181,7 +188,7 @@ class ParallelConfig:
     def validate(self, *, world_size: int | None = None, global_batch_size: int | None = None,
                  num_layers: int | None = None, num_attention_heads: int | None = None,
                  num_kv_heads: int | None = None, ffn_hidden_size: int | None = None,
-                 seq_length: int | None = None) -> "ParallelConfig":
+                 seq_length: int | None = None, layer_counts=None) -> "ParallelConfig":
         """Raise ParallelConfigError listing every broken rule; return self when all hold."""
         errs = self.layout_errors()
         if not errs:
@@ -189,7 +196,7 @@ class ParallelConfig:
             if num_layers is not None and num_attention_heads is not None:
                 errs += self.model_errors(num_layers=num_layers, num_attention_heads=num_attention_heads,
                                           num_kv_heads=num_kv_heads, ffn_hidden_size=ffn_hidden_size,
-                                          seq_length=seq_length)
+                                          seq_length=seq_length, layer_counts=layer_counts)
         if errs:
             raise ParallelConfigError(errs)
         return self

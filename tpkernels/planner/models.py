@@ -22,6 +22,8 @@ class ModelSpec:
     qkv_bias / linear_bias: biases on the q/k/v projections / on every other linear layer.
     learned_positions: size of a learned position table (GPT), 0 for rotary embeddings.
     dropout: the model trains with dropout (adds masks to the stored activations).
+    rope_theta / norm_eps: what the runnable model (``tpkernels.models.ModelConfig.from_preset``)
+    takes from a preset; the planner's counts do not depend on them.
     """
 
     name: str
@@ -40,6 +42,8 @@ class ModelSpec:
     learned_positions: int = 0
     dropout: bool = False
     seq_length: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
 
     def __post_init__(self):
         for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "seq_length"):
@@ -146,9 +150,10 @@ class ModelSpec:
                 f"({self.mlp}), vocab {self.vocab_size}")
 
 
-def _llama(name, layers, hidden, heads, kv, ffn, vocab, *, qkv_bias=False, tied=False, seq=4096):
+def _llama(name, layers, hidden, heads, kv, ffn, vocab, *, qkv_bias=False, tied=False, seq=4096, theta=10000.0,
+           eps=1e-5):
     return ModelSpec(name, layers, hidden, heads, ffn, vocab, num_kv_heads=kv, qkv_bias=qkv_bias,
-                     tied_embeddings=tied, seq_length=seq)
+                     tied_embeddings=tied, seq_length=seq, rope_theta=theta, norm_eps=eps)
 
 
 def _gpt(name, layers, hidden, heads, vocab=51200, seq=2048):
@@ -171,14 +176,14 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     for m in (
         _llama("Llama-2-7B", 32, 4096, 32, 32, 11008, 32000),
         _llama("Llama-2-13B", 40, 5120, 40, 40, 13824, 32000),
-        _llama("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256, seq=8192),
-        _llama("Llama-3-70B", 80, 8192, 64, 8, 28672, 128256, seq=8192),
+        _llama("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256, seq=8192, theta=500000.0),
+        _llama("Llama-3-70B", 80, 8192, 64, 8, 28672, 128256, seq=8192, theta=500000.0),
         # Qwen (v1): HF's intermediate_size (27392 / 49152) is twice the width of each MLP matrix.
-        _llama("Qwen-14B", 40, 5120, 40, 40, 13696, 152064, qkv_bias=True, seq=2048),
-        _llama("Qwen-72B", 80, 8192, 64, 64, 24576, 152064, qkv_bias=True, seq=32768),
-        _llama("Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064, qkv_bias=True, seq=32768),
-        _llama("Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064, qkv_bias=True, seq=32768),
-        _llama("Qwen2.5-72B", 80, 8192, 64, 8, 29568, 152064, qkv_bias=True, seq=32768),
+        _llama("Qwen-14B", 40, 5120, 40, 40, 13696, 152064, qkv_bias=True, seq=2048, eps=1e-6),
+        _llama("Qwen-72B", 80, 8192, 64, 64, 24576, 152064, qkv_bias=True, seq=32768, theta=1e6, eps=1e-6),
+        _llama("Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064, qkv_bias=True, seq=32768, theta=1e6, eps=1e-6),
+        _llama("Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064, qkv_bias=True, seq=32768, theta=1e6, eps=1e-6),
+        _llama("Qwen2.5-72B", 80, 8192, 64, 8, 29568, 152064, qkv_bias=True, seq=32768, theta=1e6, eps=1e-6),
         _gpt("GPT-3-175B", 96, 12288, 96, vocab=50257),
         *(_gpt(f"GPT-{size}", layers, hidden, heads) for size, (heads, hidden, layers) in NARAYANAN_2021_GPT.items()),
     )

@@ -1,0 +1,115 @@
+"""Self-attention with TP: a fused column-parallel q/k/v GEMM, rotary, our FlashAttention
+(dense or varlen for packed documents, GQA, sliding window), a row-parallel output GEMM.
+
+Heads per TP rank: nq/TP query heads; KV heads split over TP when nkv ≥ TP, else each rank holds
+the one KV head its query heads use (replicated over TP/nkv ranks, as vLLM and TransformerEngine
+do). Rank r's slice of the fused q/k/v output is [q heads of r | k heads of r | v heads of r], so
+one column-parallel GEMM (one all-gather under SP) serves all three. Replicated KV rows get
+partial gradients (from this rank's query heads only); the model sums them over the ranks that
+share the head at the end of the step (``kv_replica_rows``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpkernels.functional.attention import flash_attn_func, flash_attn_varlen_func
+from tpkernels.functional.rotary import apply_rotary
+from tpkernels.models.context import LayerContext
+from tpkernels.models.hf_checkpoint import Part
+from tpkernels.models.sequence import SequenceInfo
+from tpkernels.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+
+def kv_layout(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """(first KV head of rank ``tp_rank``, KV heads per rank)."""
+    if num_kv_heads >= tp_size:
+        per = num_kv_heads // tp_size
+        return tp_rank * per, per
+    return tp_rank * num_kv_heads // tp_size, 1
+
+
+def kv_replica_groups(num_kv_heads: int, tp_size: int) -> list[list[int]] | None:
+    """TP ranks sharing one KV head (None when every rank has its own)."""
+    if num_kv_heads >= tp_size:
+        return None
+    return [[r for r in range(tp_size) if r * num_kv_heads // tp_size == g] for g in range(num_kv_heads)]
+
+
+class SelfAttention(nn.Module):
+    """forward(x (batch, seq[/TP], hidden), info, rope (cos, sin) or None) -> like x."""
+
+    def __init__(self, ctx: LayerContext, layer: int):
+        super().__init__()
+        mc = ctx.mc
+        self.ctx, self.layer = ctx, layer
+        self.hd = mc.dhead
+        self.nq = mc.num_attention_heads // ctx.tp_size
+        self.kv0, self.nkv = kv_layout(mc.kv_heads, ctx.tp_size, ctx.tp_rank)
+        width = (self.nq + 2 * self.nkv) * self.hd
+        kw = ctx.tp_kwargs()
+        self.qkv = ColumnParallelLinear(mc.hidden_size, width * ctx.tp_size, bias=mc.qkv_bias, **kw)
+        self.out = RowParallelLinear(mc.num_attention_heads * self.hd, mc.hidden_size, bias=mc.out_bias, **kw)
+        self.window = mc.window(layer)
+        if mc.kv_heads < ctx.tp_size:
+            rows = (self.nq * self.hd, width)
+            self.qkv.weight.kv_replica_rows = rows
+            if self.qkv.bias is not None:
+                self.qkv.bias.kv_replica_rows = rows
+
+    def forward(self, x: torch.Tensor, info: SequenceInfo, rope) -> torch.Tensor:
+        y = self.qkv(x)
+        b, s = y.shape[:2]
+        q, k, v = y.view(b, s, self.nq + 2 * self.nkv, self.hd).split([self.nq, self.nkv, self.nkv], dim=2)
+        if rope is not None:
+            q, k = apply_rotary(q, k, rope[0], rope[1], position_ids=info.position_ids)
+        if info.cu_seqlens is None:
+            o = flash_attn_func(q, k, v, causal=True, window_size=self.window)
+        else:
+            cu, n = info.cu_seqlens, info.max_seqlen
+            o = flash_attn_varlen_func(q.reshape(b * s, self.nq, self.hd), k.reshape(b * s, self.nkv, self.hd),
+                                       v.reshape(b * s, self.nkv, self.hd), cu, cu, n, n, causal=True,
+                                       window_size=self.window)
+        return self.out(o.reshape(b, s, self.nq * self.hd))
+
+    # ---- Hugging Face layout ----
+    def _qkv_parts(self, tp_rank: int, param: str) -> list[Part]:
+        mc, ctx, hd, i = self.ctx.mc, self.ctx, self.hd, self.layer
+        q0, nq = tp_rank * self.nq, self.nq
+        kv0, nkv = kv_layout(mc.kv_heads, ctx.tp_size, tp_rank)
+        t = ctx.transposed and param == "weight"
+        spans = [(q0 * hd, (q0 + nq) * hd), (kv0 * hd, (kv0 + nkv) * hd), (kv0 * hd, (kv0 + nkv) * hd)]
+        if "qkv" in ctx.names:  # GPT-2: one fused c_attn, columns [q | k | v]
+            name, offsets = ctx.hf("qkv", i, param), (0, mc.num_attention_heads * hd,
+                                                      (mc.num_attention_heads + mc.kv_heads) * hd)
+            return [Part(name, rows=(a + o, b + o), transpose=t) for (a, b), o in zip(spans, offsets)]
+        return [Part(ctx.hf(role, i, param), rows=span, transpose=t) for role, span in zip("qkv", spans)]
+
+    def hf_parts(self, tp_rank: int) -> dict[str, list[Part]]:
+        ctx, i, hd = self.ctx, self.layer, self.hd
+        cols = (tp_rank * self.nq * hd, (tp_rank + 1) * self.nq * hd)
+        parts = {"qkv.weight": self._qkv_parts(tp_rank, "weight"),
+                 "out.weight": [Part(ctx.hf("out", i), cols=cols, transpose=ctx.transposed)]}
+        if self.qkv.bias is not None:
+            parts["qkv.bias"] = self._qkv_parts(tp_rank, "bias")
+        if self.out.bias is not None:
+            parts["out.bias"] = [Part(ctx.hf("out", i, "bias"))]
+        return parts
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        mc, ctx, i = self.ctx.mc, self.ctx, self.layer
+        h, q, kv = mc.hidden_size, mc.num_attention_heads * self.hd, mc.kv_heads * self.hd
+        shapes = {ctx.hf("out", i): (h, q)}
+        if "qkv" in ctx.names:
+            shapes[ctx.hf("qkv", i)] = (q + 2 * kv, h)
+            if mc.qkv_bias:
+                shapes[ctx.hf("qkv", i, "bias")] = (q + 2 * kv,)
+        else:
+            for role, n in (("q", q), ("k", kv), ("v", kv)):
+                shapes[ctx.hf(role, i)] = (n, h)
+                if mc.qkv_bias:
+                    shapes[ctx.hf(role, i, "bias")] = (n,)
+        if mc.out_bias:
+            shapes[ctx.hf("out", i, "bias")] = (h,)
+        return shapes

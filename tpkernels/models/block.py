@@ -1,0 +1,41 @@
+"""One pre-norm decoder layer, its residual adds fused into the norms.
+
+The residual stream travels as (delta, residual): a layer receives the previous layer's MLP
+output and the stream before it, so both adds of a layer happen inside a norm kernel:
+
+    y, h = norm1(delta, residual)       h = residual + delta      (the first layer: h = embeddings)
+    y2, h2 = norm2(attention(y), h)     h2 = h + attention(y)
+    return mlp(y2), h2
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpkernels.models.attention import SelfAttention
+from tpkernels.models.context import LayerContext
+from tpkernels.models.mlp import MLP
+from tpkernels.models.norm import ResidualNorm
+from tpkernels.models.sequence import SequenceInfo
+
+
+class TransformerBlock(nn.Module):
+    """forward(delta, residual or None, info, rope) -> (delta', residual'), each (batch, seq[/TP], hidden)."""
+
+    def __init__(self, ctx: LayerContext, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.norm1 = ResidualNorm(ctx, "norm1", layer)
+        self.attention = SelfAttention(ctx, layer)
+        self.norm2 = ResidualNorm(ctx, "norm2", layer)
+        self.mlp = MLP(ctx, layer)
+
+    def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, info: SequenceInfo,
+                rope) -> tuple[torch.Tensor, torch.Tensor]:
+        y, h = self.norm1(delta, residual)
+        y2, h2 = self.norm2(self.attention(y, info, rope), h)
+        return self.mlp(y2), h2
+
+    def children_with_parts(self):
+        return {"norm1": self.norm1, "attention": self.attention, "norm2": self.norm2, "mlp": self.mlp}

@@ -1,0 +1,53 @@
+"""What every layer of a model needs to know about its layout (one object, built once per model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpkernels.models.config import ModelConfig
+from tpkernels.models.hf_names import HF_NAMES, TRANSPOSED
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """mc: the model; tp_group/tp_rank/tp_size: this rank's TP group; sequence_parallel: activations
+    between the TP regions are sharded along the sequence (dim 1 of (batch, seq, hidden));
+    overlap_comm/algo: the TP layers' communication overlap and GEMM-comm algorithm."""
+
+    mc: ModelConfig
+    tp_group: object
+    tp_rank: int
+    tp_size: int
+    sequence_parallel: bool
+    overlap_comm: bool = True
+    algo: str = "auto"
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
+
+    @property
+    def names(self) -> dict[str, str]:
+        return HF_NAMES[self.mc.family]
+
+    @property
+    def transposed(self) -> bool:
+        return TRANSPOSED[self.mc.family]
+
+    def hf(self, role: str, layer: int | None = None, param: str = "weight") -> str:
+        return self.names[role].format(i=layer) + "." + param
+
+    def tp_kwargs(self) -> dict:
+        """Keyword arguments of Column/RowParallelLinear for this layout (batch-first: sequence dim 1)."""
+        return dict(tp_group=self.tp_group, sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
+                    sequence_dim=1, algo=self.algo, device=self.device, dtype=self.dtype)
+
+    def factory(self) -> dict:
+        return dict(device=self.device, dtype=self.dtype)
+
+
+def mark_tp_partial(param: torch.nn.Parameter, ctx: LayerContext) -> torch.nn.Parameter:
+    """A parameter replicated over TP that sees only this rank's slice of the sequence under SP: its
+    gradient is a partial sum, completed over the TP group at the end of the step."""
+    param.tp_partial_grad = ctx.sequence_parallel and ctx.tp_size > 1
+    return param

@@ -1,0 +1,72 @@
+"""Final norm, LM head and loss (the last pipeline stage).
+
+The loss never forms the logits: :func:`tpkernels.linear_cross_entropy` over the vocabulary-
+parallel head weight, padding rows left out (``vocab_size``). Under SP the normed hidden state
+is all-gathered along the sequence first; the loss returns the same input gradient on every TP
+rank, so the gather's backward takes this rank's slice. ``logits`` (evaluation, parity checks)
+does form them: (batch, seq, vocab), gathered over TP, padding cut off.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpkernels.functional.linear_cross_entropy import linear_cross_entropy
+from tpkernels.models.context import LayerContext
+from tpkernels.models.embedding import vocab_rows
+from tpkernels.models.hf_checkpoint import Part
+from tpkernels.models.norm import ResidualNorm
+from tpkernels.parallel.mappings import gather_from_sequence_parallel, gather_from_tensor_parallel
+
+
+class LMHead(nn.Module):
+    """forward(delta, residual) -> normed hidden (batch, seq[/TP], hidden); loss(y, target) -> scalar.
+
+    weight: (padded_vocab / TP, hidden). ``tied_weight``: the embedding table of the same chunk
+    (tied embeddings, one pipeline stage); on another stage a tied head keeps its own copy
+    (``tied_embedding`` marks it for the embedding-group gradient sum)."""
+
+    def __init__(self, ctx: LayerContext, tied_weight: nn.Parameter | None = None):
+        super().__init__()
+        mc = ctx.mc
+        self.ctx = ctx
+        self.norm = ResidualNorm(ctx, "final_norm")
+        self.shares_embedding = tied_weight is not None
+        if tied_weight is not None:
+            self.weight = tied_weight
+        else:
+            self.weight = nn.Parameter(torch.zeros(mc.padded_vocab(ctx.tp_size) // ctx.tp_size, mc.hidden_size,
+                                                   **ctx.factory()))
+            self.weight.tied_embedding = self.weight.tied_copy = mc.tied_embeddings
+
+    def forward(self, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.norm(delta, residual)[0]
+
+    def _full_sequence(self, y: torch.Tensor) -> torch.Tensor:
+        if self.ctx.sequence_parallel and self.ctx.tp_size > 1:
+            return gather_from_sequence_parallel(y, self.ctx.tp_group, dim=1, reduce_grad=False)
+        return y
+
+    def loss(self, y: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross-entropy over the tokens whose target is not ``ignore_index``; target (batch, seq)."""
+        return linear_cross_entropy(self._full_sequence(y), self.weight, target, tp_group=self.ctx.tp_group,
+                                    vocab_size=self.ctx.mc.vocab_size, ignore_index=ignore_index)
+
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        z = self._full_sequence(y) @ self.weight.t()
+        if self.ctx.tp_size > 1:
+            z = gather_from_tensor_parallel(z, self.ctx.tp_group)
+        return z[..., :self.ctx.mc.vocab_size]
+
+    def hf_parts(self, tp_rank: int) -> dict[str, list[Part]]:
+        parts = {f"norm.{k}": v for k, v in self.norm.hf_parts(tp_rank).items()}
+        if not self.shares_embedding:
+            parts["weight"] = vocab_rows(self.ctx, "embed" if self.ctx.mc.tied_embeddings else "head", tp_rank)
+        return parts
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = self.norm.hf_shapes()
+        if not self.ctx.mc.tied_embeddings:
+            shapes[self.ctx.hf("head")] = (self.ctx.mc.vocab_size, self.ctx.mc.hidden_size)
+        return shapes

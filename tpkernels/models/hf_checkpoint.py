@@ -1,0 +1,197 @@
+"""Reading slices of Hugging Face tensors, and putting full tensors back together.
+
+A parameter of our model is a list of :class:`Part` s, concatenated along dim 0: a rectangle of
+one Hugging Face tensor (rows and columns in OUR orientation, ``transpose`` for GPT-2's Conv1D),
+or zero rows (vocabulary padding). The same parts serve three uses:
+
+* load: each rank reads its parts from a :class:`TensorSource`; from a checkpoint folder that is
+  ``safetensors.safe_open(...).get_slice(name)[rows, cols]``, so a rank reads only its TP shard
+  of its pipeline stage's layers, never the full state dict (``safe_open`` maps the file; only
+  the sliced bytes are read). Why not DCP's ``HuggingFaceStorageReader``: it loads by our
+  parameter names with DCP's resharding planner, which cannot express a fused q/k/v or gate/up
+  built from several HF tensors, nor GPT-2's transposes; slicing with safetensors can.
+* export: every TP rank's shard is gathered and each piece is written back into the full tensor
+  at its part's rectangle (``assemble``).
+* initialisation: :class:`RandomInit` is a source that makes each full tensor from a seed and
+  its name, so a model initialised at TP2×PP2 equals the one initialised at TP1×PP1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tpkernels.models.hf_names import OPTIONAL_PREFIXES
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows [r0, r1) × cols [c0, c1) of HF tensor ``name`` in our (out, in) orientation (None: all);
+    ``transpose``: the tensor is stored (in, out). ``name=None``: ``zero_shape`` zeros (padding)."""
+
+    name: str | None
+    rows: tuple[int, int] | None = None
+    cols: tuple[int, int] | None = None
+    transpose: bool = False
+    zero_shape: tuple[int, ...] | None = None
+
+
+def _sl(r):
+    return slice(None) if r is None else slice(*r)
+
+
+class TensorSource:
+    """Full Hugging Face tensors by name, read a rectangle at a time."""
+
+    def names(self) -> set[str]:
+        raise NotImplementedError
+
+    def _read(self, name: str, index: tuple) -> torch.Tensor:
+        raise NotImplementedError
+
+    def resolve(self, name: str) -> str:
+        names = self.names()
+        if name in names:
+            return name
+        for p in OPTIONAL_PREFIXES:
+            if name.startswith(p) and name[len(p):] in names:
+                return name[len(p):]
+        raise KeyError(f"the checkpoint has no tensor {name!r}")
+
+    def read(self, part: Part, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if part.name is None:
+            return torch.zeros(part.zero_shape, dtype=dtype or torch.float32)
+        name = self.resolve(part.name)
+        if part.transpose:  # stored (in, out): our rows are its columns
+            t = self._read(name, (_sl(part.cols), _sl(part.rows))).t()
+        elif part.cols is not None:
+            t = self._read(name, (_sl(part.rows), _sl(part.cols)))
+        else:
+            t = self._read(name, (_sl(part.rows),))
+        return t.to(dtype) if dtype is not None else t
+
+
+class StateDictSource(TensorSource):
+    """An in-memory ``state_dict`` (e.g. of a ``transformers`` model)."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor]):
+        self.sd = state_dict
+
+    def names(self) -> set[str]:
+        return set(self.sd)
+
+    def _read(self, name, index):
+        return self.sd[name].detach()[index].cpu()
+
+
+class SafetensorsSource(TensorSource):
+    """A checkpoint folder: ``model.safetensors``, or shards listed in ``model.safetensors.index.json``."""
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open  # noqa: PLC0415
+
+        folder = Path(folder)
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{str(folder)!r} holds no *.safetensors file (and no "
+                                        "model.safetensors.index.json)")
+            weight_map = None
+        self._handles = {f: safe_open(str(folder / f), framework="pt") for f in files}
+        if weight_map is None:
+            weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
+        self._where = weight_map
+        self.bytes_read = 0
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def _read(self, name, index):
+        t = self._handles[self._where[name]].get_slice(name)[index]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
+class RandomInit(TensorSource):
+    """Seeded full tensors, the same at every layout: normal(0, std) for weights (GPT-2's output
+    projections std / sqrt(2·layers), as transformers initialises them), ones for norm weights, zeros
+    for biases. ``shapes``: HF name → full shape (our orientation)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int, std: float, scaled: set[str], num_layers: int):
+        self.shapes, self.seed, self.std, self.scaled, self.num_layers = shapes, seed, std, scaled, num_layers
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def names(self) -> set[str]:
+        return set(self.shapes)
+
+    def _full(self, name: str) -> torch.Tensor:
+        if name not in self._cache:
+            shape = self.shapes[name]
+            if name.endswith(".bias"):
+                t = torch.zeros(shape)
+            elif len(shape) == 1:
+                t = torch.ones(shape)
+            else:
+                g = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2 ** 63)
+                std = self.std / math.sqrt(2 * self.num_layers) if name in self.scaled else self.std
+                t = torch.randn(shape, generator=g) * std
+            self._cache = {name: t}  # parts of one tensor are read one after another: keep one
+        return self._cache[name]
+
+    def read(self, part: Part, dtype=None) -> torch.Tensor:
+        if part.name is None:
+            return torch.zeros(part.zero_shape, dtype=dtype or torch.float32)
+        t = self._full(part.name)  # RandomInit shapes are in our orientation: no transpose
+        t = t[_sl(part.rows), _sl(part.cols)] if part.cols is not None else t[_sl(part.rows)]
+        return t.to(dtype) if dtype is not None else t.clone()
+
+
+def open_source(obj) -> TensorSource:
+    """A TensorSource for a checkpoint folder, a state dict or a ``torch.nn.Module``."""
+    if isinstance(obj, TensorSource):
+        return obj
+    if isinstance(obj, torch.nn.Module):
+        return StateDictSource(obj.state_dict())
+    if isinstance(obj, dict):
+        return StateDictSource(obj)
+    return SafetensorsSource(obj)
+
+
+def assemble(pieces: list[tuple[Part, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full HF tensors from (part, piece) pairs (pieces in our orientation). Parts may overlap (KV heads
+    replicated over TP ranks hold equal copies)."""
+    extent: dict[str, list] = {}
+    for part, piece in pieces:
+        if part.name is None:
+            continue
+        r1 = part.rows[1] if part.rows else piece.shape[0]
+        c1 = (part.cols[1] if part.cols else piece.shape[1]) if piece.dim() == 2 else None
+        e = extent.setdefault(part.name, [0, 0, piece.dtype, part.transpose, piece.dim()])
+        e[0], e[1] = max(e[0], r1), max(e[1], c1 or 0)
+    full = {}
+    for name, (rows, cols, dtype, transpose, dims) in extent.items():
+        full[name] = torch.zeros((rows, cols) if dims == 2 else (rows,), dtype=dtype)
+    for part, piece in pieces:
+        if part.name is None:
+            continue
+        t = full[part.name]
+        if piece.dim() == 2:
+            t[_sl(part.rows), _sl(part.cols)] = piece
+        else:
+            t[_sl(part.rows)] = piece
+    for name, (_, _, _, transpose, dims) in extent.items():
+        if transpose and dims == 2:
+            full[name] = full[name].t().contiguous()
+    return full
+
+
+__all__ = ["Part", "RandomInit", "SafetensorsSource", "StateDictSource", "TensorSource", "assemble", "open_source"]

@@ -1,0 +1,72 @@
+"""Where the tokens of a batch sit: positions and, for packed rows, document boundaries.
+
+Documents packed into one row are marked the Hugging Face way: their ``position_ids`` restart at
+0. Every row starts a document. ``SequenceInfo.of(position_ids)`` turns that into the
+``cu_seqlens`` of varlen attention (one host read per forward of a model chunk), so no attention
+crosses a document, and rotary positions restart with each document. Rows without restarts keep
+the dense (batch, seq) attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SequenceInfo:
+    """position_ids: (batch, seq) int64; cu_seqlens: (documents + 1,) int32 over the flattened
+    batch, or None (one document per row); max_seqlen: the longest document."""
+
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int
+
+    @classmethod
+    def of(cls, position_ids: torch.Tensor) -> "SequenceInfo":
+        b, s = position_ids.shape
+        starts = position_ids == 0
+        starts[:, 0] = True
+        flat = starts.reshape(-1)
+        idx = torch.nonzero(flat).reshape(-1)
+        if idx.numel() == b:  # no document boundary inside a row
+            return cls(position_ids, None, s)
+        cu = torch.cat([idx, torch.tensor([b * s], device=idx.device)]).to(torch.int32)
+        return cls(position_ids, cu, int((cu[1:] - cu[:-1]).max()))
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """position_ids (batch, seq) restarting at each document of ``cu_seqlens`` (over the flattened
+    batch; every row boundary must be a document boundary)."""
+    cu = cu_seqlens.to(torch.int64)
+    total = batch * seq
+    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
+        raise ValueError(f"cu_seqlens must be 1-D, start at 0 and end at batch × seq ({batch} × {seq} = {total}), "
+                         f"got {cu.tolist()[:8]}")
+    if bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError("cu_seqlens must be strictly increasing (no empty documents)")
+    row_starts = torch.arange(0, total, seq, device=cu.device)
+    if not bool(torch.isin(row_starts, cu).all()):
+        raise ValueError(f"cu_seqlens must contain every row start (multiples of seq = {seq}): a document may not "
+                         "span two rows")
+    tok = torch.arange(total, device=cu.device)
+    doc = torch.searchsorted(cu, tok, right=True) - 1
+    return (tok - cu[doc]).reshape(batch, seq)
+
+
+def default_positions(input_ids: torch.Tensor) -> torch.Tensor:
+    b, s = input_ids.shape
+    return torch.arange(s, device=input_ids.device).expand(b, s)
+
+
+def next_token_targets(input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                       ignore_index: int = -100) -> torch.Tensor:
+    """target[:, t] = input_ids[:, t + 1], ``ignore_index`` at each row's end and, for packed rows,
+    at each document's last token (a document does not predict the next one's first token)."""
+    target = torch.full_like(input_ids, ignore_index)
+    target[:, :-1] = input_ids[:, 1:]
+    if position_ids is not None:
+        ends = position_ids[:, 1:] == 0
+        target[:, :-1] = target[:, :-1].masked_fill(ends, ignore_index)
+    return target

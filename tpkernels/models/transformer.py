@@ -1,0 +1,316 @@
+"""ParallelTransformer: a GPT-2 or Llama-family model at any TP × PP × DP layout, in one call.
+
+    state = ParallelState.create(ParallelConfig(tp=2, pp=2, num_microbatches=4, sequence_parallel=True))
+    model = ParallelTransformer.from_hf("path/to/hf_checkpoint", state)     # or (ModelConfig, state, seed=0)
+    loss = model.step(input_ids, target, schedule="1f1b")   # forward + backward over the micro-batches
+    model.finish_grad_sync()                                # SP / replicated-KV / tied / DP reductions
+    model.save_hf("out/")                                   # transformers loads it back
+
+Each rank builds only its own part: the layers of its pipeline stage (its chunks, for the
+interleaved schedule), each linear layer holding its TP shard. The split is ``split_layers``'s
+(even, or ``layer_counts``), the embedding on the first virtual stage, final norm + head + loss
+on the last. Activations are batch-first, (batch, seq, hidden), sharded along seq under SP.
+
+Weights come from a :class:`~tpkernels.models.hf_checkpoint.TensorSource`: a checkpoint folder
+(each rank reads only its slices), an in-memory ``transformers`` model, or :class:`RandomInit`,
+which makes the same model at every layout from one seed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpkernels.functional.rotary import rotary_cache
+from tpkernels.models.attention import kv_replica_groups
+from tpkernels.models.block import TransformerBlock
+from tpkernels.models.config import ModelConfig
+from tpkernels.models.context import LayerContext
+from tpkernels.models.embedding import Embedding
+from tpkernels.models.grad_sync import finish_grad_sync
+from tpkernels.models.head import LMHead
+from tpkernels.models.hf_checkpoint import Part, RandomInit, TensorSource, assemble, open_source
+from tpkernels.models.sequence import SequenceInfo, default_positions, positions_from_cu_seqlens
+from tpkernels.parallel.config import ParallelConfig
+from tpkernels.parallel.mappings import all_gather_dim
+from tpkernels.parallel.state import ParallelState
+from tpkernels.pipeline.runtime import PipelineRuntime
+from tpkernels.pipeline.schedules import stage_owner
+from tpkernels.pipeline.stages import split_layers
+
+
+class TransformerChunk(nn.Module):
+    """One virtual pipeline stage: [embedding] + consecutive layers + [final norm and head].
+
+    forward(x): x is {"input_ids", "position_ids"} on the first stage, else the previous stage's
+    (delta, residual, position_ids). Returns the same triple, or on the last stage the normed
+    hidden state (batch, seq[/TP], hidden) that ``head.loss`` takes."""
+
+    def __init__(self, ctx: LayerContext, layers: list[int], first: bool, last: bool, tied: bool):
+        super().__init__()
+        mc = ctx.mc
+        self.embedding = Embedding(ctx) if first else None
+        self.layers = nn.ModuleList(TransformerBlock(ctx, i) for i in layers)
+        tied_weight = self.embedding.tokens.weight if first and last and tied else None
+        self.head = LMHead(ctx, tied_weight) if last else None
+        self.rope = None
+        if mc.positions == "rotary" and layers:
+            cos, sin = rotary_cache(mc.dhead, mc.max_position_embeddings, mc.rope_theta, mc.rope_scaling,
+                                    device=ctx.device)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+            self.rope = True
+
+    def forward(self, x):
+        if self.embedding is not None:
+            ids, pos = x["input_ids"], x["position_ids"]
+            delta, residual = self.embedding(ids, pos), None
+        else:
+            delta, residual, pos = x
+        info = SequenceInfo.of(pos)
+        rope = (self.cos, self.sin) if self.rope else None
+        for block in self.layers:
+            delta, residual = block(delta, residual, info, rope)
+        if self.head is not None:
+            return self.head(delta, residual)
+        return delta, residual, pos
+
+    def parts(self, tp_rank: int) -> dict[str, list[Part]]:
+        out = {}
+        if self.embedding is not None:
+            out.update({f"embedding.{k}": v for k, v in self.embedding.hf_parts(tp_rank).items()})
+        for j, block in enumerate(self.layers):
+            for child, mod in block.children_with_parts().items():
+                out.update({f"layers.{j}.{child}.{k}": v for k, v in mod.hf_parts(tp_rank).items()})
+        if self.head is not None:
+            out.update({f"head.{k}": v for k, v in self.head.hf_parts(tp_rank).items()})
+        return out
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        mods = ([self.embedding] if self.embedding is not None else []) + \
+            [m for b in self.layers for m in b.children_with_parts().values()] + \
+            ([self.head] if self.head is not None else [])
+        return {k: v for m in mods for k, v in m.hf_shapes().items()}
+
+
+def stage_layers(num_layers: int, pp: int, v: int, layer_counts=None) -> list[list[int]]:
+    """The layer indices of each virtual stage, in pipeline order (``split_layers``'s split)."""
+    marks = [nn.Identity() for _ in range(num_layers)]
+    ids = {id(m): i for i, m in enumerate(marks)}
+    stages = split_layers(marks, pp, v, layer_counts=layer_counts)
+    return [[ids[id(m)] for m in s] for s in stages]
+
+
+class ParallelTransformer(nn.Module):
+    """This rank's part of a GPT-2 / Llama-family model (see the module docstring).
+
+    Args:
+        config: the model. state: the layout's process groups (None: one process, no parallelism).
+        overlap_comm / algo: the TP layers' comm overlap and GEMM-comm algorithm.
+        layer_counts: layers per virtual stage (uneven pipelines); default an even split.
+        init: "random" (seeded, layout independent) or None (leave for ``load_hf_``).
+    """
+
+    def __init__(self, config: ModelConfig, state: ParallelState | None = None, *, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, device=None, overlap_comm: bool = True, algo: str = "auto",
+                 layer_counts=None, init: str | None = "random"):
+        super().__init__()
+        state = state or ParallelState.create(ParallelConfig())
+        pc = state.config
+        pc.validate(world_size=pc.world_size, **config.layout_rules(), layer_counts=layer_counts)
+        self.config, self.state = config, state
+        self.ctx = LayerContext(config, state.tp_group, state.tp_rank, pc.tp, pc.sequence_parallel, overlap_comm, algo,
+                                None if device is None else torch.device(device), dtype)
+        self.num_virtual = pc.pp * pc.virtual_stages
+        self.stage_layers = stage_layers(config.num_layers, pc.pp, pc.virtual_stages, layer_counts)
+        self.chunks = nn.ModuleList()
+        self.chunk_stages = [c * pc.pp + state.pp_rank for c in range(pc.virtual_stages)]
+        for vs in self.chunk_stages:
+            self.chunks.append(TransformerChunk(self.ctx, self.stage_layers[vs], vs == 0, vs == self.num_virtual - 1,
+                                                config.tied_embeddings))
+        self.kv_group = None
+        groups = kv_replica_groups(config.kv_heads, pc.tp)
+        if groups is not None:
+            self.kv_group = state.subgroups_of_tp(groups)
+        if init == "random":
+            self.init_weights_(seed)
+        elif init is not None:
+            raise ValueError(f"init ({init!r}) must be 'random' or None")
+
+    # ---- construction from Hugging Face ----
+    @classmethod
+    def from_hf(cls, source, state: ParallelState | None = None, *, config: ModelConfig | None = None,
+                drop_dropout: bool = False, **kwargs) -> "ParallelTransformer":
+        """From a checkpoint folder (config.json + safetensors; each rank reads only its slices) or an
+        in-memory ``transformers`` model."""
+        if config is None:
+            hf_cfg = source.config if isinstance(source, nn.Module) else source
+            config = ModelConfig.from_hf(hf_cfg, drop_dropout=drop_dropout)
+        kwargs.setdefault("dtype", torch.float32)
+        model = cls(config, state, init=None, **kwargs)
+        model.load_hf_(source)
+        return model
+
+    @property
+    def head(self) -> LMHead | None:
+        return self.chunks[-1].head
+
+    @property
+    def first_chunk(self) -> TransformerChunk:
+        return self.chunks[0]
+
+    def param_parts(self, tp_rank: int | None = None) -> dict[str, list[Part]]:
+        """Our parameter name → the HF parts it is made of, for TP rank ``tp_rank`` (default: this rank)."""
+        r = self.ctx.tp_rank if tp_rank is None else tp_rank
+        return {f"chunks.{c}.{k}": v for c, chunk in enumerate(self.chunks) for k, v in chunk.parts(r).items()}
+
+    @torch.no_grad()
+    def load_hf_(self, source) -> "ParallelTransformer":
+        """Copy this rank's slices of ``source`` (folder, state dict, module or TensorSource) into the model."""
+        src = source if isinstance(source, TensorSource) else open_source(source)
+        parts = self.param_parts()
+        params = dict(self.named_parameters())
+        missing = sorted(set(params) - set(parts))
+        if missing:
+            raise RuntimeError(f"no Hugging Face mapping for {missing[:4]}")
+        for name, p in params.items():
+            pieces = [src.read(part, p.dtype) for part in parts[name]]
+            value = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+            if value.shape != p.shape:
+                raise ValueError(f"{name}: the checkpoint gives shape {tuple(value.shape)}, the model at this layout "
+                                 f"needs {tuple(p.shape)} (parts {parts[name]})")
+            p.copy_(value)
+        return self
+
+    def init_weights_(self, seed: int) -> "ParallelTransformer":
+        """Seeded initialisation, identical at every layout (each tensor made whole from (seed, name),
+        then sliced)."""
+        shapes = {k: v for chunk in self.chunks for k, v in chunk.shapes().items()}
+        scaled = {n for n in shapes if self.config.family == "gpt2" and n.endswith("c_proj.weight")}
+        return self.load_hf_(RandomInit(shapes, seed, self.config.initializer_range, scaled, self.config.num_layers))
+
+    # ---- export ----
+    @torch.no_grad()
+    def to_hf_state_dict(self, which: str = "data") -> dict[str, torch.Tensor]:
+        """The Hugging Face tensors of this rank's pipeline stage, full (gathered over TP), on the CPU.
+        Collective over the TP group. A tied head on the last stage is left out (the embedding is it).
+        ``which="grad"``: the gradients instead, in the same names (zeros where there is none)."""
+        if which not in ("data", "grad"):
+            raise ValueError(f"which ({which!r}) must be 'data' or 'grad'")
+        tp = self.ctx.tp_size
+        all_parts = [self.param_parts(r) for r in range(tp)]
+        pieces = []
+        for name, p in self.named_parameters():
+            if getattr(p, "tied_copy", False):
+                continue
+            t = p.detach() if which == "data" else (p.grad if p.grad is not None else torch.zeros_like(p))
+            shards = [t] if tp == 1 else list(all_gather_dim(t.contiguous(), 0, self.ctx.tp_group).chunk(tp, dim=0))
+            for r, shard in enumerate(shards):
+                offset = 0
+                for part in all_parts[r][name]:
+                    rows = part.zero_shape[0] if part.name is None else (
+                        part.rows[1] - part.rows[0] if part.rows else shard.shape[0])
+                    pieces.append((part, shard[offset:offset + rows].cpu()))
+                    offset += rows
+        return assemble(pieces)
+
+    def save_hf(self, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """Write config.json + safetensors (one file per pipeline stage, with an index) that
+        ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads. Collective over all ranks."""
+        from safetensors.torch import save_file  # noqa: PLC0415
+
+        folder = Path(folder)
+        sd = self.to_hf_state_dict()
+        if dtype is not None:
+            sd = {k: v.to(dtype) for k, v in sd.items()}
+        st, pp = self.state, self.state.pp_size
+        fname = "model.safetensors" if pp == 1 else f"model-{st.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
+        writer = st.tp_rank == 0 and st.dp_rank == 0
+        if writer:
+            folder.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in sd.items()}, str(folder / fname), metadata={"format": "pt"})
+        names = {k: fname for k in sd} if writer else {}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, names)
+            names = {k: v for d in every for k, v in d.items()}
+        if st.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.config.to_hf().save_pretrained(str(folder))
+            if pp > 1:
+                (folder / "model.safetensors.index.json").write_text(json.dumps(
+                    {"metadata": {}, "weight_map": dict(sorted(names.items()))}, indent=1))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return folder
+
+    # ---- running ----
+    def _batch(self, input_ids, position_ids=None, cu_seqlens=None) -> dict:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        if cu_seqlens is not None:
+            if position_ids is not None:
+                raise ValueError("give position_ids or cu_seqlens, not both")
+            position_ids = positions_from_cu_seqlens(cu_seqlens, *input_ids.shape)
+        elif position_ids is None:
+            position_ids = default_positions(input_ids)
+        if position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids shape {tuple(position_ids.shape)} must equal input_ids shape "
+                             f"{tuple(input_ids.shape)}")
+        if bool((position_ids >= self.config.max_position_embeddings).any()) or bool((position_ids < 0).any()):
+            raise ValueError(f"position_ids must be in [0, max_position_embeddings ({self.config.max_position_embeddings}))")
+        return {"input_ids": input_ids, "position_ids": position_ids.contiguous()}
+
+    def _single_stage(self) -> None:
+        if self.num_virtual > 1:
+            raise RuntimeError("forward() runs a model without pipeline parallelism; with "
+                               f"pipeline_parallel_size ({self.state.pp_size}) use step()")
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
+        """Without pipeline parallelism: the loss if ``target`` (batch, seq) is given (next-token ids,
+        ``tpkernels.models.next_token_targets``), else the logits (batch, seq, vocab_size).
+        input_ids (batch, seq); packed documents: position_ids restarting at 0, or cu_seqlens."""
+        self._single_stage()
+        y = self.chunks[0](self._batch(input_ids, position_ids, cu_seqlens))
+        return self.head.logits(y) if target is None else self.head.loss(y, target)
+
+    def pipeline(self, schedule: str = "1f1b", num_microbatches: int | None = None,
+                 timeout_s: float = 300.0) -> PipelineRuntime:
+        """A PipelineRuntime over this rank's chunks (the loss: the head's)."""
+        pc = self.state.config
+        m = num_microbatches or pc.num_microbatches
+        if pc.virtual_stages > 1 and schedule != "interleaved":
+            raise ValueError(f"virtual_stages ({pc.virtual_stages}) > 1 needs schedule='interleaved', not {schedule!r}")
+        device = self.ctx.device or next(self.parameters()).device
+        return PipelineRuntime(list(self.chunks), schedule, m, loss_fn=self.head.loss if self.head else None,
+                               group=self.state.pp_group, device=device,
+                               timeout_s=timeout_s)
+
+    def step(self, input_ids: torch.Tensor | None, target: torch.Tensor | None, position_ids=None, cu_seqlens=None,
+             *, schedule: str = "1f1b", num_microbatches: int | None = None, runtime: PipelineRuntime | None = None
+             ) -> float:
+        """Forward and backward of one step over micro-batches (gradients accumulate in .grad); returns
+        the mean loss on every rank of the pipeline. input_ids are needed on the first stage, target on
+        the last (None elsewhere). Call :meth:`finish_grad_sync` before the optimizer step."""
+        rt = runtime or self.pipeline(schedule, num_microbatches)
+        batch = self._batch(input_ids, position_ids, cu_seqlens) if self.state.is_first_stage else None
+        return rt.step(batch, target if stage_owner(self.num_virtual - 1, self.state.pp_size)[0] ==
+                       self.state.pp_rank else None)
+
+    def finish_grad_sync(self, average_dp: bool = True) -> None:
+        """The reductions of :mod:`tpkernels.models.grad_sync` (collective over every group involved)."""
+        st = self.state
+        tied = self.config.tied_embeddings and st.pp_size > 1 and (st.is_first_stage or st.is_last_stage)
+        finish_grad_sync(list(self.parameters()), tp_group=st.tp_group, kv_group=self.kv_group,
+                         embedding_group=st.embedding_group if tied else None,
+                         dp_group=st.dp_group if st.dp_size > 1 else None, average_dp=average_dp)
+
+    def extra_repr(self) -> str:
+        st = self.state
+        return (f"{self.config.name or self.config.model_type}: layers {[self.stage_layers[v] for v in self.chunk_stages]} "
+                f"of {self.config.num_layers} on {st.describe()}")

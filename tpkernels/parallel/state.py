@@ -1,0 +1,184 @@
+"""ParallelState: the process groups of one TP × PP × DP job, built from a :class:`ParallelConfig`.
+
+    dist.init_process_group("nccl")                       # torchrun (env://) or any other init
+    state = ParallelState.create(ParallelConfig(tp=4, pp=2, dp=8))
+    state.tp_group, state.pp_group, state.dp_group        # this rank's groups
+    state.tp_rank, state.pp_rank, state.dp_rank           # this rank's coordinates
+    state.device_mesh                                     # DeviceMesh ("pp", "dp", "tp") for DTensor code
+
+Rank order is ParallelConfig's (Megatron's): global rank = (pp_rank · dp + dp_rank) · tp + tp_rank,
+so a TP group is ``tp`` consecutive ranks (inside one node with ``tp`` ≤ GPUs per node).
+
+Every rank first checks that all ranks passed the same config (one ``all_gather_object``) and
+validates it; a broken rule raises the same :class:`ParallelConfigError` on every rank before any
+group exists, so no rank is left waiting in ``new_group`` for a rank that raised. Without an
+initialised ``torch.distributed`` (a plain script) a world of one rank gets ``None`` groups,
+which every layer of the package treats as a group of one.
+
+The embedding group joins the first and last pipeline stage of each pipeline (same TP and DP
+rank): tied input/output embeddings live on both and their gradients are summed over it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tpkernels.parallel.config import ParallelConfig, ParallelConfigError
+
+
+def _initialised() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _agree_on_config(config: ParallelConfig, model_rules: dict) -> None:
+    """Raise the same error on every rank when the ranks hold different configs."""
+    if not _initialised() or dist.get_world_size() == 1:
+        return
+    mine = (config, sorted(model_rules.items()))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    differ = [r for r, other in enumerate(every) if other != every[0]]
+    if differ:
+        raise ParallelConfigError([f"ranks disagree on the layout: rank 0 has {every[0][0].short()} "
+                                   f"{dict(every[0][1]) or ''}, rank {differ[0]} has {every[differ[0]][0].short()} "
+                                   f"{dict(every[differ[0]][1]) or ''}; every rank must pass the same config"])
+
+
+def layout_ranks(config: ParallelConfig) -> dict[str, list[list[int]]]:
+    """Every group of the layout, as lists of global ranks: "tp", "dp", "pp", "embedding"."""
+    tp, dp, pp = config.tp, config.dp, config.pp
+
+    def rank(p, d, t):
+        return (p * dp + d) * tp + t
+
+    groups = {
+        "tp": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+    }
+    groups["embedding"] = [[g[0], g[-1]] if pp > 1 else [g[0]] for g in groups["pp"]]
+    return groups
+
+
+@dataclass
+class ParallelState:
+    """This rank's place in a TP × PP × DP layout and its process groups (see the module docstring).
+
+    Groups are ``None`` when torch.distributed is not initialised (one rank). ``rank`` is the
+    global rank; coordinates follow ``rank = (pp_rank · dp + dp_rank) · tp + tp_rank``.
+    """
+
+    config: ParallelConfig
+    rank: int = 0
+    tp_group: object = None
+    dp_group: object = None
+    pp_group: object = None
+    embedding_group: object = None
+    backend: str | None = None
+    _ranks: dict = field(default_factory=dict, repr=False)
+    _mesh: object = field(default=None, repr=False)
+
+    @classmethod
+    def create(cls, config: ParallelConfig, *, backend: str | None = None, **model_rules) -> "ParallelState":
+        """Build the groups of ``config`` on an initialised world (collective: every rank calls it).
+
+        backend: the groups' backend (default: the world's). model_rules: keyword arguments of
+        :meth:`ParallelConfig.validate` about the model (num_layers, num_attention_heads, …), checked
+        with the layout. Raises ParallelConfigError on every rank when a rule is broken."""
+        if not isinstance(config, ParallelConfig):
+            raise TypeError(f"config must be a ParallelConfig, not {type(config).__name__}")
+        world = dist.get_world_size() if _initialised() else 1
+        _agree_on_config(config, model_rules)
+        config.validate(world_size=world, **model_rules)  # the same verdict on every rank: no group yet
+        state = cls(config, rank=dist.get_rank() if _initialised() else 0, backend=backend)
+        state._ranks = layout_ranks(config)
+        if not _initialised():
+            return state
+        for name in ("tp", "dp", "pp", "embedding"):
+            mine = None
+            for ranks in state._ranks[name]:  # every rank creates every group, in the same order
+                group = dist.new_group(ranks, backend=backend)
+                if state.rank in ranks:
+                    mine = group
+            setattr(state, f"{name}_group", mine)
+        return state
+
+    # ---- coordinates ----
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.config.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.config.tp % self.config.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.config.tp * self.config.dp)
+
+    @property
+    def tp_size(self) -> int:
+        return self.config.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.config.dp
+
+    @property
+    def pp_size(self) -> int:
+        return self.config.pp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.config.pp - 1
+
+    def group_ranks(self, name: str) -> list[int]:
+        """The global ranks of this rank's ``name`` group ("tp", "dp", "pp" or "embedding")."""
+        if name not in ("tp", "dp", "pp", "embedding"):
+            raise ValueError(f"name ({name!r}) must be one of tp, dp, pp, embedding")
+        ranks = self._ranks or layout_ranks(self.config)
+        return next(g for g in ranks[name] if self.rank in g)
+
+    def subgroups_of_tp(self, members: list[list[int]]) -> object:
+        """A group per list of TP ranks (every TP group builds the same partition; collective over the
+        world): this rank's group, or None without torch.distributed. Used for replicated KV heads."""
+        if not _initialised():
+            return None
+        mine = None
+        for tp_ranks in self._ranks["tp"]:
+            for part in members:
+                ranks = [tp_ranks[i] for i in part]
+                group = dist.new_group(ranks, backend=self.backend)
+                if self.rank in ranks:
+                    mine = group
+        return mine
+
+    @property
+    def device_mesh(self):
+        """A ``DeviceMesh`` over the same groups, dims ("pp", "dp", "tp"), for DTensor interop (built on
+        first use; no new groups)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
+
+            if not _initialised():
+                raise RuntimeError("device_mesh needs an initialised torch.distributed")
+            c = self.config
+            mesh = torch.arange(c.world_size).reshape(c.pp, c.dp, c.tp)
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            groups = [self.pp_group, self.dp_group, self.tp_group]
+            self._mesh = DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=("pp", "dp", "tp"))
+        return self._mesh
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}, "
+                f"pp {self.pp_rank}/{self.pp_size} ({self.config.short()})")
+
+
+__all__ = ["ParallelState", "layout_ranks"]
