@@ -86,6 +86,41 @@ def test_equals_the_unfused_loss_at_every_tp_size(rank_pool, fresh_seed, world):
     assert rank_pool(world).run(_worker, fresh_seed, CASES, "reference", timeout=120) == [len(CASES)] * world
 
 
+def _padded_worker(rank, world, seed, backend):
+    """A head padded past the real vocabulary (the last rank may hold padding only) equals the
+    unpadded loss; the padding rows get a zero gradient."""
+    g = torch.Generator().manual_seed(seed)
+    per, h_dim = 7, 12
+    real = per * world - (9 if world > 1 else 3)
+    hidden = torch.randn(17, h_dim, generator=g)
+    weight = torch.randn(per * world, h_dim, generator=g) / 2
+    target = torch.randint(0, real, (17,), generator=g)
+    target[::4] = -100
+    h_ref = hidden.double().requires_grad_()
+    w_ref = weight[:real].double().requires_grad_()
+    _dense_reference(h_ref, w_ref, target, 0.1, 1e-3, "mean").backward()
+    h = hidden.clone().requires_grad_()
+    w = weight[rank * per:(rank + 1) * per].clone().requires_grad_()
+    loss = tpkernels.linear_cross_entropy(h, w, target, chunk_size=5, label_smoothing=0.1, z_loss=1e-3,
+                                          vocab_size=real, backend=backend)
+    loss.backward()
+    want = _dense_reference(h_ref.detach(), w_ref.detach(), target, 0.1, 1e-3, "mean")
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=1e-4, atol=1e-6)
+    n_real = max(0, min(per, real - rank * per))
+    torch.testing.assert_close(w.grad[:n_real].double(), w_ref.grad[rank * per:rank * per + n_real], rtol=1e-4,
+                               atol=1e-6)
+    assert bool((w.grad[n_real:] == 0).all())
+    return n_real
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_padded_vocabulary_is_left_out(rank_pool, fresh_seed, world):
+    counts = rank_pool(world).run(_padded_worker, fresh_seed, BACKENDS[-1], timeout=120)
+    assert sum(counts) == 7 * world - (9 if world > 1 else 3)
+    assert world == 1 or counts[-1] == 0  # a shard of padding only
+
+
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton cannot run here")
 @pytest.mark.parametrize("world", [1, 2])
 def test_triton_kernels_under_the_interpreter(rank_pool, fresh_seed, world):
@@ -154,9 +189,9 @@ def test_bad_input_gets_a_clear_error(call, exc, message):
 
 
 def test_opcheck_and_torch_compile_over_a_head():
-    h, w, t = torch.randn(10, 8), torch.randn(23, 8), torch.randint(0, 23, (10,))
+    h, w, t = torch.randn(10, 8), torch.randn(23, 8), torch.randint(0, 19, (10,))
     torch.library.opcheck(torch.ops.tpkernels.linear_cross_entropy_forward.default,
-                          (h, w, t, "", 3, -100, 0.1, 1e-3, "mean", True, "reference"))
+                          (h, w, t, "", 3, -100, 0.1, 1e-3, "mean", True, "reference", 19))
     torch._dynamo.reset()
     norm_w = torch.randn(8)
 

@@ -98,10 +98,13 @@ def config_from_hf(config, *, drop_dropout: bool = False) -> ModelConfig:
         if kind == "qwen2" and not window_layers:
             window = None
     attention_bias = bool(getattr(cfg, "attention_bias", False))
+    head_dim = getattr(cfg, "head_dim", None)
+    if head_dim == cfg.hidden_size // cfg.num_attention_heads:
+        head_dim = None  # the default, however the file spells it
     return ModelConfig(
         kind, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size, cfg.vocab_size,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        head_dim=getattr(cfg, "head_dim", None), norm="rmsnorm", norm_eps=cfg.rms_norm_eps, positions="rotary",
+        head_dim=head_dim, norm="rmsnorm", norm_eps=cfg.rms_norm_eps, positions="rotary",
         max_position_embeddings=cfg.max_position_embeddings, rope_theta=theta, rope_scaling=scaling,
         activation="swiglu", qkv_bias=kind == "qwen2" or attention_bias, out_bias=attention_bias and kind != "qwen2",
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)), tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -120,7 +123,8 @@ def config_to_hf(mc: ModelConfig):
                                        n_inner=mc.ffn_hidden_size, activation_function=act,
                                        layer_norm_epsilon=mc.norm_eps, initializer_range=mc.initializer_range,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                       tie_word_embeddings=mc.tied_embeddings, architectures=["GPT2LMHeadModel"])
+                                       tie_word_embeddings=mc.tied_embeddings, architectures=["GPT2LMHeadModel"],
+                                       **({} if mc.vocab_size > 50256 else dict(bos_token_id=None, eos_token_id=None)))
     rope = {"rope_type": "default", **(mc.rope_scaling or {}), "rope_theta": mc.rope_theta}
     common = dict(vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.ffn_hidden_size,
                   num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_attention_heads,
