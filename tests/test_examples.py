@@ -44,3 +44,26 @@ def test_pipeline_example_under_torchrun(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "interleaved on 2 stage(s), 4 micro-batches: losses match single-process training" in r.stdout
     assert gantt.stat().st_size > 1000
+
+
+def test_llama_from_hf_on_spawned_gloo_ranks():
+    """TP2 × PP2 with SP on 4 ranks the example spawns itself (a machine without GPUs)."""
+    script = Path(__file__).resolve().parents[1] / "python" / "llama_from_hf.py"
+    r = subprocess.run([sys.executable, str(script), "--tp", "2", "--pp", "2", "--sp", "--nproc", "4"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TP2 PP2 DP1 mbs1 SP (4 rank(s), float32): tpkernels loss" in r.stdout
+
+
+def test_llama_from_hf_under_torchrun(tmp_path):
+    """DP2 under torchrun, from a checkpoint folder the test writes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    from llama_from_hf import tiny_checkpoint  # noqa: PLC0415
+
+    folder = tiny_checkpoint(str(tmp_path / "ckpt"))
+    script = Path(__file__).resolve().parents[1] / "python" / "llama_from_hf.py"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(_free_port()), str(script), folder, "--microbatches", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TP1 PP1 DP2 mbs1 (2 rank(s), float32): tpkernels loss" in r.stdout

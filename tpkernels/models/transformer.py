@@ -39,7 +39,7 @@ from tpkernels.parallel.config import ParallelConfig
 from tpkernels.parallel.mappings import all_gather_dim
 from tpkernels.parallel.state import ParallelState
 from tpkernels.pipeline.runtime import PipelineRuntime
-from tpkernels.pipeline.schedules import stage_owner
+from tpkernels.pipeline.schedules import forward_only, stage_owner
 from tpkernels.pipeline.stages import split_layers
 
 
@@ -301,6 +301,18 @@ class ParallelTransformer(nn.Module):
         batch = self._batch(input_ids, position_ids, cu_seqlens) if self.state.is_first_stage else None
         return rt.step(batch, target if stage_owner(self.num_virtual - 1, self.state.pp_size)[0] ==
                        self.state.pp_rank else None)
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor | None, target: torch.Tensor | None, position_ids=None,
+                 cu_seqlens=None, *, num_microbatches: int | None = None, timeout_s: float = 300.0) -> float:
+        """The mean loss over micro-batches, forwards only (any pipeline layout); inputs as :meth:`step`."""
+        pc = self.state.config
+        m = num_microbatches or pc.num_microbatches
+        device = self.ctx.device or next(self.parameters()).device
+        rt = PipelineRuntime(list(self.chunks), forward_only(pc.pp, m, pc.virtual_stages), m,
+                             loss_fn=self.head.loss if self.head else None, group=self.state.pp_group, device=device,
+                             timeout_s=timeout_s)
+        return self.step(input_ids, target, position_ids, cu_seqlens, runtime=rt)
 
     def finish_grad_sync(self, average_dp: bool = True) -> None:
         """The reductions of :mod:`tpkernels.models.grad_sync` (collective over every group involved)."""

@@ -8,6 +8,7 @@ from tpkernels.pipeline.schedules import (
     Action,
     ScheduleError,
     communication,
+    forward_only,
     gpipe,
     interleaved_1f1b,
     make_schedule,
@@ -20,6 +21,6 @@ from tpkernels.pipeline.stages import chunks_of_rank, split_layers
 __all__ = [
     "P2P", "SCHEDULES", "Action", "Costs", "PipelineAbortError", "PipelinePeerLostError", "PipelineRuntime",
     "PipelineTimeoutError",
-    "ScheduleError", "SimResult", "chunks_of_rank", "communication", "gpipe", "interleaved_1f1b", "make_schedule",
+    "ScheduleError", "SimResult", "chunks_of_rank", "communication", "forward_only", "gpipe", "interleaved_1f1b", "make_schedule",
     "one_f_one_b", "simulate", "split_layers", "split_microbatches", "validate", "zb_h1",
 ]

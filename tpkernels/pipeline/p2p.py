@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpkernels.parallel.groups import global_rank
+from tpkernels.parallel.groups import global_rank, group_rank_size
 
 KIND_ACT, KIND_GRAD, KIND_STATUS, KIND_ABORT = 1, 2, 3, 99
 _KIND_NAMES = {KIND_ACT: "activation", KIND_GRAD: "gradient", KIND_STATUS: "end-of-step status"}
@@ -106,7 +106,7 @@ class P2P:
 
     def __init__(self, group=None, device: torch.device | None = None, timeout_s: float = 300.0):
         self.group = group
-        self.rank = dist.get_rank(group)
+        self.rank = group_rank_size(group)[0]  # 0 in a single process without torch.distributed
         self.device = device or torch.device("cpu")
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._sent_meta: dict[tuple[int, int], _Meta] = {}

@@ -11,6 +11,7 @@ flow rank 0 → 1 → … → p−1 → 0 (next chunk) → …. The sends and re
     one_f_one_b(p, m)           PipeDream-flush: p−r−1 warm-up forwards   bubble (p−1)/(m+p−1), memory p
     interleaved_1f1b(p, m, v)   Megatron's virtual pipeline               bubble (p−1)/(v·m) of compute
     zb_h1(p, m)                 Qi et al. 2023 zero bubble, 1F1B memory   about a third of 1F1B's bubble
+    forward_only(p, m, v)       evaluation: forwards only
 """
 
 from __future__ import annotations
@@ -130,6 +131,15 @@ def zb_h1(p: int, m: int) -> Schedule:
             done[(act.kind, act.mb, r)] = t + 1
         t += 1
     return order
+
+
+def forward_only(p: int, m: int, v: int = 1) -> Schedule:
+    """Evaluation: every rank runs its forwards only, chunk by chunk, micro-batches in order (no
+    backward, so no activations are kept for one; nothing to interleave)."""
+    errs = positive_int_errors(pipeline_parallel_size=p, num_microbatches=m, virtual_stages=v)
+    if errs:
+        raise ScheduleError(errs[0])
+    return [[Action("F", mb, c) for c in range(v) for mb in range(m)] for _ in range(p)]
 
 
 def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
