@@ -2,9 +2,12 @@
 
 Documents packed into one row are marked the Hugging Face way: their ``position_ids`` restart at
 0. Every row starts a document. ``SequenceInfo.of(position_ids)`` turns that into the
-``cu_seqlens`` of varlen attention (one host read per forward of a model chunk), so no attention
-crosses a document, and rotary positions restart with each document. Rows without restarts keep
-the dense (batch, seq) attention.
+``cu_seqlens`` of varlen attention, so no attention crosses a document, and rotary positions
+restart with each document. Rows without restarts keep the dense (batch, seq) attention.
+
+Host reads: none for a batch with default positions; for packed batches one on the first stage
+(finding the boundaries) and one per later stage (the longest document, from the boundaries it
+receives with the activations).
 """
 
 from __future__ import annotations
@@ -22,6 +25,24 @@ class SequenceInfo:
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor | None
     max_seqlen: int
+
+    @classmethod
+    def dense(cls, position_ids: torch.Tensor) -> "SequenceInfo":
+        """One document per row (no host read)."""
+        return cls(position_ids, None, position_ids.shape[1])
+
+    @classmethod
+    def from_cu_seqlens(cls, position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> "SequenceInfo":
+        """From the boundaries an earlier pipeline stage found (empty: dense rows; no host read then)."""
+        if cu_seqlens.numel() == 0:
+            return cls.dense(position_ids)
+        return cls(position_ids, cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+
+    def boundaries(self) -> torch.Tensor:
+        """cu_seqlens, or an empty int32 tensor for dense rows: what the next pipeline stage receives."""
+        if self.cu_seqlens is not None:
+            return self.cu_seqlens
+        return torch.empty(0, dtype=torch.int32, device=self.position_ids.device)
 
     @classmethod
     def of(cls, position_ids: torch.Tensor) -> "SequenceInfo":

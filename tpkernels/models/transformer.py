@@ -46,9 +46,9 @@ from tpkernels.pipeline.stages import split_layers
 class TransformerChunk(nn.Module):
     """One virtual pipeline stage: [embedding] + consecutive layers + [final norm and head].
 
-    forward(x): x is {"input_ids", "position_ids"} on the first stage, else the previous stage's
-    (delta, residual, position_ids). Returns the same triple, or on the last stage the normed
-    hidden state (batch, seq[/TP], hidden) that ``head.loss`` takes."""
+    forward(x): x is {"input_ids", "position_ids"[, "packed"]} on the first stage, else the previous
+    stage's (delta, residual, position_ids, cu_seqlens or empty). Returns the same four, or on the
+    last stage the normed hidden state (batch, seq[/TP], hidden) that ``head.loss`` takes."""
 
     def __init__(self, ctx: LayerContext, layers: list[int], first: bool, last: bool, tied: bool):
         super().__init__()
@@ -68,16 +68,17 @@ class TransformerChunk(nn.Module):
     def forward(self, x):
         if self.embedding is not None:
             ids, pos = x["input_ids"], x["position_ids"]
+            info = SequenceInfo.of(pos) if "packed" in x else SequenceInfo.dense(pos)
             delta, residual = self.embedding(ids, pos), None
         else:
-            delta, residual, pos = x
-        info = SequenceInfo.of(pos)
+            delta, residual, pos, cu = x
+            info = SequenceInfo.from_cu_seqlens(pos, cu)
         rope = (self.cos, self.sin) if self.rope else None
         for block in self.layers:
             delta, residual = block(delta, residual, info, rope)
         if self.head is not None:
             return self.head(delta, residual)
-        return delta, residual, pos
+        return delta, residual, pos, info.boundaries()
 
     def parts(self, tp_rank: int) -> dict[str, list[Part]]:
         out = {}
@@ -252,18 +253,24 @@ class ParallelTransformer(nn.Module):
     def _batch(self, input_ids, position_ids=None, cu_seqlens=None) -> dict:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        packed = cu_seqlens is not None
         if cu_seqlens is not None:
             if position_ids is not None:
                 raise ValueError("give position_ids or cu_seqlens, not both")
             position_ids = positions_from_cu_seqlens(cu_seqlens, *input_ids.shape)
         elif position_ids is None:
             position_ids = default_positions(input_ids)
+        else:  # the user's positions: packed when they restart inside a row (one host read)
+            packed = bool((position_ids[:, 1:] == 0).any())
         if position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids shape {tuple(position_ids.shape)} must equal input_ids shape "
                              f"{tuple(input_ids.shape)}")
         if bool((position_ids >= self.config.max_position_embeddings).any()) or bool((position_ids < 0).any()):
             raise ValueError(f"position_ids must be in [0, max_position_embeddings ({self.config.max_position_embeddings}))")
-        return {"input_ids": input_ids, "position_ids": position_ids.contiguous()}
+        batch = {"input_ids": input_ids, "position_ids": position_ids.contiguous()}
+        if packed:  # a key, not a value: later stages learn it from the shape of what they receive
+            batch["packed"] = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return batch
 
     def _single_stage(self) -> None:
         if self.num_virtual > 1:
