@@ -27,12 +27,18 @@ $PY -m tpkernels.cli info | tee "$OUT/tpkernels_info.txt"
 
 step "cuda-marked tests (all but attention)"
 timeout 100 $PY -m pytest tests -m cuda -q --timeout 60 -p no:cacheprovider --ignore tests/test_gpu_attention.py \
+  --ignore tests/test_gpu_models.py \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "cuda-marked attention tests (Triton compiles one config per variant: ~40 kernels)"
 timeout 180 $PY -m pytest tests/test_gpu_attention.py -m cuda -q --timeout 120 -p no:cacheprovider \
   --junitxml="$OUT/gpu_attention_tests.xml" 2>&1 | tee "$OUT/gpu_attention_tests.log" | tail -15
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+step "cuda-marked model tests (Llama, GPT-2, Mistral in bf16: our model and apply_kernels vs float64)"
+timeout 120 $PY -m pytest tests/test_gpu_models.py -m cuda -q --timeout 100 -p no:cacheprovider \
+  --junitxml="$OUT/gpu_model_tests.xml" 2>&1 | tee "$OUT/gpu_model_tests.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "benchmarks"

@@ -21,6 +21,9 @@ Public API (this release):
     tpkernels.parallel.trace.CommTrace                 chrome trace of comm/GEMM overlap
     tpkernels.pipeline                                 schedules as data, simulator, P2P engine, runtime, timeline
     tpkernels.parallel.ParallelConfig                  a TP/PP/DP layout and its validation rules
+    tpkernels.parallel.state.ParallelState             its process groups (create(config)), DeviceMesh view
+    tpkernels.models.ModelConfig / ParallelTransformer GPT-2 and Llama-family models at any layout, HF in/out
+    tpkernels.hf.apply_kernels(model)                  our kernels inside a transformers model
     tpkernels.planner.plan(model, training, cluster)   ranked layouts with memory and step time
                                                        (also `tpkernels plan` on the command line)
 
