@@ -52,5 +52,9 @@ timeout 100 $PY benchmarks/bench_attention.py --headdims 128 --seqlens 2048 8192
 timeout 60 $PY benchmarks/bench_llama_ops.py --reps 5 2>&1 | tee "$OUT/bench_llama_ops.log" | tail -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+# a whole training step: transformers (SDPA) vs transformers + apply_kernels vs ParallelTransformer, 2 Llama-3-8B layers
+timeout 60 $PY benchmarks/bench_models.py --reps 3 2>&1 | tee "$OUT/bench_models.log" | tail -8
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
 step "done: status $status"
 exit $status
