@@ -96,8 +96,15 @@ def parity_worker(rank, world, folder, layout: dict, seed: int, schedule: str = 
     for name, want in ref_grads.items():
         torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
 
-    if pc.pp == 1:  # logits (the last stage only exists alone without PP)
-        with torch.no_grad():
-            logits = model(my_ids)
-        torch.testing.assert_close(logits, ref_logits[rows], rtol=1e-5, atol=1e-5)
+    if pc.pp == 1:  # logits (the last stage only exists alone without PP), and gradients through them
+        model.zero_grad(set_to_none=True)
+        logits = model(my_ids)
+        torch.testing.assert_close(logits.detach(), ref_logits[rows], rtol=1e-5, atol=1e-5)
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                          my_ids[:, 1:].reshape(-1)).backward()
+        model.finish_grad_sync()
+        grads = model.to_hf_state_dict("grad")
+        for name, want in ref_grads.items():
+            torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=2e-6,
+                                       msg=lambda m, n=name: f"{n} (through the logits): {m}")
     return len(grads)

@@ -79,9 +79,10 @@ def real_vocab(vocab_size: int, v_local: int, world: int) -> int:
 
 def _chunk_pass(hidden: Tensor, weight: Tensor, target: Tensor, group, chunk: int, ignore_index: int,
                 smoothing: float, z_loss: float, row_weights: Tensor | None, want_grads: bool, name: str,
-                vocab_size: int = 0):
+                vocab_size: int = 0, reduce_grad: bool = True):
     """The chunk loop. hidden (n, h), weight (V/P, h), target (n,) int64; row_weights (n,) fp32 or None
-    (unit weights); vocab_size: the real vocabulary (0: all V rows), the rows past it being padding.
+    (unit weights); vocab_size: the real vocabulary (0: all V rows), the rows past it being padding;
+    reduce_grad: sum dh over the group (False: this shard's partial dh, for a caller that reduces it).
     Returns (per-token losses (n,) fp32 or None, dh (n, h) or None, dW (V/P, h) or None)."""
     rank, world = group_rank_size(group)
     n, v_local = hidden.shape[0], weight.shape[0]
@@ -124,7 +125,7 @@ def _chunk_pass(hidden: Tensor, weight: Tensor, target: Tensor, group, chunk: in
             else:
                 dw.add_(dz.t() @ h_c)
     if want_grads:
-        if world > 1:  # the replicated hidden state's gradient: every vocabulary shard contributes
+        if world > 1 and reduce_grad:  # the replicated hidden state's gradient: every vocabulary shard contributes
             dh_wide = widen(dh)
             dist.all_reduce(dh_wide, group=group)
             dh = dh_wide.to(hidden.dtype) if dh_wide is not dh else dh
@@ -154,12 +155,12 @@ def _check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
 @torch.library.custom_op("tpkernels::linear_cross_entropy_forward", mutates_args=())
 def _forward_op(hidden: Tensor, weight: Tensor, target: Tensor, group_name: str, chunk: int, ignore_index: int,
                 smoothing: float, z_loss: float, reduction: str, want_grads: bool,
-                backend: str, vocab_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                backend: str, vocab_size: int, reduce_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     group = _group(group_name)
     _check_targets(target, real_vocab(vocab_size, weight.shape[0], group_rank_size(group)[1]), ignore_index)
     eager = want_grads and reduction != "none"
     losses, dh, dw = _chunk_pass(hidden, weight, target, group, chunk, ignore_index, smoothing, z_loss, None, eager,
-                                 backend, vocab_size)
+                                 backend, vocab_size, reduce_grad)
     count = (target != ignore_index).sum()
     loss = losses if reduction == "none" else (losses.sum() if reduction == "sum" else
                                                losses.sum() / count.clamp(min=1))
@@ -168,7 +169,7 @@ def _forward_op(hidden: Tensor, weight: Tensor, target: Tensor, group_name: str,
 
 @_forward_op.register_fake
 def _(hidden, weight, target, group_name, chunk, ignore_index, smoothing, z_loss, reduction, want_grads, backend,
-      vocab_size):
+      vocab_size, reduce_grad):
     stat = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=stat)
     eager = want_grads and reduction != "none"
@@ -179,27 +180,28 @@ def _(hidden, weight, target, group_name, chunk, ignore_index, smoothing, z_loss
 @torch.library.custom_op("tpkernels::linear_cross_entropy_backward", mutates_args=())
 def _backward_op(hidden: Tensor, weight: Tensor, target: Tensor, row_weights: Tensor, group_name: str, chunk: int,
                  ignore_index: int, smoothing: float, z_loss: float, backend: str,
-                 vocab_size: int) -> tuple[Tensor, Tensor]:
+                 vocab_size: int, reduce_grad: bool) -> tuple[Tensor, Tensor]:
     _, dh, dw = _chunk_pass(hidden, weight, target, _group(group_name), chunk, ignore_index, smoothing, z_loss,
-                            row_weights, True, backend, vocab_size)
+                            row_weights, True, backend, vocab_size, reduce_grad)
     return dh, dw
 
 
 @_backward_op.register_fake
-def _(hidden, weight, target, row_weights, group_name, chunk, ignore_index, smoothing, z_loss, backend, vocab_size):
+def _(hidden, weight, target, row_weights, group_name, chunk, ignore_index, smoothing, z_loss, backend, vocab_size,
+      reduce_grad):
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
 
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, target, group_name, chunk, ignore_index, smoothing, z_loss, reduction, want_grads, backend,
-     vocab_size) = inputs
+     vocab_size, reduce_grad) = inputs
     _, dh, dw, count = output
     ctx.reduction = reduction
     if reduction != "none":
         ctx.save_for_backward(dh, dw, count)
     else:
         ctx.save_for_backward(hidden, weight, target)
-        ctx.args = (group_name, chunk, ignore_index, smoothing, z_loss, backend, vocab_size)
+        ctx.args = (group_name, chunk, ignore_index, smoothing, z_loss, backend, vocab_size, reduce_grad)
 
 
 def _backward(ctx, g, *_):
@@ -211,7 +213,7 @@ def _backward(ctx, g, *_):
         hidden, weight, target = ctx.saved_tensors
         dh, dw = _backward_op(hidden, weight, target, g.contiguous(), *ctx.args)
     need = ctx.needs_input_grad
-    return (dh if need[0] else None, dw if need[1] else None) + (None,) * 10
+    return (dh if need[0] else None, dw if need[1] else None) + (None,) * 11
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -220,7 +222,7 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, tp_group=None,
                          chunk_size: int | None = None, ignore_index: int = -100, label_smoothing: float = 0.0,
                          reduction: str = "mean", z_loss: float = 0.0, vocab_size: int | None = None,
-                         backend: str | None = None) -> Tensor:
+                         reduce_input_grad: bool = True, backend: str | None = None) -> Tensor:
     """Cross-entropy of ``hidden @ weight.T`` without the logits (see the module docstring).
 
     Args:
@@ -236,6 +238,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, tp_g
         vocab_size: the real vocabulary V when the head is padded (to a multiple of TP and of the
            GEMM tile): rows [V, P·V/P) of the sharded weight are padding, left out of the loss (their
            logits are never formed; their weight gradient is 0). Default: no padding.
+        reduce_input_grad: False leaves hidden's gradient as this rank's partial sum (the caller
+           reduces it: under sequence parallelism the all-gather of the hidden state before the head
+           reduce-scatters it in backward, half the bytes of an all-reduce followed by a split).
         backend: "triton" or "reference" for the per-chunk loss kernels.
 
     Returns:
@@ -269,7 +274,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, tp_g
     want_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss, _, _, _ = _forward_op(h2, weight, t1, "" if tp_group is None else tp_group.group_name, chunk_size,
                                 ignore_index, float(label_smoothing), float(z_loss), reduction, want_grads, name,
-                                vocab_size or 0)
+                                vocab_size or 0, bool(reduce_input_grad))
     return loss.view(target.shape) if reduction == "none" else loss
 
 

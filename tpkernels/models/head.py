@@ -2,8 +2,9 @@
 
 The loss never forms the logits: :func:`tpkernels.linear_cross_entropy` over the vocabulary-
 parallel head weight, padding rows left out (``vocab_size``). Under SP the normed hidden state
-is all-gathered along the sequence first; the loss returns the same input gradient on every TP
-rank, so the gather's backward takes this rank's slice. ``logits`` (evaluation, parity checks)
+is all-gathered along the sequence first; the loss then leaves its input gradient partial (each
+vocabulary shard's share) and the gather's backward reduce-scatters it: one reduce-scatter, as
+Megatron's column-parallel head does, not an all-reduce and a split. ``logits`` (evaluation, parity checks)
 does form them: (batch, seq, vocab), gathered over TP, padding cut off.
 """
 
@@ -17,7 +18,11 @@ from tpkernels.models.context import LayerContext
 from tpkernels.models.embedding import vocab_rows
 from tpkernels.models.hf_checkpoint import Part
 from tpkernels.models.norm import ResidualNorm
-from tpkernels.parallel.mappings import gather_from_sequence_parallel, gather_from_tensor_parallel
+from tpkernels.parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    gather_from_tensor_parallel,
+)
 
 
 class LMHead(nn.Module):
@@ -43,18 +48,25 @@ class LMHead(nn.Module):
     def forward(self, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.norm(delta, residual)[0]
 
-    def _full_sequence(self, y: torch.Tensor) -> torch.Tensor:
-        if self.ctx.sequence_parallel and self.ctx.tp_size > 1:
-            return gather_from_sequence_parallel(y, self.ctx.tp_group, dim=1, reduce_grad=False)
-        return y
+    @property
+    def _sp(self) -> bool:
+        return self.ctx.sequence_parallel and self.ctx.tp_size > 1
 
     def loss(self, y: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Mean cross-entropy over the tokens whose target is not ``ignore_index``; target (batch, seq)."""
-        return linear_cross_entropy(self._full_sequence(y), self.weight, target, tp_group=self.ctx.tp_group,
-                                    vocab_size=self.ctx.mc.vocab_size, ignore_index=ignore_index)
+        if self._sp:
+            y = gather_from_sequence_parallel(y, self.ctx.tp_group, dim=1, reduce_grad=True)
+        return linear_cross_entropy(y, self.weight, target, tp_group=self.ctx.tp_group,
+                                    vocab_size=self.ctx.mc.vocab_size, ignore_index=ignore_index,
+                                    reduce_input_grad=not self._sp)
 
     def logits(self, y: torch.Tensor) -> torch.Tensor:
-        z = self._full_sequence(y) @ self.weight.t()
+        # each vocabulary shard's logits give a partial input gradient: summed over TP in backward
+        if self._sp:
+            y = gather_from_sequence_parallel(y, self.ctx.tp_group, dim=1, reduce_grad=True)
+        elif self.ctx.tp_size > 1:
+            y = copy_to_tensor_parallel(y, self.ctx.tp_group)
+        z = y @ self.weight.t()
         if self.ctx.tp_size > 1:
             z = gather_from_tensor_parallel(z, self.ctx.tp_group)
         return z[..., :self.ctx.mc.vocab_size]
