@@ -265,7 +265,7 @@ class ParallelTransformer(nn.Module):
         if position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids shape {tuple(position_ids.shape)} must equal input_ids shape "
                              f"{tuple(input_ids.shape)}")
-        if bool((position_ids >= self.config.max_position_embeddings).any()) or bool((position_ids < 0).any()):
+        if bool(((position_ids < 0) | (position_ids >= self.config.max_position_embeddings)).any()):
             raise ValueError(f"position_ids must be in [0, max_position_embeddings ({self.config.max_position_embeddings}))")
         batch = {"input_ids": input_ids, "position_ids": position_ids.contiguous()}
         if packed:  # a key, not a value: later stages learn it from the shape of what they receive
