@@ -15,6 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     from tpkernels.planner.cli import add_parser as add_plan_parser  # noqa: PLC0415
 
     add_plan_parser(sub)
+    from tpkernels.train.cli import add_parser as add_train_parser  # noqa: PLC0415
+
+    add_train_parser(sub)
     args = ap.parse_args(argv)
 
     if args.command == "info":
@@ -29,6 +32,15 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
         except ValueError as e:  # bad input: one clear line, no traceback
             print(f"tpkernels plan: error: {e}", file=sys.stderr)
+            return 2
+    elif args.command == "train":
+        from tpkernels.parallel.config import ParallelConfigError  # noqa: PLC0415
+        from tpkernels.train.cli import run as run_train  # noqa: PLC0415
+
+        try:
+            return run_train(args)
+        except (ValueError, ParallelConfigError) as e:  # bad config or layout: the rule, no traceback
+            print(f"tpkernels train: error: {e}", file=sys.stderr)
             return 2
     return 0
 

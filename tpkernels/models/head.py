@@ -79,6 +79,7 @@ class LMHead(nn.Module):
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = self.norm.hf_shapes()
-        if not self.ctx.mc.tied_embeddings:
-            shapes[self.ctx.hf("head")] = (self.ctx.mc.vocab_size, self.ctx.mc.hidden_size)
+        if not self.shares_embedding:  # an untied head, or the tied copy on the last stage
+            role = "embed" if self.ctx.mc.tied_embeddings else "head"
+            shapes[self.ctx.hf(role)] = (self.ctx.mc.vocab_size, self.ctx.mc.hidden_size)
         return shapes

@@ -1,0 +1,134 @@
+"""The training job: ten steps at TP2×PP2 with SP (1f1b and zb-h1), DP2×TP2 and TP4 with replicated
+KV heads equal ten steps of the single-process model (losses and final weights, fp32), with
+gradient clipping active every step (the global norm must count every parameter once); the
+config file and flags; the data; the CLI under --nproc. Weights after ten AdamW steps agree to
+1e-5 absolute (lr 3e-3: Adam's update is scale-free, so a rounding difference in a near-zero
+gradient moves a weight by up to ~lr·1e-3; a wrong gradient moves many by ~lr)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tpkernels.train import TrainConfig, Trainer
+from tpkernels.train.data import EOD, PackedText, RandomTokens, restart_per_document
+
+SMALL = dict(model="Llama-2-7B", layers=4, hidden=32, heads=4, kv_heads=2, ffn=48, vocab=97, seq_length=16,
+             steps=10, lr=3e-3, min_lr=3e-4, warmup_steps=2, clip_grad=0.05, progress=False)
+
+
+def _run(cfg: TrainConfig):
+    trainer = Trainer(cfg)
+    history = trainer.train()
+    from model_checks import all_stages
+
+    return [h["loss"] for h in history], [h["grad_norm"] for h in history], \
+        all_stages(trainer.model.to_hf_state_dict())
+
+
+def _worker(rank, world, kw):
+    return _run(TrainConfig(**{**SMALL, **kw}))
+
+
+def _reference(kw):
+    base = {k: v for k, v in kw.items() if k not in ("tp", "pp", "dp", "sequence_parallel", "schedule",
+                                                     "virtual_stages")}
+    return _run(TrainConfig(**{**SMALL, **base}))
+
+
+CASES = {
+    "tp2pp2-sp-1f1b": dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2, micro_batch_size=2),
+    "tp2pp2-sp-zb": dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=4, schedule="zb-h1"),
+    "dp2tp2-sp": dict(tp=2, dp=2, sequence_parallel=True, num_microbatches=2),
+    "tp4-replicated-kv": dict(tp=4, num_microbatches=1, micro_batch_size=2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ten_steps_equal_the_single_process_run(rank_pool, case):
+    kw = CASES[case]
+    if "dp" in kw:  # the same global batch: the reference sees the DP replicas' rows as more micro-batches
+        ref_kw = {**kw, "num_microbatches": kw["num_microbatches"] * kw["dp"]}
+    else:
+        ref_kw = kw
+    want_loss, want_norm, want_w = _reference(ref_kw)
+    world = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("dp", 1)
+    assert min(want_norm) > SMALL["clip_grad"]  # clipping acts on every step
+    for loss, norm, weights in rank_pool(world).run(_worker, kw, timeout=300):
+        torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(norm), torch.tensor(want_norm), rtol=1e-4, atol=1e-6)
+        assert set(weights) == set(want_w)
+        for k in want_w:
+            torch.testing.assert_close(weights[k], want_w[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    assert want_loss[-1] != want_loss[0]
+
+
+def test_gpt2_tied_embeddings_across_stages(rank_pool):
+    kw = dict(model="GPT-1.7B", tp=2, pp=2, sequence_parallel=True, num_microbatches=2)
+    small = dict(layers=4, hidden=32, heads=4, kv_heads=None, ffn=48, vocab=97)
+    want_loss, _, want_w = _reference({**kw, **small})
+    for loss, _, weights in rank_pool(4).run(_worker, {**kw, **small}, timeout=300):
+        torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=1e-5, atol=1e-6)
+        for k in want_w:
+            torch.testing.assert_close(weights[k], want_w[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ---- config ----
+
+def test_config_from_yaml_and_toml_with_flags_on_top(tmp_path):
+    (tmp_path / "a.yaml").write_text("tp: 2\nsteps: 7\nlr: 0.001\nsequence-parallel: true\n")
+    (tmp_path / "a.toml").write_text('tp = 2\nsteps = 7\nlr = 0.001\nsequence_parallel = true\n')
+    for f in ("a.yaml", "a.toml"):
+        cfg = TrainConfig.load(tmp_path / f, {"steps": 9, "pp": None})
+        assert (cfg.tp, cfg.steps, cfg.lr, cfg.sequence_parallel, cfg.pp) == (2, 9, 0.001, True, 1)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"stepz": 3}, r"unknown config keys \['stepz'\]"),
+    ({"steps": 0}, r"steps \(0\) must be a positive integer"),
+    ({"schedule": "zb-v"}, r"schedule \('zb-v'\) must be one of"),
+    ({"min_lr": 1.0, "lr": 0.1}, r"min_lr \(1.0\) must be <= lr \(0.1\)"),
+])
+def test_bad_config_names_the_key(values, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.load(None, values)
+
+
+# ---- data ----
+
+def test_random_batches_depend_only_on_seed_and_step():
+    a, b = RandomTokens(97, 16, 3), RandomTokens(97, 16, 3)
+    assert torch.equal(a.batch(5, 4)[0], b.batch(5, 4)[0])
+    assert not torch.equal(a.batch(5, 4)[0], a.batch(6, 4)[0])
+
+
+def test_packed_text_restarts_positions_per_document(tmp_path):
+    (tmp_path / "t.txt").write_bytes(b"hello world\n\nab\n\n" + b"x" * 40)
+    data = PackedText(tmp_path / "t.txt", 8, 0, 300)
+    ids, pos = data.batch(0, data.rows)
+    flat_ids = data.ids.reshape(-1)
+    assert flat_ids[:12].tolist() == list(b"hello world") + [EOD]
+    p = restart_per_document(data.ids)
+    assert p[0].tolist() == list(range(8)) and p[1, :4].tolist() == [0, 1, 2, 3]  # row 1: "rld" + EOD, a restart
+    assert p[1, 4] == 0  # "ab" starts after the end-of-document token
+    assert torch.equal(torch.sort(ids.reshape(-1)).values, torch.sort(flat_ids).values)  # one epoch = every row
+    with pytest.raises(ValueError, match=r"vocab \(97\) must be at least 257"):
+        PackedText(tmp_path / "t.txt", 8, 0, 97)
+
+
+# ---- CLI ----
+
+def test_cli_trains_on_spawned_ranks_and_dry_run_explains_a_bad_layout(tmp_path):
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n\n" * 30)
+    args = ["--nproc", "2", "--tp", "2", "--sequence-parallel", "true", "--layers", "2", "--hidden", "32",
+            "--heads", "4", "--kv-heads", "2", "--ffn", "48", "--vocab", "300", "--seq-length", "32", "--steps", "4",
+            "--data", str(tmp_path / "corpus.txt"), "--progress", "false"]
+    r = subprocess.run([sys.executable, "-m", "tpkernels.train", *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TP2 PP1 DP1 mbs1 SP: 4 steps: loss" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "tpkernels.cli", "train", "--tp", "3", "--nproc", "3", "--dry-run"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "num_attention_heads (32) must be divisible by tensor_parallel_size (3)" in r.stderr

@@ -1,0 +1,85 @@
+"""``tpkernels train``: run a TrainConfig under torchrun, or spawn ``--nproc`` gloo ranks itself.
+
+    tpkernels train --config run.yaml                       # one process
+    tpkernels train --config run.yaml --nproc 4 --tp 2 --pp 2 --sequence-parallel true
+    torchrun --nproc-per-node 8 -m tpkernels.train --config run.yaml
+    tpkernels train --config run.yaml --dry-run             # validate and print the plan only
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from tpkernels.train.config import TrainConfig, add_flags, flag_values
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a GPT-2 / Llama-family model at a TP×PP×DP layout")
+    p.add_argument("--config", help="YAML or TOML file of TrainConfig keys (flags override it)")
+    p.add_argument("--nproc", type=int, default=None, help="spawn this many gloo ranks (a machine without GPUs)")
+    p.add_argument("--dry-run", action="store_true", help="validate the config and layout, print them, do not train")
+    add_flags(p)
+
+
+def _summary(history: list[dict]) -> str:
+    last = history[-1]
+    mean_s = sum(h["step_s"] for h in history[1:] or history) / max(1, len(history[1:] or history))
+    return (f"{len(history)} steps: loss {history[0]['loss']:.4f} -> {last['loss']:.4f}, "
+            f"{mean_s * 1e3:.1f} ms/step after the first, {last['tokens_per_s']:.0f} tokens/s")
+
+
+def dry_run(cfg: TrainConfig, world: int) -> str:
+    from tpkernels.train.trainer import model_config, parallel_config  # noqa: PLC0415
+
+    mc = model_config(cfg)
+    pc = parallel_config(cfg, world)
+    pc.validate(world_size=world, **mc.layout_rules(cfg.seq_length))
+    spec = mc.to_spec(cfg.seq_length)
+    return (f"model: {spec.describe()}\nlayout: {pc.short()} on {world} rank(s), schedule {cfg.schedule}, "
+            f"global batch {pc.global_batch_size} × {cfg.seq_length} tokens\nconfig: {cfg.dumps()}")
+
+
+def rank_main(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
+    """What each rank runs (also the --nproc workers)."""
+    from tpkernels.train.trainer import Trainer  # noqa: PLC0415
+
+    trainer = Trainer(cfg)
+    history = trainer.train()
+    if trainer.is_logger:
+        print(f"{trainer.pc.short()}: {_summary(history)}", flush=True)
+    return history
+
+
+def run(args) -> int:
+    cfg = TrainConfig.load(args.config, flag_values(args))
+    if args.dry_run:
+        world = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
+        print(dry_run(cfg, world))
+        return 0
+    if args.nproc:
+        from tpkernels.parallel.local_ranks import run_on_ranks  # noqa: PLC0415
+
+        run_on_ranks(rank_main, args.nproc, cfg, timeout=3600)
+        return 0
+    if "RANK" in os.environ:  # torchrun
+        import torch  # noqa: PLC0415
+        import torch.distributed as dist  # noqa: PLC0415
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        try:
+            rank_main(dist.get_rank(), dist.get_world_size(), cfg)
+        finally:
+            dist.destroy_process_group()
+        return 0
+    rank_main(0, 1, cfg)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tpkernels.cli import main as cli_main  # noqa: PLC0415
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,97 @@
+"""Optimizer, learning-rate schedule and global-norm gradient clipping for a TP × PP × DP model.
+
+The global gradient norm counts every parameter of the whole model exactly once:
+
+* TP-sharded parameters (column/row-parallel weights, column biases, vocabulary tables, the
+  head) hold different slices on each TP rank: their squares are summed over the TP group;
+* TP-replicated parameters (norms, row-parallel biases, learned positions) are equal on every TP
+  rank after ``finish_grad_sync``: counted on one of them (weight 1/TP before the TP sum);
+* replicated KV rows (TP > KV heads) are equal on the TP/KV ranks sharing a head: weight KV/TP;
+* the tied head's copy on the last stage is the embedding's gradient again: weight 0;
+* stages hold different layers: summed over the PP group; DP replicas are equal: counted once.
+
+AdamW is torch's (``foreach`` on the CPU, ``fused`` on CUDA); biases, norms and other 1-D
+parameters get no weight decay. The schedule is linear warm-up then cosine decay to ``min_lr``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from tpkernels.models.head import LMHead
+from tpkernels.models.mlp import MLP
+from tpkernels.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from tpkernels.nn.vocab_parallel import VocabParallelEmbedding
+from tpkernels.parallel.groups import group_rank_size
+
+
+def tp_sharded_params(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters whose TP ranks hold different slices."""
+    ids = set()
+    for m in model.modules():
+        if isinstance(m, ColumnParallelLinear):
+            ids |= {id(p) for p in (m.weight, m.bias) if p is not None}
+        elif isinstance(m, RowParallelLinear):
+            ids.add(id(m.weight))
+        elif isinstance(m, VocabParallelEmbedding):
+            ids.add(id(m.weight))
+        elif isinstance(m, LMHead):
+            ids.add(id(m.weight))
+        elif isinstance(m, MLP) and getattr(m, "up_bias", None) is not None:
+            ids.add(id(m.up_bias))
+    return ids
+
+
+def global_grad_norm(model, tp_group=None, pp_group=None, kv_replicas: int = 1) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient (see the module docstring), on every rank; fp32."""
+    _, tp = group_rank_size(tp_group)
+    sharded = tp_sharded_params(model)
+    params = [p for p in model.parameters() if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        g = p.grad.double()
+        if getattr(p, "tied_copy", False):
+            continue
+        if id(p) not in sharded:
+            total += g.square().sum() / tp
+        elif hasattr(p, "kv_replica_rows") and kv_replicas > 1:
+            lo, hi = p.kv_replica_rows
+            total += g[:lo].square().sum() + g[lo:hi].square().sum() / kv_replicas + g[hi:].square().sum()
+        else:
+            total += g.square().sum()
+    for group in (tp_group, pp_group):
+        if group_rank_size(group)[1] > 1:
+            dist.all_reduce(total, group=group)
+    return total.sqrt().float()
+
+
+def clip_grads_(model, max_norm: float, norm: torch.Tensor) -> float:
+    """Scale every gradient by min(1, max_norm / norm) (no-op when max_norm is 0); returns the norm."""
+    value = float(norm)
+    if max_norm > 0 and value > max_norm:
+        scale = max_norm / (value + 1e-6)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return value
+
+
+def make_optimizer(model, lr: float, weight_decay: float, betas: tuple[float, float], eps: float):
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    cuda = any(p.is_cuda for p in decay)
+    kw = dict(fused=True) if cuda else dict(foreach=True)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps, **kw)
+
+
+def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine from ``lr`` to ``min_lr`` at ``total``."""
+    if warmup and step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))

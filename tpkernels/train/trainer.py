@@ -1,0 +1,131 @@
+"""The training loop: ``Trainer(cfg).train()``; ``tpkernels train`` calls it.
+
+    trainer = Trainer(TrainConfig(model="Llama-2-7B", layers=4, hidden=256, tp=2, pp=2, steps=50))
+    history = trainer.train()       # [{"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s"}, ...]
+
+One step: this replica's rows of the global batch through ``model.step`` (the pipeline schedule
+over ``num_microbatches`` micro-batches), ``finish_grad_sync`` (SP, replicated KV, tied
+embeddings, DP mean), the global gradient norm and clipping, AdamW, the next learning rate. The
+loss reported is the mean over the global batch (averaged over DP: one 8-byte all-reduce).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from tpkernels.models import ModelConfig, ParallelTransformer, next_token_targets
+from tpkernels.parallel.config import ParallelConfig
+from tpkernels.parallel.state import ParallelState
+from tpkernels.train.config import TrainConfig
+from tpkernels.train.data import make_data, rows_of_dp_rank
+from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The model of ``cfg``: a preset or a Hugging Face config, with the shape overrides applied."""
+    src = cfg.init_from or cfg.model
+    mc = ModelConfig.from_hf(src) if ModelConfig.is_checkpoint_dir(src) or str(src).endswith(".json") \
+        else ModelConfig.from_preset(src)
+    overrides = {"num_layers": cfg.layers, "hidden_size": cfg.hidden, "num_attention_heads": cfg.heads,
+                 "num_kv_heads": cfg.kv_heads, "ffn_hidden_size": cfg.ffn, "vocab_size": cfg.vocab}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if cfg.init_from and overrides:
+        raise ValueError(f"shape overrides {sorted(overrides)} cannot change a model loaded from init_from "
+                         f"({cfg.init_from!r})")
+    if overrides.get("hidden_size") and "num_attention_heads" in overrides and mc.head_dim:
+        overrides["head_dim"] = None
+    mc = mc.replace(**overrides)
+    if mc.max_position_embeddings < cfg.seq_length:
+        mc = mc.replace(max_position_embeddings=cfg.seq_length)
+    return mc
+
+
+def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
+    dp = cfg.dp if cfg.dp is not None else max(1, world // (cfg.tp * cfg.pp))
+    return ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=dp, virtual_stages=cfg.virtual_stages,
+                          micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
+                          sequence_parallel=cfg.sequence_parallel)
+
+
+class Trainer:
+    """Builds the layout, the model, the optimizer and the data of ``cfg`` (collective: every rank)."""
+
+    def __init__(self, cfg: TrainConfig, *, device: torch.device | None = None):
+        self.cfg = cfg
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.mc = model_config(cfg)
+        self.pc = parallel_config(cfg, world)
+        self.state = ParallelState.create(self.pc, **self.mc.layout_rules(cfg.seq_length))
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                                 else torch.device("cpu"))
+        if cfg.init_from:
+            self.model = ParallelTransformer.from_hf(cfg.init_from, self.state, config=self.mc, device=self.device,
+                                                     overlap_comm=cfg.overlap_comm)
+        else:
+            self.model = ParallelTransformer(self.mc, self.state, seed=cfg.seed, device=self.device,
+                                             overlap_comm=cfg.overlap_comm)
+        self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps)
+        self.data = make_data(cfg.data, cfg.seq_length, cfg.seed, self.mc.vocab_size)
+        self.runtime = self.model.pipeline(cfg.schedule, cfg.num_microbatches)
+        self.kv_replicas = max(1, self.pc.tp // self.mc.kv_heads)
+        self.step_index = 0
+        self.history: list[dict] = []
+
+    @property
+    def is_logger(self) -> bool:
+        return self.state.rank == 0
+
+    def train_step(self) -> dict:
+        cfg, st = self.cfg, self.state
+        t0 = time.perf_counter()
+        gb = self.pc.global_batch_size
+        ids, pos = self.data.batch(self.step_index, gb)
+        ids, pos = rows_of_dp_rank(ids, st.dp_rank, self.pc.dp), rows_of_dp_rank(pos, st.dp_rank, self.pc.dp)
+        target = next_token_targets(ids, pos)
+        ids, target = ids.to(self.device), target.to(self.device)
+        pos = pos.to(self.device) if pos is not None else None
+        lr = lr_at(self.step_index, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.zero_grad(set_to_none=True)
+        loss = self.model.step(ids if st.is_first_stage else None, target, position_ids=pos, runtime=self.runtime)
+        self.model.finish_grad_sync()
+        norm = clip_grads_(self.model, cfg.clip_grad,
+                           global_grad_norm(self.model, st.tp_group, st.pp_group, self.kv_replicas))
+        self.optimizer.step()
+        if self.pc.dp > 1:
+            t = torch.tensor([loss], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, group=st.dp_group)
+            loss = t.item() / self.pc.dp
+        dt = time.perf_counter() - t0
+        rec = {"step": self.step_index, "loss": loss, "lr": lr, "grad_norm": norm, "step_s": dt,
+               "tokens_per_s": gb * cfg.seq_length / dt}
+        self.step_index += 1
+        self.history.append(rec)
+        return rec
+
+    def train(self) -> list[dict]:
+        cfg = self.cfg
+        bar = None
+        if self.is_logger and cfg.progress:
+            from tqdm import tqdm  # noqa: PLC0415
+
+            bar = tqdm(total=cfg.steps, initial=self.step_index, desc=f"train {self.pc.short()}", unit="step")
+        while self.step_index < cfg.steps:
+            rec = self.train_step()
+            if bar is not None:
+                bar.update(1)
+                if rec["step"] % cfg.log_every == 0 or self.step_index == cfg.steps:
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",
+                                    tok_s=f"{rec['tokens_per_s']:.0f}", step_s=f"{rec['step_s']:.3f}")
+        if bar is not None:
+            bar.close()
+        return self.history
+
+
+def train(cfg: TrainConfig) -> list[dict]:
+    """Run ``cfg`` to its last step on an initialised world (or one process); returns the history."""
+    return Trainer(cfg).train()
