@@ -132,3 +132,50 @@ def test_cli_trains_on_spawned_ranks_and_dry_run_explains_a_bad_layout(tmp_path)
     r = subprocess.run([sys.executable, "-m", "tpkernels.cli", "train", "--tp", "3", "--nproc", "3", "--dry-run"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "num_attention_heads (32) must be divisible by tensor_parallel_size (3)" in r.stderr
+
+
+# ---- checkpoints ----
+
+def _ckpt_worker(rank, world, kw):
+    trainer = Trainer(TrainConfig(**{**SMALL, **kw}))
+    history = trainer.train()
+    return [h["loss"] for h in history], trainer.step_index, str(trainer.resumed_from)
+
+
+def test_exact_resume_and_reshard(rank_pool, tmp_path):
+    """Stopped at step 4 of 8 and resumed: the same losses, bitwise at the same layout and to fp32
+    rounding at TP1×PP4, TP4×PP1 and DP2×TP2 (saved at TP2×PP2 with SP)."""
+    layout = dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2)
+    full = rank_pool(4).run(_ckpt_worker, {**layout, "steps": 8}, timeout=300)[0][0]
+    first = rank_pool(4).run(_ckpt_worker, {**layout, "steps": 8, "save_dir": str(tmp_path / "a"),
+                                            "save_every": 4, "extra": {}}, timeout=300)
+    assert first[0][1] == 8 and first[0][0] == full
+    # keep only step 4, as if the run had stopped there
+    import shutil
+
+    shutil.rmtree(tmp_path / "a" / "step_00000008")
+    (tmp_path / "a" / "step_00000009.tmp").mkdir()  # a half-written checkpoint: ignored
+    again = rank_pool(4).run(_ckpt_worker, {**layout, "steps": 8, "save_dir": str(tmp_path / "a")}, timeout=300)
+    assert again[0][2].endswith("step_00000004") and again[0][0] == full[4:]  # bitwise
+    for other in (dict(pp=4, num_microbatches=2), dict(tp=4, num_microbatches=2),  # the same global batch
+                  dict(tp=2, dp=2, sequence_parallel=True, num_microbatches=1)):
+        d = tmp_path / f"r{len(other)}{other.get('tp', 1)}{other.get('pp', 1)}"
+        shutil.copytree(tmp_path / "a" / "step_00000004", d / "step_00000004")
+        out = rank_pool(4).run(_ckpt_worker, {**other, "steps": 8, "save_dir": str(d)}, timeout=300)
+        torch.testing.assert_close(torch.tensor(out[0][0]), torch.tensor(full[4:]), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, o=other: f"resumed at {o}: {m}")
+
+
+def test_export_hf_of_a_checkpoint_loads_in_transformers(rank_pool, tmp_path):
+    """Saved at TP2×PP2; `tpkernels export-hf` writes a folder transformers loads, equal to the run's weights."""
+    import transformers
+
+    kw = dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2, steps=3, save_dir=str(tmp_path / "ck"))
+    weights = rank_pool(4).run(_worker, kw, timeout=300)[0][2]
+    r = subprocess.run([sys.executable, "-m", "tpkernels.cli", "export-hf", str(tmp_path / "ck"), str(tmp_path / "hf")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    sd = hf.state_dict()
+    for k, v in weights.items():
+        assert torch.equal(sd[k], v), k

@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     from tpkernels.train.cli import add_parser as add_train_parser  # noqa: PLC0415
 
     add_train_parser(sub)
+    p_export = sub.add_parser("export-hf", help="write a training checkpoint as a Hugging Face folder")
+    p_export.add_argument("checkpoint", help="a checkpoint folder (step_XXXXXXXX) or the save_dir holding them")
+    p_export.add_argument("out", help="output folder (config.json + safetensors)")
     args = ap.parse_args(argv)
 
     if args.command == "info":
@@ -32,6 +35,14 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
         except ValueError as e:  # bad input: one clear line, no traceback
             print(f"tpkernels plan: error: {e}", file=sys.stderr)
+            return 2
+    elif args.command == "export-hf":
+        from tpkernels.train.checkpoint import export_hf  # noqa: PLC0415
+
+        try:
+            print(f"wrote {export_hf(args.checkpoint, args.out)}")
+        except ValueError as e:
+            print(f"tpkernels export-hf: error: {e}", file=sys.stderr)
             return 2
     elif args.command == "train":
         from tpkernels.parallel.config import ParallelConfigError  # noqa: PLC0415

@@ -56,6 +56,10 @@ class TrainConfig:
     seed: int = 0
     # ---- data ----
     data: str = "random"               # "random" tokens, or a text file / folder of .txt files
+    # ---- checkpoints ----
+    save_dir: str | None = None        # checkpoints go to save_dir/step_XXXXXXXX (DCP, reshardable)
+    save_every: int = 0                # steps between checkpoints (0: only at the end)
+    resume: bool = True                # start from the latest complete checkpoint in save_dir, if any
     # ---- logging ----
     log_every: int = 1
     progress: bool = True              # a progress bar on rank 0
@@ -67,6 +71,8 @@ class TrainConfig:
 
     def errors(self) -> list[str]:
         errs = []
+        if not isinstance(self.save_every, int) or self.save_every < 0:
+            errs.append(f"save_every ({self.save_every!r}) must be an integer >= 0")
         for f in ("steps", "seq_length", "micro_batch_size", "num_microbatches", "log_every"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

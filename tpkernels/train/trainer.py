@@ -12,6 +12,7 @@ loss reported is the mean over the global batch (averaged over DP: one 8-byte al
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from tpkernels.models import ModelConfig, ParallelTransformer, next_token_targets
 from tpkernels.parallel.config import ParallelConfig
 from tpkernels.parallel.state import ParallelState
+from tpkernels.train import checkpoint
 from tpkernels.train.config import TrainConfig
 from tpkernels.train.data import make_data, rows_of_dp_rank
 from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer
@@ -73,6 +75,17 @@ class Trainer:
         self.kv_replicas = max(1, self.pc.tp // self.mc.kv_heads)
         self.step_index = 0
         self.history: list[dict] = []
+        self.resumed_from = None
+        if cfg.save_dir and cfg.resume:
+            path = checkpoint.latest(cfg.save_dir)
+            if path is not None:
+                meta = checkpoint.load(path, self.model, self.optimizer)
+                self.step_index, self.resumed_from = int(meta["step"]), path
+
+    def save(self) -> Path:
+        """A checkpoint of the steps done so far under ``cfg.save_dir`` (collective)."""
+        meta = {"config": self.cfg.to_dict(), "layout": self.pc.short(), "model": self.mc.name or self.mc.model_type}
+        return checkpoint.save(self.cfg.save_dir, self.model, self.optimizer, self.step_index, meta)
 
     @property
     def is_logger(self) -> bool:
@@ -116,6 +129,8 @@ class Trainer:
             bar = tqdm(total=cfg.steps, initial=self.step_index, desc=f"train {self.pc.short()}", unit="step")
         while self.step_index < cfg.steps:
             rec = self.train_step()
+            if cfg.save_dir and cfg.save_every and self.step_index % cfg.save_every == 0:
+                self.save()
             if bar is not None:
                 bar.update(1)
                 if rec["step"] % cfg.log_every == 0 or self.step_index == cfg.steps:
@@ -123,6 +138,9 @@ class Trainer:
                                     tok_s=f"{rec['tokens_per_s']:.0f}", step_s=f"{rec['step_s']:.3f}")
         if bar is not None:
             bar.close()
+        if cfg.save_dir and not (cfg.save_every and self.step_index % cfg.save_every == 0) and \
+                (self.history or self.resumed_from is None):
+            self.save()
         return self.history
 
 

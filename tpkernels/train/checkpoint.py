@@ -1,0 +1,212 @@
+"""Checkpoints that reshard: saved at one TP × PP × DP layout, resumed at any other.
+
+Storage is ``torch.distributed.checkpoint`` (DCP: every rank writes its own files, in parallel,
+with one ``.metadata``). What is stored is layout independent: the pieces of the *Hugging Face*
+tensors that each rank holds, keyed by tensor name and rectangle (rows and columns in our
+(out, in) orientation), for the weights and AdamW's two moments; plus the optimizer step. The
+same rectangle held by several ranks (DP replicas, replicated KV heads, replicated norms) has
+one key, which DCP's planner writes once.
+
+Loading at another layout: each rank reads the checkpoint's metadata, picks the stored
+rectangles that overlap the rectangles it now needs, loads only those keys (DCP reads just
+them) and copies the overlaps. Every element must be covered, or the load fails naming the
+tensor. Why not DCP's own resharding: it reshards DTensors, whose shards are regular slices of
+one tensor; our fused q/k/v and gate/up parameters are several HF tensors' slices concatenated,
+in an order that depends on the TP size, so no DTensor describes them across layouts.
+
+Atomic: a checkpoint is written to ``step_XXXXXXXX.tmp`` and renamed to ``step_XXXXXXXX`` by
+rank 0 after every rank finished and ``meta.json`` (step, config, layout) is written; only
+renamed folders are ever loaded (``latest``), so a half-written one is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+KINDS = ("model", "exp_avg", "exp_avg_sq")
+_SEP = "::"
+
+
+def _key(kind: str, name: str, rows, cols) -> str:
+    c = "all" if cols is None else f"{cols[0]}-{cols[1]}"
+    return _SEP.join((kind, name, f"{rows[0]}-{rows[1]}", c))
+
+
+def _parse(key: str):
+    kind, name, rows, cols = key.split(_SEP)
+    r = tuple(int(x) for x in rows.split("-"))
+    c = None if cols == "all" else tuple(int(x) for x in cols.split("-"))
+    return kind, name, r, c
+
+
+def rectangles(model):
+    """(param, local row slice, hf name, rows, cols | None) for every piece of every parameter."""
+    shapes = {k: v for c in model.chunks for k, v in c.shapes().items()}
+    params = dict(model.named_parameters())
+    for pname, parts in model.param_parts().items():
+        p, off = params[pname], 0
+        for part in parts:
+            if part.name is None:
+                off += part.zero_shape[0]
+                continue
+            full = shapes[part.name]
+            rows = part.rows or (0, full[0])
+            cols = (part.cols or (0, full[1])) if len(full) == 2 else None
+            n = rows[1] - rows[0]
+            yield p, slice(off, off + n), part.name, rows, cols
+            off += n
+
+
+def _barrier():
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save(folder: str | Path, model, optimizer, step: int, meta: dict) -> Path:
+    """Write the checkpoint of ``step`` under ``folder`` (collective); returns its path."""
+    folder = Path(folder)
+    final = folder / f"step_{step:08d}"
+    tmp = folder / f"step_{step:08d}.tmp"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    sd: dict[str, torch.Tensor] = {}
+    opt_step = 0.0
+    for p, sl, name, rows, cols in rectangles(model):
+        sd[_key("model", name, rows, cols)] = p.detach()[sl]
+        st = optimizer.state.get(p, {})
+        if st:
+            sd[_key("exp_avg", name, rows, cols)] = st["exp_avg"][sl]
+            sd[_key("exp_avg_sq", name, rows, cols)] = st["exp_avg_sq"][sl]
+            opt_step = float(st["step"])
+    sd["optim::step"] = torch.tensor(opt_step, dtype=torch.float64)
+    dcp.save(sd, checkpoint_id=str(tmp))
+    _barrier()
+    if _rank() == 0:
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    _barrier()
+    return final
+
+
+def latest(folder: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``folder`` (a renamed folder with meta.json), or None.
+    Half-written ones (``.tmp``, or without meta.json) are skipped with a warning."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    done = []
+    for d in folder.iterdir():
+        if not d.is_dir() or not d.name.startswith("step_"):
+            continue
+        if d.name.endswith(".tmp") or not (d / "meta.json").is_file() or not (d / ".metadata").is_file():
+            warnings.warn(f"ignoring incomplete checkpoint {d}", stacklevel=2)
+            continue
+        done.append(d)
+    return max(done, key=lambda d: d.name) if done else None
+
+
+def load(path: str | Path, model, optimizer=None) -> dict:
+    """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``, if given) at their current
+    layout (collective); returns its meta (step, config, layout)."""
+    path = Path(path)
+    meta = json.loads((path / "meta.json").read_text())
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    stored: dict[tuple[str, str], list] = {}
+    for key, tmd in md.state_dict_metadata.items():
+        if key.count(_SEP) == 3:
+            kind, name, r, c = _parse(key)
+            stored.setdefault((kind, name), []).append((r, c, key, tuple(tmd.size)))
+    want: dict[str, torch.Tensor] = {"optim::step": torch.zeros((), dtype=torch.float64)}
+    jobs = []
+    has_moments = optimizer is not None and any(k[0] == "exp_avg" for k in stored)
+    for p, sl, name, rows, cols in rectangles(model):
+        kinds = KINDS if has_moments else KINDS[:1]
+        for kind in kinds:
+            if kind == "model":
+                target = p.data[sl]
+            else:
+                st = optimizer.state.setdefault(p, {})
+                if "exp_avg" not in st:
+                    st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                target = st[kind][sl]
+            covered = torch.zeros(target.shape, dtype=torch.bool)
+            for r, c, key, size in stored.get((kind, name), []):
+                r0, r1 = max(r[0], rows[0]), min(r[1], rows[1])
+                if r0 >= r1:
+                    continue
+                if cols is not None:
+                    c0, c1 = max(c[0], cols[0]), min(c[1], cols[1])
+                    if c0 >= c1:
+                        continue
+                else:
+                    c0 = c1 = None
+                if key not in want:
+                    want[key] = torch.empty(size, dtype=target.dtype)
+                jobs.append((target, covered, key, (r0 - rows[0], r1 - rows[0]), (r0 - r[0], r1 - r[0]),
+                             None if cols is None else ((c0 - cols[0], c1 - cols[0]), (c0 - c[0], c1 - c[0]))))
+            jobs.append((target, covered, None, name, kind, None))
+    dcp.load(want, checkpoint_id=str(path))
+    with torch.no_grad():
+        for target, covered, key, dst, src, colmap in jobs:
+            if key is None:  # the end of one target's list: check it is whole
+                if not bool(covered.all()):
+                    raise ValueError(f"checkpoint {path} lacks part of {src} of tensor {dst} (saved at layout "
+                                     f"{meta.get('layout')})")
+                continue
+            piece = want[key]
+            if colmap is None:
+                target[dst[0]:dst[1]] = piece[src[0]:src[1]].to(target.device)
+                covered[dst[0]:dst[1]] = True
+            else:
+                (d0, d1), (s0, s1) = colmap
+                target[dst[0]:dst[1], d0:d1] = piece[src[0]:src[1], s0:s1].to(target.device)
+                covered[dst[0]:dst[1], d0:d1] = True
+    step = float(want["optim::step"])
+    if has_moments:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                st = optimizer.state.setdefault(p, {})
+                if "exp_avg" in st:
+                    fused = group.get("fused") or False
+                    st["step"] = torch.tensor(step, dtype=torch.float32, device=p.device if fused else "cpu")
+    return meta
+
+
+
+
+def export_hf(path: str | Path, out: str | Path) -> Path:
+    """Write the weights of checkpoint ``path`` as a Hugging Face folder (config.json + safetensors)
+    that ``transformers`` loads; in one process, on the CPU."""
+    from tpkernels.models import ParallelTransformer  # noqa: PLC0415
+    from tpkernels.train.config import TrainConfig  # noqa: PLC0415
+    from tpkernels.train.trainer import model_config  # noqa: PLC0415
+
+    path = Path(path)
+    if not (path / "meta.json").is_file():
+        found = latest(path)
+        if found is None:
+            raise ValueError(f"{str(path)!r} is neither a checkpoint nor a folder of complete checkpoints")
+        path = found
+    meta = json.loads((path / "meta.json").read_text())
+    cfg = TrainConfig(**{k: v for k, v in meta["config"].items() if k in TrainConfig.__dataclass_fields__})
+    model = ParallelTransformer(model_config(cfg), None, init=None)
+    load(path, model)
+    return model.save_hf(out)
+
+
+__all__ = ["export_hf", "latest", "load", "rectangles", "save"]
