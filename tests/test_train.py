@@ -179,3 +179,40 @@ def test_export_hf_of_a_checkpoint_loads_in_transformers(rank_pool, tmp_path):
     sd = hf.state_dict()
     for k, v in weights.items():
         assert torch.equal(sd[k], v), k
+
+
+# ---- mixed precision ----
+
+def _prec_worker(rank, world, kw):
+    trainer = Trainer(TrainConfig(**{**SMALL, **kw}))
+    history = trainer.train()
+    dtypes = {str(p.dtype) for p in trainer.model.parameters()}
+    main = {str(p.main_grad.dtype) for p in trainer.model.parameters()} if trainer.mp else set()
+    return [h["loss"] for h in history], [h["skipped"] for h in history], dtypes, main, \
+        [m.dtype for m in trainer.mp.masters][:1] if trainer.mp else []
+
+
+def test_bf16_tracks_fp32_with_fp32_masters_and_accumulation(rank_pool):
+    kw = dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2, schedule="zb-h1")
+    fp32 = rank_pool(4).run(_prec_worker, kw, timeout=300)[0][0]
+    losses, skipped, dtypes, main, masters = rank_pool(4).run(_prec_worker, {**kw, "precision": "bf16"}, timeout=300)[0]
+    assert dtypes == {"torch.bfloat16"} and main == {"torch.float32"} and masters == [torch.float32]
+    assert not any(skipped)
+    # bf16 rounds activations and weights to 8 bits of mantissa: the loss agrees to ~1e-2 relative
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(fp32), rtol=2e-2, atol=0)
+
+
+def test_fp16_loss_scaling_skips_overflowing_steps():
+    losses, skipped, dtypes, _, _ = _prec_worker(0, 1, dict(precision="fp16", initial_loss_scale=2.0 ** 28, steps=20,
+                                                            num_microbatches=2))
+    assert dtypes == {"torch.float16"}
+    assert skipped[0] and not skipped[-1]  # overflow at 2^28; the halved scale soon fits
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_bf16_checkpoint_resumes_exactly(tmp_path):
+    kw = dict(precision="bf16", num_microbatches=2, steps=6)
+    full = _prec_worker(0, 1, kw)[0]
+    _prec_worker(0, 1, {**kw, "steps": 3, "save_dir": str(tmp_path)})
+    again = _prec_worker(0, 1, {**kw, "save_dir": str(tmp_path)})[0]
+    assert again == full[3:]

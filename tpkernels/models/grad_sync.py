@@ -22,6 +22,13 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from tpkernels.parallel.groups import group_rank_size
 
 
+def grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
+    """A parameter's gradient: its fp32 ``main_grad`` under mixed precision (the trainer accumulates
+    the micro-batches' gradients there), else ``.grad``."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
+
+
 def coalesced_all_reduce(tensors: list[torch.Tensor], group, average: bool = False) -> None:
     """Sum (or average) ``tensors`` over ``group`` in place, one all-reduce per dtype."""
     if not tensors or group_rank_size(group)[1] == 1:
@@ -41,12 +48,12 @@ def coalesced_all_reduce(tensors: list[torch.Tensor], group, average: bool = Fal
 def finish_grad_sync(params: list[torch.nn.Parameter], *, tp_group=None, kv_group=None, embedding_group=None,
                      dp_group=None, average_dp: bool = True) -> None:
     """Complete the gradients of ``params`` (this rank's parameters, each once) after a step's backward."""
-    grads = [p for p in params if p.grad is not None]
-    coalesced_all_reduce([p.grad for p in grads if getattr(p, "tp_partial_grad", False)], tp_group)
+    grads = [(p, grad_of(p)) for p in params if grad_of(p) is not None]
+    coalesced_all_reduce([g for p, g in grads if getattr(p, "tp_partial_grad", False)], tp_group)
     if kv_group is not None:
-        coalesced_all_reduce([p.grad[slice(*p.kv_replica_rows)] for p in grads if hasattr(p, "kv_replica_rows")],
+        coalesced_all_reduce([g[slice(*p.kv_replica_rows)] for p, g in grads if hasattr(p, "kv_replica_rows")],
                              kv_group)
     if embedding_group is not None:
-        coalesced_all_reduce([p.grad for p in grads if getattr(p, "tied_embedding", False)], embedding_group)
+        coalesced_all_reduce([g for p, g in grads if getattr(p, "tied_embedding", False)], embedding_group)
     if dp_group is not None:
-        coalesced_all_reduce([p.grad for p in grads], dp_group, average=average_dp)
+        coalesced_all_reduce([g for _, g in grads], dp_group, average=average_dp)

@@ -287,14 +287,15 @@ class ParallelTransformer(nn.Module):
         return self.head.logits(y) if target is None else self.head.loss(y, target)
 
     def pipeline(self, schedule: str = "1f1b", num_microbatches: int | None = None,
-                 timeout_s: float = 300.0) -> PipelineRuntime:
-        """A PipelineRuntime over this rank's chunks (the loss: the head's)."""
+                 timeout_s: float = 300.0, loss_fn=None) -> PipelineRuntime:
+        """A PipelineRuntime over this rank's chunks (the loss: the head's, or ``loss_fn(y, target)``)."""
         pc = self.state.config
         m = num_microbatches or pc.num_microbatches
         if pc.virtual_stages > 1 and schedule != "interleaved":
             raise ValueError(f"virtual_stages ({pc.virtual_stages}) > 1 needs schedule='interleaved', not {schedule!r}")
         device = self.ctx.device or next(self.parameters()).device
-        return PipelineRuntime(list(self.chunks), schedule, m, loss_fn=self.head.loss if self.head else None,
+        loss_fn = loss_fn or (self.head.loss if self.head else None)
+        return PipelineRuntime(list(self.chunks), schedule, m, loss_fn=loss_fn if self.head else None,
                                group=self.state.pp_group, device=device,
                                timeout_s=timeout_s)
 

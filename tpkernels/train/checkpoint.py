@@ -74,8 +74,10 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save(folder: str | Path, model, optimizer, step: int, meta: dict) -> Path:
-    """Write the checkpoint of ``step`` under ``folder`` (collective); returns its path."""
+def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of: dict | None = None) -> Path:
+    """Write the checkpoint of ``step`` under ``folder`` (collective); returns its path. ``master_of``
+    (id(param) -> fp32 master, mixed precision) saves the masters the optimizer steps instead."""
+    master_of = master_of or {}
     folder = Path(folder)
     final = folder / f"step_{step:08d}"
     tmp = folder / f"step_{step:08d}.tmp"
@@ -86,6 +88,7 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict) -> Path:
     sd: dict[str, torch.Tensor] = {}
     opt_step = 0.0
     for p, sl, name, rows, cols in rectangles(model):
+        p = master_of.get(id(p), p)
         sd[_key("model", name, rows, cols)] = p.detach()[sl]
         st = optimizer.state.get(p, {})
         if st:
@@ -120,9 +123,11 @@ def latest(folder: str | Path) -> Path | None:
     return max(done, key=lambda d: d.name) if done else None
 
 
-def load(path: str | Path, model, optimizer=None) -> dict:
-    """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``, if given) at their current
-    layout (collective); returns its meta (step, config, layout)."""
+def load(path: str | Path, model, optimizer=None, master_of: dict | None = None) -> dict:
+    """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``, if given; with ``master_of``,
+    into the fp32 masters, the 16-bit weights following) at their current layout (collective);
+    returns its meta (step, config, layout)."""
+    master_of = master_of or {}
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     md = dcp.FileSystemReader(str(path)).read_metadata()
@@ -135,6 +140,7 @@ def load(path: str | Path, model, optimizer=None) -> dict:
     jobs = []
     has_moments = optimizer is not None and any(k[0] == "exp_avg" for k in stored)
     for p, sl, name, rows, cols in rectangles(model):
+        p = master_of.get(id(p), p)
         kinds = KINDS if has_moments else KINDS[:1]
         for kind in kinds:
             if kind == "model":
@@ -176,6 +182,10 @@ def load(path: str | Path, model, optimizer=None) -> dict:
                 (d0, d1), (s0, s1) = colmap
                 target[dst[0]:dst[1], d0:d1] = piece[src[0]:src[1], s0:s1].to(target.device)
                 covered[dst[0]:dst[1], d0:d1] = True
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) in master_of:
+                p.copy_(master_of[id(p)])
     step = float(want["optim::step"])
     if has_moments:
         for group in optimizer.param_groups:

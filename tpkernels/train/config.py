@@ -54,6 +54,8 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0             # global gradient norm; 0 = no clipping
     seed: int = 0
+    precision: str = "fp32"            # "fp32", "bf16" (fp32 masters and accumulation), "fp16" (+ loss scaling)
+    initial_loss_scale: float = 65536.0  # fp16: the dynamic loss scale's start (halved on overflow)
     # ---- data ----
     data: str = "random"               # "random" tokens, or a text file / folder of .txt files
     # ---- checkpoints ----
@@ -77,6 +79,8 @@ class TrainConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 errs.append(f"{f} ({v!r}) must be a positive integer")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            errs.append(f"precision ({self.precision!r}) must be one of fp32, bf16, fp16")
         if self.schedule not in SCHEDULES:
             errs.append(f"schedule ({self.schedule!r}) must be one of {', '.join(SCHEDULES)}")
         for f in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):

@@ -21,6 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from tpkernels.models.grad_sync import grad_of
 from tpkernels.models.head import LMHead
 from tpkernels.models.mlp import MLP
 from tpkernels.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -49,11 +50,11 @@ def global_grad_norm(model, tp_group=None, pp_group=None, kv_replicas: int = 1) 
     """The L2 norm of the whole model's gradient (see the module docstring), on every rank; fp32."""
     _, tp = group_rank_size(tp_group)
     sharded = tp_sharded_params(model)
-    params = [p for p in model.parameters() if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
+    params = [p for p in model.parameters() if grad_of(p) is not None]
+    device = grad_of(params[0]).device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
-        g = p.grad.double()
+        g = grad_of(p).double()
         if getattr(p, "tied_copy", False):
             continue
         if id(p) not in sharded:
@@ -75,14 +76,16 @@ def clip_grads_(model, max_norm: float, norm: torch.Tensor) -> float:
     if max_norm > 0 and value > max_norm:
         scale = max_norm / (value + 1e-6)
         for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+            if grad_of(p) is not None:
+                grad_of(p).mul_(scale)
     return value
 
 
-def make_optimizer(model, lr: float, weight_decay: float, betas: tuple[float, float], eps: float):
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+def make_optimizer(params, lr: float, weight_decay: float, betas: tuple[float, float], eps: float):
+    """AdamW over ``params`` (the model's, or their fp32 masters); 1-D tensors without weight decay."""
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     cuda = any(p.is_cuda for p in decay)
     kw = dict(fused=True) if cuda else dict(foreach=True)
     return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},

@@ -24,6 +24,7 @@ from tpkernels.train import checkpoint
 from tpkernels.train.config import TrainConfig
 from tpkernels.train.data import make_data, rows_of_dp_rank
 from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer
+from tpkernels.train.precision import DTYPES, MixedPrecision
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
@@ -63,15 +64,23 @@ class Trainer:
         self.state = ParallelState.create(self.pc, **self.mc.layout_rules(cfg.seq_length))
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                  else torch.device("cpu"))
+        dtype = DTYPES[cfg.precision]
         if cfg.init_from:
             self.model = ParallelTransformer.from_hf(cfg.init_from, self.state, config=self.mc, device=self.device,
-                                                     overlap_comm=cfg.overlap_comm)
+                                                     overlap_comm=cfg.overlap_comm, dtype=dtype)
         else:
             self.model = ParallelTransformer(self.mc, self.state, seed=cfg.seed, device=self.device,
-                                             overlap_comm=cfg.overlap_comm)
-        self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps)
+                                             overlap_comm=cfg.overlap_comm, dtype=dtype)
+        self.mp = MixedPrecision(self.model, dtype, init_scale=cfg.initial_loss_scale) \
+            if dtype != torch.float32 else None
+        params = self.mp.masters if self.mp else list(self.model.parameters())
+        self.optimizer = make_optimizer(params, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps)
+        self.master_of = self.mp.master_of if self.mp else {}
         self.data = make_data(cfg.data, cfg.seq_length, cfg.seed, self.mc.vocab_size)
-        self.runtime = self.model.pipeline(cfg.schedule, cfg.num_microbatches)
+        loss_fn = None
+        if self.mp is not None and self.mp.scaling:  # fp16: backward of the scaled loss
+            loss_fn = lambda y, t: self.model.head.loss(y, t) * self.mp.scale  # noqa: E731
+        self.runtime = self.model.pipeline(cfg.schedule, cfg.num_microbatches, loss_fn=loss_fn)
         self.kv_replicas = max(1, self.pc.tp // self.mc.kv_heads)
         self.step_index = 0
         self.history: list[dict] = []
@@ -79,13 +88,17 @@ class Trainer:
         if cfg.save_dir and cfg.resume:
             path = checkpoint.latest(cfg.save_dir)
             if path is not None:
-                meta = checkpoint.load(path, self.model, self.optimizer)
+                meta = checkpoint.load(path, self.model, self.optimizer, self.master_of)
                 self.step_index, self.resumed_from = int(meta["step"]), path
+                if self.mp is not None and "loss_scale" in meta:
+                    self.mp.load_state_dict(meta["loss_scale"])
 
     def save(self) -> Path:
         """A checkpoint of the steps done so far under ``cfg.save_dir`` (collective)."""
         meta = {"config": self.cfg.to_dict(), "layout": self.pc.short(), "model": self.mc.name or self.mc.model_type}
-        return checkpoint.save(self.cfg.save_dir, self.model, self.optimizer, self.step_index, meta)
+        if self.mp is not None:
+            meta["loss_scale"] = self.mp.state_dict()
+        return checkpoint.save(self.cfg.save_dir, self.model, self.optimizer, self.step_index, meta, self.master_of)
 
     @property
     def is_logger(self) -> bool:
@@ -103,19 +116,37 @@ class Trainer:
         lr = lr_at(self.step_index, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.model.zero_grad(set_to_none=True)
+        mp = self.mp
+        if mp is not None:
+            mp.zero_grad()
+        else:
+            self.model.zero_grad(set_to_none=True)
         loss = self.model.step(ids if st.is_first_stage else None, target, position_ids=pos, runtime=self.runtime)
         self.model.finish_grad_sync()
-        norm = clip_grads_(self.model, cfg.clip_grad,
-                           global_grad_norm(self.model, st.tp_group, st.pp_group, self.kv_replicas))
-        self.optimizer.step()
+        skipped = False
+        if mp is not None and mp.scaling:
+            loss /= mp.scale
+            skipped = mp.found_inf([None])  # every rank skips together
+            mp.update_scale(skipped)
+            if not skipped:
+                mp.unscale_()
+        norm = float("nan")
+        if not skipped:
+            norm = clip_grads_(self.model, cfg.clip_grad,
+                               global_grad_norm(self.model, st.tp_group, st.pp_group, self.kv_replicas))
+            if mp is not None:
+                mp.step(self.optimizer)
+            else:
+                self.optimizer.step()
         if self.pc.dp > 1:
             t = torch.tensor([loss], dtype=torch.float64, device=self.device)
             dist.all_reduce(t, group=st.dp_group)
             loss = t.item() / self.pc.dp
         dt = time.perf_counter() - t0
         rec = {"step": self.step_index, "loss": loss, "lr": lr, "grad_norm": norm, "step_s": dt,
-               "tokens_per_s": gb * cfg.seq_length / dt}
+               "tokens_per_s": gb * cfg.seq_length / dt, "skipped": skipped}
+        if mp is not None and mp.scaling:
+            rec["loss_scale"] = mp.scale
         self.step_index += 1
         self.history.append(rec)
         return rec
