@@ -216,3 +216,43 @@ def test_bf16_checkpoint_resumes_exactly(tmp_path):
     _prec_worker(0, 1, {**kw, "steps": 3, "save_dir": str(tmp_path)})
     again = _prec_worker(0, 1, {**kw, "save_dir": str(tmp_path)})[0]
     assert again == full[3:]
+
+
+# ---- recompute ----
+
+def test_recompute_gives_the_same_training_and_keeps_less(rank_pool):
+    """Full and selective recompute at TP2×PP2 with SP under zb-h1 (the recomputation keeps the
+    weights out of B's graph, as the forward did) give the run without recompute, bitwise."""
+    kw = dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=4, schedule="zb-h1", steps=4)
+    base = rank_pool(4).run(_worker, kw, timeout=300)[0]
+    for mode in ("selective", "full"):
+        loss, norm, weights = rank_pool(4).run(_worker, {**kw, "recompute": mode}, timeout=300)[0]
+        assert loss == base[0] and norm == base[1], mode
+        assert all(torch.equal(weights[k], base[2][k]) for k in weights), mode
+
+
+def _saved_bytes(recompute: str) -> int:
+    from tpkernels.models import ModelConfig, ParallelTransformer, next_token_targets
+    from tpkernels.parallel import ParallelConfig
+    from tpkernels.parallel.state import ParallelState
+
+    mc = ModelConfig.from_preset("Llama-2-7B").replace(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                                       num_kv_heads=2, ffn_hidden_size=96, vocab_size=97,
+                                                       max_position_embeddings=64)
+    model = ParallelTransformer(mc, ParallelState.create(ParallelConfig(recompute=recompute)))
+    ids = torch.randint(0, 97, (2, 33))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, target=next_token_targets(ids))
+    loss.backward()
+    return sum(saved)
+
+
+def test_recompute_keeps_fewer_activations():
+    none, selective, full = (_saved_bytes(m) for m in ("none", "selective", "full"))
+    assert full < selective < none, (none, selective, full)

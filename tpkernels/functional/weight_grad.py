@@ -107,6 +107,11 @@ def split_weight_grads(enabled: bool = True):
     return setting(_STATE, "split", enabled)
 
 
+def splitting() -> bool:
+    """Whether forwards run now keep weights out of the graph (a recomputation must do the same)."""
+    return bool(getattr(_STATE, "split", False))
+
+
 class SplitWeight:
     """The weight a W will accumulate into, handed to a Function as a plain object (a tensor argument
     would give autograd an edge to it)."""

@@ -18,6 +18,7 @@ from tpkernels.functional.attention import flash_attn_func, flash_attn_varlen_fu
 from tpkernels.functional.rotary import apply_rotary
 from tpkernels.models.context import LayerContext
 from tpkernels.models.hf_checkpoint import Part
+from tpkernels.models.recompute import recomputed
 from tpkernels.models.sequence import SequenceInfo
 from tpkernels.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -52,6 +53,7 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(mc.hidden_size, width * ctx.tp_size, bias=mc.qkv_bias, **kw)
         self.out = RowParallelLinear(mc.num_attention_heads * self.hd, mc.hidden_size, bias=mc.out_bias, **kw)
         self.window = mc.window(layer)
+        self.selective_recompute = ctx.recompute == "selective"
         if mc.kv_heads < ctx.tp_size:
             rows = (self.nq * self.hd, width)
             self.qkv.weight.kv_replica_rows = rows
@@ -60,6 +62,14 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, info: SequenceInfo, rope) -> torch.Tensor:
         y = self.qkv(x)
+        if self.selective_recompute and y.requires_grad:
+            o = recomputed(self._core, y, info, rope)
+        else:
+            o = self._core(y, info, rope)
+        return self.out(o)
+
+    def _core(self, y: torch.Tensor, info: SequenceInfo, rope) -> torch.Tensor:
+        """q/k/v split, rotary and attention: (batch, seq, width) -> (batch, seq, heads·head_dim)."""
         b, s = y.shape[:2]
         q, k, v = y.view(b, s, self.nq + 2 * self.nkv, self.hd).split([self.nq, self.nkv, self.nkv], dim=2)
         if rope is not None:
@@ -71,7 +81,7 @@ class SelfAttention(nn.Module):
             o = flash_attn_varlen_func(q.reshape(b * s, self.nq, self.hd), k.reshape(b * s, self.nkv, self.hd),
                                        v.reshape(b * s, self.nkv, self.hd), cu, cu, n, n, causal=True,
                                        window_size=self.window)
-        return self.out(o.reshape(b, s, self.nq * self.hd))
+        return o.reshape(b, s, self.nq * self.hd)
 
     # ---- Hugging Face layout ----
     def _qkv_parts(self, tp_rank: int, param: str) -> list[Part]:

@@ -17,6 +17,7 @@ from tpkernels.models.attention import SelfAttention
 from tpkernels.models.context import LayerContext
 from tpkernels.models.mlp import MLP
 from tpkernels.models.norm import ResidualNorm
+from tpkernels.models.recompute import recomputed
 from tpkernels.models.sequence import SequenceInfo
 
 
@@ -25,7 +26,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, ctx: LayerContext, layer: int):
         super().__init__()
-        self.layer = layer
+        self.layer, self.full_recompute = layer, ctx.recompute == "full"
         self.norm1 = ResidualNorm(ctx, "norm1", layer)
         self.attention = SelfAttention(ctx, layer)
         self.norm2 = ResidualNorm(ctx, "norm2", layer)
@@ -33,6 +34,11 @@ class TransformerBlock(nn.Module):
 
     def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, info: SequenceInfo,
                 rope) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.full_recompute and delta.requires_grad:
+            return recomputed(self._forward, delta, residual, info, rope)
+        return self._forward(delta, residual, info, rope)
+
+    def _forward(self, delta, residual, info, rope):
         y, h = self.norm1(delta, residual)
         y2, h2 = self.norm2(self.attention(y, info, rope), h)
         return self.mlp(y2), h2

@@ -25,6 +25,7 @@ class LayerContext:
     algo: str = "auto"
     device: torch.device | None = None
     dtype: torch.dtype | None = None
+    recompute: str = "none"  # ParallelConfig.recompute: "none", "selective" (attention core), "full" (layer)
 
     @property
     def names(self) -> dict[str, str]:

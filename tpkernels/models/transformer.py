@@ -125,7 +125,7 @@ class ParallelTransformer(nn.Module):
         pc.validate(world_size=pc.world_size, **config.layout_rules(), layer_counts=layer_counts)
         self.config, self.state = config, state
         self.ctx = LayerContext(config, state.tp_group, state.tp_rank, pc.tp, pc.sequence_parallel, overlap_comm, algo,
-                                None if device is None else torch.device(device), dtype)
+                                None if device is None else torch.device(device), dtype, pc.recompute)
         self.num_virtual = pc.pp * pc.virtual_stages
         self.stage_layers = stage_layers(config.num_layers, pc.pp, pc.virtual_stages, layer_counts)
         self.chunks = nn.ModuleList()

@@ -39,6 +39,7 @@ class TrainConfig:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     overlap_comm: bool = True
+    recompute: str = "none"            # "none", "selective" (attention core) or "full" (whole layer)
     # ---- batch ----
     seq_length: int = 128
     micro_batch_size: int = 1

@@ -37,8 +37,9 @@ class MixedPrecision:
 
     @staticmethod
     def _accumulate(p: torch.Tensor) -> None:
-        p.main_grad.add_(p.grad)
-        p.grad = None
+        if p.grad is not None:  # autograd runs these hooks for an undefined gradient too
+            p.main_grad.add_(p.grad)
+            p.grad = None
 
     def zero_grad(self) -> None:
         for p in self.params:

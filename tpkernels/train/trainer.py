@@ -50,7 +50,7 @@ def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
     dp = cfg.dp if cfg.dp is not None else max(1, world // (cfg.tp * cfg.pp))
     return ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=dp, virtual_stages=cfg.virtual_stages,
                           micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
-                          sequence_parallel=cfg.sequence_parallel)
+                          sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute)
 
 
 class Trainer:
