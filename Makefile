@@ -25,11 +25,11 @@ test: install
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
 demo: install
-	$(BIN)/tpkernels info
+	$(BIN)/tpkernels train --config python/configs/demo_llama_tp2_pp2.yaml --nproc 4 --verify-step0
+
+bench: install
 	$(BIN)/python benchmarks/bench_bias_gelu.py
 	$(BIN)/tpkernels plan --model Llama-3-70B --gpu H100-SXM --nodes 8 --global-batch 512 --seq-len 8192 --top 5
-
-bench: demo
 
 aot-check: install
 	$(BIN)/python -m tpkernels.kernels.triton.aot_check --arch 80 90

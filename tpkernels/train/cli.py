@@ -19,6 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("--config", help="YAML or TOML file of TrainConfig keys (flags override it)")
     p.add_argument("--nproc", type=int, default=None, help="spawn this many gloo ranks (a machine without GPUs)")
     p.add_argument("--dry-run", action="store_true", help="validate the config and layout, print them, do not train")
+    p.add_argument("--verify-step0", action="store_true",
+                   help="with --nproc: check step 0's loss against the single-process model on the same batch")
     add_flags(p)
 
 
@@ -40,6 +42,21 @@ def dry_run(cfg: TrainConfig, world: int) -> str:
             f"global batch {pc.global_batch_size} × {cfg.seq_length} tokens\nconfig: {cfg.dumps()}")
 
 
+def single_process_loss(cfg: TrainConfig, dp: int) -> float:
+    """Step 0's loss of ``cfg`` computed by the single-process model (TP = PP = DP = 1) on the same
+    global batch and micro-batches: what every layout must reproduce."""
+    import dataclasses  # noqa: PLC0415
+
+    from tpkernels.models import next_token_targets  # noqa: PLC0415
+    from tpkernels.train.trainer import Trainer  # noqa: PLC0415
+
+    one = dataclasses.replace(cfg, tp=1, pp=1, dp=1, virtual_stages=1, sequence_parallel=False,
+                              num_microbatches=cfg.num_microbatches * dp, save_dir=None, steps=1)
+    trainer = Trainer(one)
+    ids, pos = trainer.data.batch(0, trainer.pc.global_batch_size)
+    return trainer.model.evaluate(ids, next_token_targets(ids, pos), position_ids=pos)
+
+
 def rank_main(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     """What each rank runs (also the --nproc workers)."""
     from tpkernels.train.trainer import Trainer  # noqa: PLC0415
@@ -59,8 +76,19 @@ def run(args) -> int:
         return 0
     if args.nproc:
         from tpkernels.parallel.local_ranks import run_on_ranks  # noqa: PLC0415
+        from tpkernels.train.trainer import parallel_config  # noqa: PLC0415
 
-        run_on_ranks(rank_main, args.nproc, cfg, timeout=3600)
+        history = run_on_ranks(rank_main, args.nproc, cfg, timeout=3600)[0]
+        if args.verify_step0:
+            want = single_process_loss(cfg, parallel_config(cfg, args.nproc).dp)
+            got = history[0]["loss"]
+            ok = abs(got - want) <= 1e-5 * max(1.0, abs(want)) if cfg.precision == "fp32" else \
+                abs(got - want) <= 2e-2 * abs(want)
+            print(f"step 0 loss {got:.6f} at {parallel_config(cfg, args.nproc).short()} vs {want:.6f} from the "
+                  f"single-process model on the same batch: {'equal' if ok else 'DIFFERENT'} "
+                  f"(|difference| {abs(got - want):.1e})")
+            if not ok:
+                return 1
         return 0
     if "RANK" in os.environ:  # torchrun
         import torch  # noqa: PLC0415
