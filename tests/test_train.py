@@ -35,7 +35,7 @@ def _worker(rank, world, kw):
 
 def _reference(kw):
     base = {k: v for k, v in kw.items() if k not in ("tp", "pp", "dp", "sequence_parallel", "schedule",
-                                                     "virtual_stages")}
+                                                     "virtual_stages", "zero1")}
     return _run(TrainConfig(**{**SMALL, **base}))
 
 
@@ -44,6 +44,7 @@ CASES = {
     "tp2pp2-sp-zb": dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=4, schedule="zb-h1"),
     "dp2tp2-sp": dict(tp=2, dp=2, sequence_parallel=True, num_microbatches=2),
     "tp4-replicated-kv": dict(tp=4, num_microbatches=1, micro_batch_size=2),
+    "dp2tp2-zero1": dict(tp=2, dp=2, sequence_parallel=True, num_microbatches=2, zero1=True),
 }
 
 
@@ -259,3 +260,12 @@ def _saved_bytes(recompute: str) -> int:
 def test_recompute_keeps_fewer_activations():
     none, selective, full = (_saved_bytes(m) for m in ("none", "selective", "full"))
     assert full < selective < none, (none, selective, full)
+
+
+def test_zero1_checkpoint_resumes_exactly(rank_pool, tmp_path):
+    """ZeRO-1 over DP2: each DP rank saves the AdamW states it owns; resumed, the run goes on as before."""
+    kw = dict(dp=2, tp=2, num_microbatches=1, zero1=True, steps=6)
+    full = rank_pool(4).run(_ckpt_worker, kw, timeout=300)[0][0]
+    rank_pool(4).run(_ckpt_worker, {**kw, "steps": 3, "save_dir": str(tmp_path)}, timeout=300)
+    again = rank_pool(4).run(_ckpt_worker, {**kw, "save_dir": str(tmp_path)}, timeout=300)[0][0]
+    assert again == full[3:]

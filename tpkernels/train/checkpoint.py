@@ -87,6 +87,7 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of:
     _barrier()
     sd: dict[str, torch.Tensor] = {}
     opt_step = 0.0
+    optimizer = getattr(optimizer, "optim", optimizer)  # ZeRO-1: the states this rank holds
     for p, sl, name, rows, cols in rectangles(model):
         p = master_of.get(id(p), p)
         sd[_key("model", name, rows, cols)] = p.detach()[sl]
@@ -137,11 +138,13 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
             kind, name, r, c = _parse(key)
             stored.setdefault((kind, name), []).append((r, c, key, tuple(tmd.size)))
     want: dict[str, torch.Tensor] = {"optim::step": torch.zeros((), dtype=torch.float64)}
+    optimizer = getattr(optimizer, "optim", optimizer)  # ZeRO-1: only this rank's share gets states
+    owned = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer is not None else set()
     jobs = []
     has_moments = optimizer is not None and any(k[0] == "exp_avg" for k in stored)
     for p, sl, name, rows, cols in rectangles(model):
         p = master_of.get(id(p), p)
-        kinds = KINDS if has_moments else KINDS[:1]
+        kinds = KINDS if has_moments and id(p) in owned else KINDS[:1]
         for kind in kinds:
             if kind == "model":
                 target = p.data[sl]

@@ -40,6 +40,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     overlap_comm: bool = True
     recompute: str = "none"            # "none", "selective" (attention core) or "full" (whole layer)
+    zero1: bool = False                # shard AdamW's states over DP (torch's ZeroRedundancyOptimizer)
     # ---- batch ----
     seq_length: int = 128
     micro_batch_size: int = 1

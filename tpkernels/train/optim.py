@@ -81,15 +81,33 @@ def clip_grads_(model, max_norm: float, norm: torch.Tensor) -> float:
     return value
 
 
-def make_optimizer(params, lr: float, weight_decay: float, betas: tuple[float, float], eps: float):
-    """AdamW over ``params`` (the model's, or their fp32 masters); 1-D tensors without weight decay."""
+def make_optimizer(params, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, *,
+                   zero1_group=None):
+    """AdamW over ``params`` (the model's, or their fp32 masters); 1-D tensors without weight decay.
+
+    ``zero1_group``: shard the optimizer states over this (data-parallel) group with torch's
+    ``ZeroRedundancyOptimizer`` (ZeRO stage 1): each DP rank keeps the AdamW states of its share of
+    the parameters, steps them, and broadcasts the updated values. It composes with TP/PP as is:
+    the gradients it sees are already complete (``finish_grad_sync``), and it only partitions the
+    parameters this rank holds, so chosen over a home-made distributed optimizer."""
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     cuda = any(p.is_cuda for p in decay)
     kw = dict(fused=True) if cuda else dict(foreach=True)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps, **kw)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if zero1_group is not None and group_rank_size(zero1_group)[1] > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: PLC0415
+
+        groups = [g for g in groups if g["params"]]
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group, lr=lr,
+                                       betas=betas, eps=eps, **kw)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kw)
+
+
+def local_optimizer(optimizer):
+    """The optimizer that holds this rank's states (ZeRO-1's local shard, or the optimizer itself)."""
+    return getattr(optimizer, "optim", optimizer)
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:

@@ -50,7 +50,7 @@ def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
     dp = cfg.dp if cfg.dp is not None else max(1, world // (cfg.tp * cfg.pp))
     return ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=dp, virtual_stages=cfg.virtual_stages,
                           micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
-                          sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute)
+                          sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute, zero1=cfg.zero1)
 
 
 class Trainer:
@@ -74,7 +74,8 @@ class Trainer:
         self.mp = MixedPrecision(self.model, dtype, init_scale=cfg.initial_loss_scale) \
             if dtype != torch.float32 else None
         params = self.mp.masters if self.mp else list(self.model.parameters())
-        self.optimizer = make_optimizer(params, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps)
+        self.optimizer = make_optimizer(params, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
+                                        zero1_group=self.state.dp_group if self.pc.zero1 else None)
         self.master_of = self.mp.master_of if self.mp else {}
         self.data = make_data(cfg.data, cfg.seq_length, cfg.seed, self.mc.vocab_size)
         loss_fn = None
