@@ -131,6 +131,13 @@ def _same_gpu(spec: GPUSpec, device_name: str) -> bool:
     return True
 
 
+def preset_for_device(device_name: str) -> GPUSpec | None:
+    """The planner's GPU preset that CUDA's device name denotes, if any."""
+    from tpkernels.planner.hardware import GPU_PRESETS  # noqa: PLC0415
+
+    return next((spec for spec in GPU_PRESETS.values() if _same_gpu(spec, device_name)), None)
+
+
 def calibrate(cluster: ClusterSpec, eff: Efficiency, meas: Measurement) -> tuple[ClusterSpec, Efficiency, list[str]]:
     """Constants (and, for a foreign device, the device itself) from a measurement."""
     notes = []

@@ -28,7 +28,8 @@ def _summary(history: list[dict]) -> str:
     last = history[-1]
     mean_s = sum(h["step_s"] for h in history[1:] or history) / max(1, len(history[1:] or history))
     return (f"{len(history)} steps: loss {history[0]['loss']:.4f} -> {last['loss']:.4f}, "
-            f"{mean_s * 1e3:.1f} ms/step after the first, {last['tokens_per_s']:.0f} tokens/s")
+            f"{mean_s * 1e3:.1f} ms/step after the first, {last['tokens_per_s']:.0f} tokens/s, "
+            f"MFU {100 * last['mfu']:.1f}%")
 
 
 def dry_run(cfg: TrainConfig, world: int) -> str:
@@ -63,8 +64,8 @@ def rank_main(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
 
     trainer = Trainer(cfg)
     history = trainer.train()
-    if trainer.is_logger:
-        print(f"{trainer.pc.short()}: {_summary(history)}", flush=True)
+    if trainer.is_logger and history:
+        print(f"{trainer.pc.short()}: {_summary(history)} (vs {trainer.peak_label})", flush=True)
     return history
 
 

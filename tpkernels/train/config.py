@@ -67,6 +67,7 @@ class TrainConfig:
     # ---- logging ----
     log_every: int = 1
     progress: bool = True              # a progress bar on rank 0
+    metrics_file: str | None = None    # a JSON line per step (rank 0)
     extra: dict = field(default_factory=dict, repr=False)
 
     # ---- derived ----

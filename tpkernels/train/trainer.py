@@ -23,6 +23,7 @@ from tpkernels.parallel.state import ParallelState
 from tpkernels.train import checkpoint
 from tpkernels.train.config import TrainConfig
 from tpkernels.train.data import make_data, rows_of_dp_rank
+from tpkernels.train.metrics import MetricsFile, peak_flops
 from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer
 from tpkernels.train.precision import DTYPES, MixedPrecision
 
@@ -86,6 +87,10 @@ class Trainer:
         self.step_index = 0
         self.history: list[dict] = []
         self.resumed_from = None
+        self.step_flops = self.mc.to_spec(cfg.seq_length).model_flops_per_step(self.pc.global_batch_size,
+                                                                               cfg.seq_length)
+        self.peak, self.peak_label = peak_flops(self.device)
+        self.metrics = MetricsFile(cfg.metrics_file if self.state.rank == 0 else None)
         if cfg.save_dir and cfg.resume:
             path = checkpoint.latest(cfg.save_dir)
             if path is not None:
@@ -145,9 +150,11 @@ class Trainer:
             loss = t.item() / self.pc.dp
         dt = time.perf_counter() - t0
         rec = {"step": self.step_index, "loss": loss, "lr": lr, "grad_norm": norm, "step_s": dt,
-               "tokens_per_s": gb * cfg.seq_length / dt, "skipped": skipped}
+               "tokens_per_s": gb * cfg.seq_length / dt, "skipped": skipped,
+               "mfu": self.step_flops / (dt * self.pc.world_size * self.peak)}
         if mp is not None and mp.scaling:
             rec["loss_scale"] = mp.scale
+        self.metrics.write({**rec, "layout": self.pc.short(), "mfu_vs": self.peak_label})
         self.step_index += 1
         self.history.append(rec)
         return rec
@@ -167,7 +174,8 @@ class Trainer:
                 bar.update(1)
                 if rec["step"] % cfg.log_every == 0 or self.step_index == cfg.steps:
                     bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",
-                                    tok_s=f"{rec['tokens_per_s']:.0f}", step_s=f"{rec['step_s']:.3f}")
+                                    tok_s=f"{rec['tokens_per_s']:.0f}", step_s=f"{rec['step_s']:.3f}",
+                                    mfu=f"{100 * rec['mfu']:.1f}%")
         if bar is not None:
             bar.close()
         if cfg.save_dir and not (cfg.save_every and self.step_index % cfg.save_every == 0) and \
