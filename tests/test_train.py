@@ -35,7 +35,7 @@ def _worker(rank, world, kw):
 
 def _reference(kw):
     base = {k: v for k, v in kw.items() if k not in ("tp", "pp", "dp", "sequence_parallel", "schedule",
-                                                     "virtual_stages", "zero1")}
+                                                     "virtual_stages", "zero1", "overlap_dp", "bucket_mb")}
     return _run(TrainConfig(**{**SMALL, **base}))
 
 
@@ -45,6 +45,8 @@ CASES = {
     "dp2tp2-sp": dict(tp=2, dp=2, sequence_parallel=True, num_microbatches=2),
     "tp4-replicated-kv": dict(tp=4, num_microbatches=1, micro_batch_size=2),
     "dp2tp2-zero1": dict(tp=2, dp=2, sequence_parallel=True, num_microbatches=2, zero1=True),
+    "dp2pp2-zb-serial-dp": dict(pp=2, dp=2, num_microbatches=2, schedule="zb-h1", overlap_dp=False),
+    "dp2pp2-zb-small-buckets": dict(pp=2, dp=2, num_microbatches=2, schedule="zb-h1", bucket_mb=0.001),
 }
 
 
@@ -274,3 +276,24 @@ def test_zero1_checkpoint_resumes_exactly(rank_pool, tmp_path):
     rank_pool(4).run(_ckpt_worker, {**kw, "steps": 3, "save_dir": str(tmp_path)}, timeout=300)
     again = rank_pool(4).run(_ckpt_worker, {**kw, "save_dir": str(tmp_path)}, timeout=300)[0][0]
     assert again == full[3:]
+
+
+def _overlap_worker(rank, world, kw):
+    trainer = Trainer(TrainConfig(**{**SMALL, **kw}))
+    trainer.train()
+    return trainer.dp_reduce.launched_in_backward
+
+
+def test_dp_buckets_start_during_the_backward(rank_pool):
+    """With small buckets, most DP all-reduces start before the backward ends (the overlap)."""
+    launched = rank_pool(2).run(_overlap_worker, dict(dp=2, num_microbatches=2, bucket_mb=0.001, steps=1),
+                                timeout=120)
+    assert min(launched) > 5, launched
+
+
+def test_bf16_with_overlapped_dp_matches_one_replica(rank_pool):
+    """The DP buckets take the fp32 main_grads that mixed precision accumulates (hook order)."""
+    kw = dict(precision="bf16", num_microbatches=2, steps=5)
+    want = _prec_worker(0, 1, {**kw, "num_microbatches": 4})[0]
+    got = rank_pool(2).run(_prec_worker, {**kw, "dp": 2, "bucket_mb": 0.001}, timeout=120)[0][0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=0)

@@ -322,13 +322,14 @@ class ParallelTransformer(nn.Module):
                              timeout_s=timeout_s)
         return self.step(input_ids, target, position_ids, cu_seqlens, runtime=rt)
 
-    def finish_grad_sync(self, average_dp: bool = True) -> None:
-        """The reductions of :mod:`tpkernels.models.grad_sync` (collective over every group involved)."""
+    def finish_grad_sync(self, average_dp: bool = True, reduce_dp: bool = True) -> None:
+        """The reductions of :mod:`tpkernels.models.grad_sync` (collective over every group involved);
+        ``reduce_dp=False`` when the DP reduction was done already (overlapped with the backward)."""
         st = self.state
         tied = self.config.tied_embeddings and st.pp_size > 1 and (st.is_first_stage or st.is_last_stage)
         finish_grad_sync(list(self.parameters()), tp_group=st.tp_group, kv_group=self.kv_group,
                          embedding_group=st.embedding_group if tied else None,
-                         dp_group=st.dp_group if st.dp_size > 1 else None, average_dp=average_dp)
+                         dp_group=st.dp_group if st.dp_size > 1 and reduce_dp else None, average_dp=average_dp)
 
     def extra_repr(self) -> str:
         st = self.state

@@ -41,6 +41,8 @@ class TrainConfig:
     overlap_comm: bool = True
     recompute: str = "none"            # "none", "selective" (attention core) or "full" (whole layer)
     zero1: bool = False                # shard AdamW's states over DP (torch's ZeroRedundancyOptimizer)
+    overlap_dp: bool = True            # DP gradient all-reduce in buckets during the backward
+    bucket_mb: float = 25.0            # DP bucket size
     # ---- batch ----
     seq_length: int = 128
     micro_batch_size: int = 1

@@ -23,6 +23,7 @@ from tpkernels.parallel.state import ParallelState
 from tpkernels.train import checkpoint
 from tpkernels.train.config import TrainConfig
 from tpkernels.train.data import make_data, rows_of_dp_rank
+from tpkernels.train.dp_overlap import OverlappedGradReduce
 from tpkernels.train.metrics import MetricsFile, peak_flops
 from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer
 from tpkernels.train.precision import DTYPES, MixedPrecision
@@ -78,6 +79,9 @@ class Trainer:
         self.optimizer = make_optimizer(params, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
                                         zero1_group=self.state.dp_group if self.pc.zero1 else None)
         self.master_of = self.mp.master_of if self.mp else {}
+        # registered after MixedPrecision's hooks: it sees the fp32 main_grad already accumulated
+        self.dp_reduce = OverlappedGradReduce(list(self.model.parameters()), self.state.dp_group,
+                                              cfg.bucket_mb) if self.pc.dp > 1 and cfg.overlap_dp else None
         self.data = make_data(cfg.data, cfg.seq_length, cfg.seed, self.mc.vocab_size)
         loss_fn = None
         if self.mp is not None and self.mp.scaling:  # fp16: backward of the scaled loss
@@ -127,8 +131,12 @@ class Trainer:
             mp.zero_grad()
         else:
             self.model.zero_grad(set_to_none=True)
+        if self.dp_reduce is not None:
+            self.dp_reduce.start(cfg.num_microbatches)
         loss = self.model.step(ids if st.is_first_stage else None, target, position_ids=pos, runtime=self.runtime)
-        self.model.finish_grad_sync()
+        if self.dp_reduce is not None:
+            self.dp_reduce.finish()
+        self.model.finish_grad_sync(reduce_dp=self.dp_reduce is None)
         skipped = False
         if mp is not None and mp.scaling:
             loss /= mp.scale
