@@ -206,7 +206,7 @@ class ParallelTransformer(nn.Module):
         all_parts = [self.param_parts(r) for r in range(tp)]
         pieces = []
         for name, p in self.named_parameters():
-            if getattr(p, "tied_copy", False):
+            if getattr(p, "tied_copy", False) or name not in all_parts[0]:  # LoRA adapters: merge_lora_ first
                 continue
             t = p.detach() if which == "data" else (p.grad if p.grad is not None else torch.zeros_like(p))
             shards = [t] if tp == 1 else list(all_gather_dim(t.contiguous(), 0, self.ctx.tp_group).chunk(tp, dim=0))

@@ -49,9 +49,12 @@ def _parse(key: str):
 
 def rectangles(model):
     """(param, local row slice, hf name, rows, cols | None) for every piece of every parameter."""
+    from tpkernels.models.lora import lora_parts, lora_shapes  # noqa: PLC0415
+
     shapes = {k: v for c in model.chunks for k, v in c.shapes().items()}
+    shapes.update(lora_shapes(model))
     params = dict(model.named_parameters())
-    for pname, parts in model.param_parts().items():
+    for pname, parts in {**model.param_parts(), **lora_parts(model)}.items():
         p, off = params[pname], 0
         for part in parts:
             if part.name is None:
@@ -218,7 +221,14 @@ def export_hf(path: str | Path, out: str | Path) -> Path:
     meta = json.loads((path / "meta.json").read_text())
     cfg = TrainConfig(**{k: v for k, v in meta["config"].items() if k in TrainConfig.__dataclass_fields__})
     model = ParallelTransformer(model_config(cfg), None, init=None)
-    load(path, model)
+    if cfg.finetune == "lora":
+        from tpkernels.models.lora import apply_lora, merge_lora_  # noqa: PLC0415
+
+        apply_lora(model, cfg.lora_rank, cfg.lora_alpha)
+        load(path, model)
+        merge_lora_(model)  # the merged weights: base + alpha/r · B·A
+    else:
+        load(path, model)
     return model.save_hf(out)
 
 

@@ -31,6 +31,9 @@ class TrainConfig:
     kv_heads: int | None = None
     ffn: int | None = None
     vocab: int | None = None
+    finetune: str = "full"             # "full", or "lora": adapters on the TP linears, base weights frozen
+    lora_rank: int = 16
+    lora_alpha: float | None = None    # default 2 · lora_rank
     # ---- layout ----
     tp: int = 1
     pp: int = 1
@@ -86,6 +89,8 @@ class TrainConfig:
                 errs.append(f"{f} ({v!r}) must be a positive integer")
         if self.precision not in ("fp32", "bf16", "fp16"):
             errs.append(f"precision ({self.precision!r}) must be one of fp32, bf16, fp16")
+        if self.finetune not in ("full", "lora"):
+            errs.append(f"finetune ({self.finetune!r}) must be 'full' or 'lora'")
         if self.schedule not in SCHEDULES:
             errs.append(f"schedule ({self.schedule!r}) must be one of {', '.join(SCHEDULES)}")
         for f in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from tpkernels.models.grad_sync import grad_of
 from tpkernels.models.head import LMHead
+from tpkernels.models.lora import LoRA
 from tpkernels.models.mlp import MLP
 from tpkernels.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from tpkernels.nn.vocab_parallel import VocabParallelEmbedding
@@ -43,6 +44,8 @@ def tp_sharded_params(model: torch.nn.Module) -> set[int]:
             ids.add(id(m.weight))
         elif isinstance(m, MLP) and getattr(m, "up_bias", None) is not None:
             ids.add(id(m.up_bias))
+        elif isinstance(m, LoRA):  # the factor split like the base weight
+            ids.add(id(m.B) if m.column else id(m.A))
     return ids
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tpkernels.models import ModelConfig, ParallelTransformer, next_token_targets
+from tpkernels.models.lora import apply_lora
 from tpkernels.parallel.config import ParallelConfig
 from tpkernels.parallel.state import ParallelState
 from tpkernels.train import checkpoint
@@ -73,6 +74,7 @@ class Trainer:
         else:
             self.model = ParallelTransformer(self.mc, self.state, seed=cfg.seed, device=self.device,
                                              overlap_comm=cfg.overlap_comm, dtype=dtype)
+        self.lora_layers = apply_lora(self.model, cfg.lora_rank, cfg.lora_alpha) if cfg.finetune == "lora" else []
         self.mp = MixedPrecision(self.model, dtype, init_scale=cfg.initial_loss_scale) \
             if dtype != torch.float32 else None
         params = self.mp.masters if self.mp else list(self.model.parameters())
