@@ -159,7 +159,7 @@ def test_exact_resume_and_reshard(rank_pool, tmp_path):
     layout = dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2)
     full = rank_pool(4).run(_ckpt_worker, {**layout, "steps": 8}, timeout=300)[0][0]
     first = rank_pool(4).run(_ckpt_worker, {**layout, "steps": 8, "save_dir": str(tmp_path / "a"),
-                                            "save_every": 4, "extra": {}}, timeout=300)
+                                            "save_every": 4}, timeout=300)
     assert first[0][1] == 8 and first[0][0] == full
     # keep only step 4, as if the run had stopped there
     import shutil
@@ -354,3 +354,14 @@ def test_lora_export_merges_the_adapters(rank_pool, tmp_path, fresh_seed):
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager")
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_layout_auto_plans_trains_and_reports_prediction_vs_measurement(tmp_path):
+    (tmp_path / "corpus.txt").write_text("pack my box with five dozen liquor jugs\n\n" * 40)
+    args = ["--layout", "auto", "--nproc", "2", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
+            "--ffn", "48", "--vocab", "300", "--seq-length", "32", "--global-batch", "4", "--steps", "3",
+            "--data", str(tmp_path / "corpus.txt"), "--progress", "false"]
+    r = subprocess.run([sys.executable, "-m", "tpkernels.train", *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "layout auto: " in r.stdout and " wins: " in r.stdout
+    assert "planner vs measured (" in r.stdout and "3 steps: loss" in r.stdout

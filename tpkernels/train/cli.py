@@ -58,6 +58,24 @@ def single_process_loss(cfg: TrainConfig, dp: int) -> float:
     return trainer.model.evaluate(ids, next_token_targets(ids, pos), position_ids=pos)
 
 
+def measured_bubble(timeline) -> float:
+    """This rank's idle share of its last step: 1 − busy / span of the pipeline actions."""
+    if not timeline:
+        return 0.0
+    span = max(e for _, _, e in timeline) - min(s for _, s, _ in timeline)
+    busy = sum(e - s for _, s, e in timeline)
+    return max(0.0, 1 - busy / span) if span > 0 else 0.0
+
+
+def prediction_report(predicted: dict, history: list[dict], trainer) -> str:
+    steps = history[1:] or history
+    measured = sorted(h["step_s"] for h in steps)[len(steps) // 2]
+    bubble = measured_bubble(trainer.runtime.timeline)
+    return (f"planner vs measured ({predicted['layout']}): step {predicted['step_s']:.3g} s vs {measured:.3g} s "
+            f"(median), bubble {100 * predicted['bubble']:.0f}% vs {100 * bubble:.0f}% (rank 0's idle share), "
+            f"comm/compute {100 * predicted['comm_ratio']:.0f}% predicted")
+
+
 def rank_main(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     """What each rank runs (also the --nproc workers)."""
     from tpkernels.train.trainer import Trainer  # noqa: PLC0415
@@ -66,11 +84,21 @@ def rank_main(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     history = trainer.train()
     if trainer.is_logger and history:
         print(f"{trainer.pc.short()}: {_summary(history)} (vs {trainer.peak_label})", flush=True)
+        if cfg.predicted:
+            print(prediction_report(cfg.predicted, history, trainer), flush=True)
     return history
 
 
 def run(args) -> int:
     cfg = TrainConfig.load(args.config, flag_values(args))
+    if cfg.layout == "auto":
+        from tpkernels.train.auto_layout import apply_plan, explain, plan_layout  # noqa: PLC0415
+
+        world = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
+        best, p = plan_layout(cfg, world)
+        cfg = apply_plan(cfg, best)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(explain(p), flush=True)
     if args.dry_run:
         world = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
         print(dry_run(cfg, world))

@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+NOT_FLAGS = ("predicted",)  # set by the job itself (layout auto), not by users
 
 
 @dataclass
@@ -35,6 +36,8 @@ class TrainConfig:
     lora_rank: int = 16
     lora_alpha: float | None = None    # default 2 · lora_rank
     # ---- layout ----
+    layout: str = "manual"             # "manual" (the keys below) or "auto" (the planner picks them)
+    global_batch: int | None = None    # layout auto: sequences per step (default: the config's at pure DP)
     tp: int = 1
     pp: int = 1
     dp: int | None = None              # default: world size / (tp · pp)
@@ -73,7 +76,7 @@ class TrainConfig:
     log_every: int = 1
     progress: bool = True              # a progress bar on rank 0
     metrics_file: str | None = None    # a JSON line per step (rank 0)
-    extra: dict = field(default_factory=dict, repr=False)
+    predicted: dict | None = None      # set by layout auto: the planner's step time, bubble, comm ratio
 
     # ---- derived ----
     def global_batch_size(self, dp: int) -> int:
@@ -89,6 +92,8 @@ class TrainConfig:
                 errs.append(f"{f} ({v!r}) must be a positive integer")
         if self.precision not in ("fp32", "bf16", "fp16"):
             errs.append(f"precision ({self.precision!r}) must be one of fp32, bf16, fp16")
+        if self.layout not in ("manual", "auto"):
+            errs.append(f"layout ({self.layout!r}) must be 'manual' or 'auto'")
         if self.finetune not in ("full", "lora"):
             errs.append(f"finetune ({self.finetune!r}) must be 'full' or 'lora'")
         if self.schedule not in SCHEDULES:
@@ -114,7 +119,7 @@ class TrainConfig:
         if path is not None:
             values.update(read_config_file(path))
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"unknown config keys {unknown}; known: {', '.join(sorted(names))}")
@@ -125,9 +130,7 @@ class TrainConfig:
         return cfg
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("extra")
-        return d
+        return dataclasses.asdict(self)
 
     def dumps(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -156,7 +159,7 @@ def read_config_file(path: str | Path) -> dict:
 def add_flags(parser) -> None:
     """One flag per TrainConfig field (``--micro-batch-size``), default None (= the file's or the field's)."""
     for f in dataclasses.fields(TrainConfig):
-        if f.name == "extra":
+        if f.name in NOT_FLAGS:
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = f.type if isinstance(f.type, str) else f.type.__name__
@@ -180,4 +183,4 @@ def _bool(s: str) -> bool:
 
 def flag_values(args) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-            if f.name != "extra" and getattr(args, f.name, None) is not None}
+            if f.name not in NOT_FLAGS and getattr(args, f.name, None) is not None}
