@@ -365,3 +365,36 @@ def test_layout_auto_plans_trains_and_reports_prediction_vs_measurement(tmp_path
     assert r.returncode == 0, r.stderr[-3000:]
     assert "layout auto: " in r.stdout and " wins: " in r.stdout
     assert "planner vs measured (" in r.stdout and "3 steps: loss" in r.stdout
+
+
+def test_text_through_a_local_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    text = "the cat sat on the mat\n\nthe dog ate the bone\n\n" * 20
+    (tmp_path / "c.txt").write_text(text)
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+    tok.save(str(tmp_path / "tok.json"))
+    data = PackedText(tmp_path / "c.txt", 8, 0, 50, tokenizer=str(tmp_path / "tok.json"))
+    eod = tok.token_to_id("</s>")
+    assert data.ids[0, :7].tolist() == tok.encode("the cat sat on the mat").ids + [eod]
+    assert data.pos[0, 7] == 0  # a new document after the end-of-document id
+    with pytest.raises(ValueError, match=r"vocab \(5\) must be at least"):
+        PackedText(tmp_path / "c.txt", 8, 0, 5, tokenizer=str(tmp_path / "tok.json"))
+
+
+def _nan_worker(rank, world, kw):
+    trainer = Trainer(TrainConfig(**{**SMALL, **kw}))
+    with torch.no_grad():
+        next(trainer.model.parameters()).fill_(float("nan"))
+    try:
+        trainer.train()
+    except FloatingPointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_nan_loss_stops_every_rank_naming_the_step(rank_pool):
+    out = rank_pool(4).run(_nan_worker, dict(tp=2, pp=2, num_microbatches=2), timeout=120)
+    assert all("loss is nan at step 0 (TP2 PP2 DP1 mbs1); last good checkpoint: none" in o for o in out), out

@@ -68,6 +68,7 @@ class TrainConfig:
     initial_loss_scale: float = 65536.0  # fp16: the dynamic loss scale's start (halved on overflow)
     # ---- data ----
     data: str = "random"               # "random" tokens, or a text file / folder of .txt files
+    tokenizer: str | None = None       # a tokenizers JSON or HF tokenizer folder (default: byte-level)
     # ---- checkpoints ----
     save_dir: str | None = None        # checkpoints go to save_dir/step_XXXXXXXX (DCP, reshardable)
     save_every: int = 0                # steps between checkpoints (0: only at the end)

@@ -8,8 +8,10 @@ Deterministic and resumable: the batch of step k depends only on (seed, k), so a
 step k, or restarted at another layout, sees the same tokens (the data position is the step).
 
 * ``RandomTokens``: uniform ids (benchmarks, tests).
-* ``PackedText``: a text file or a folder of ``*.txt`` files, byte-level tokens (ids 0–255, 256 =
-  end of document), documents (separated by blank lines) packed into rows of ``seq`` tokens;
+* ``PackedText``: a text file or a folder of ``*.txt`` files, tokenized by a ``tokenizers`` /
+  ``transformers`` tokenizer from a local path, or byte-level (ids 0–255 of the UTF-8 bytes,
+  256 = end of document) when none is given; documents (separated by blank lines) packed into
+  rows of ``seq`` tokens;
   ``position_ids`` restart at each document so attention never crosses one. Rows are shuffled per
   epoch with the seed.
 """
@@ -33,25 +35,52 @@ class RandomTokens:
         return torch.randint(0, self.vocab, (rows, self.seq), generator=g), None
 
 
+def load_tokenizer(path: str):
+    """(encode(text) -> ids, end-of-document id, vocabulary size) of a ``tokenizers`` JSON file or a
+    Hugging Face tokenizer folder."""
+    p = Path(path)
+    if p.is_file():
+        from tokenizers import Tokenizer  # noqa: PLC0415
+
+        tok = Tokenizer.from_file(str(p))
+        eod = next((tok.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<eos>", "[SEP]") if tok.token_to_id(t)
+                    is not None), None)
+        size = tok.get_vocab_size()
+        return (lambda text: tok.encode(text).ids), (size if eod is None else eod), size + (eod is None)
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    tok = AutoTokenizer.from_pretrained(str(p))
+    eod = tok.eos_token_id if tok.eos_token_id is not None else len(tok)
+    return (lambda text: tok(text, add_special_tokens=False)["input_ids"]), eod, max(len(tok), eod + 1)
+
+
 class PackedText:
-    def __init__(self, path: str | Path, seq: int, seed: int, vocab_size: int):
-        if vocab_size < BYTE_VOCAB:
-            raise ValueError(f"vocab ({vocab_size}) must be at least {BYTE_VOCAB} for byte-level text data")
+    """Documents of a text file / folder of .txt files packed into rows (see the module docstring);
+    ``tokenizer``: a ``tokenizers`` JSON or an HF tokenizer folder instead of bytes."""
+
+    def __init__(self, path: str | Path, seq: int, seed: int, vocab_size: int, tokenizer: str | None = None):
+        if tokenizer is None:
+            encode, eod, needed = (lambda text: list(text.encode())), EOD, BYTE_VOCAB
+        else:
+            encode, eod, needed = load_tokenizer(tokenizer)
+        if vocab_size < needed:
+            raise ValueError(f"vocab ({vocab_size}) must be at least {needed} for "
+                             f"{'byte-level text' if tokenizer is None else 'tokenizer ' + repr(tokenizer)}")
         path = Path(path)
         files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
         if not files or not all(f.is_file() for f in files):
             raise ValueError(f"data ({str(path)!r}) must be a text file or a folder of .txt files")
         tokens = []
         for f in files:
-            for doc in f.read_bytes().split(b"\n\n"):
+            for doc in f.read_text(errors="replace").split("\n\n"):
                 doc = doc.strip()
                 if doc:
-                    tokens += list(doc) + [EOD]
+                    tokens += list(encode(doc)) + [eod]
         n = len(tokens) // seq
         if n < 1:
             raise ValueError(f"data ({str(path)!r}) has {len(tokens)} tokens: fewer than one row of seq_length ({seq})")
         self.ids = torch.tensor(tokens[:n * seq]).view(n, seq)
-        self.pos = restart_per_document(self.ids)
+        self.pos = restart_per_document(self.ids, eod)
         self.seq, self.seed, self.rows = seq, seed, n
 
     def batch(self, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,20 +93,20 @@ class PackedText:
         return self.ids[idx], self.pos[idx]
 
 
-def restart_per_document(ids: torch.Tensor) -> torch.Tensor:
+def restart_per_document(ids: torch.Tensor, eod: int = EOD) -> torch.Tensor:
     """Positions counting from 0 at each row start and after each end-of-document token (a document
     cut by a row end continues from 0 in the next row)."""
     starts = torch.zeros_like(ids, dtype=torch.bool)
     starts[:, 0] = True
-    starts[:, 1:] = ids[:, :-1] == EOD
+    starts[:, 1:] = ids[:, :-1] == eod
     t = torch.arange(ids.shape[1]).expand_as(ids)
     return t - torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
 
 
-def make_data(source: str, seq: int, seed: int, vocab_size: int):
+def make_data(source: str, seq: int, seed: int, vocab_size: int, tokenizer: str | None = None):
     if source == "random":
         return RandomTokens(vocab_size, seq, seed)
-    return PackedText(source, seq, seed, vocab_size)
+    return PackedText(source, seq, seed, vocab_size, tokenizer)
 
 
 def rows_of_dp_rank(t: torch.Tensor | None, dp_rank: int, dp: int) -> torch.Tensor | None:

@@ -11,6 +11,7 @@ loss reported is the mean over the global batch (averaged over DP: one 8-byte al
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -84,7 +85,7 @@ class Trainer:
         # registered after MixedPrecision's hooks: it sees the fp32 main_grad already accumulated
         self.dp_reduce = OverlappedGradReduce(list(self.model.parameters()), self.state.dp_group,
                                               cfg.bucket_mb) if self.pc.dp > 1 and cfg.overlap_dp else None
-        self.data = make_data(cfg.data, cfg.seq_length, cfg.seed, self.mc.vocab_size)
+        self.data = make_data(cfg.data, cfg.seq_length, cfg.seed, self.mc.vocab_size, cfg.tokenizer)
         loss_fn = None
         if self.mp is not None and self.mp.scaling:  # fp16: backward of the scaled loss
             loss_fn = lambda y, t: self.model.head.loss(y, t) * self.mp.scale  # noqa: E731
@@ -158,6 +159,10 @@ class Trainer:
             t = torch.tensor([loss], dtype=torch.float64, device=self.device)
             dist.all_reduce(t, group=st.dp_group)
             loss = t.item() / self.pc.dp
+        if not math.isfinite(loss):  # every rank has the same loss (the pipeline and DP share it): all stop
+            last = checkpoint.latest(cfg.save_dir) if cfg.save_dir else None
+            raise FloatingPointError(f"loss is {loss} at step {self.step_index} ({self.pc.short()}); last good "
+                                     f"checkpoint: {last or 'none'}; lower lr (now {lr:.3g}) or enable clip_grad")
         dt = time.perf_counter() - t0
         rec = {"step": self.step_index, "loss": loss, "lr": lr, "grad_norm": norm, "step_s": dt,
                "tokens_per_s": gb * cfg.seq_length / dt, "skipped": skipped,
