@@ -54,7 +54,8 @@ class TrainConfig:
     micro_batch_size: int = 1
     num_microbatches: int = 1          # per DP replica per step
     # ---- optimisation ----
-    steps: int = 10
+    steps: int = 10                    # the schedule's length (the LR decays over it)
+    stop_at_step: int | None = None    # end this run early, e.g. to resume later (default: steps)
     lr: float = 3e-4
     min_lr: float = 3e-5
     warmup_steps: int = 0

@@ -181,7 +181,8 @@ class Trainer:
             from tqdm import tqdm  # noqa: PLC0415
 
             bar = tqdm(total=cfg.steps, initial=self.step_index, desc=f"train {self.pc.short()}", unit="step")
-        while self.step_index < cfg.steps:
+        last = cfg.steps if cfg.stop_at_step is None else min(cfg.steps, cfg.stop_at_step)
+        while self.step_index < last:
             rec = self.train_step()
             if cfg.save_dir and cfg.save_every and self.step_index % cfg.save_every == 0:
                 self.save()
