@@ -15,7 +15,10 @@ from tpkernels.train.config import TrainConfig, add_flags, flag_values
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a GPT-2 / Llama-family model at a TP×PP×DP layout")
+    add_arguments(sub.add_parser("train", help="train a GPT-2 / Llama-family model at a TP×PP×DP layout"))
+
+
+def add_arguments(p) -> None:
     p.add_argument("--config", help="YAML or TOML file of TrainConfig keys (flags override it)")
     p.add_argument("--nproc", type=int, default=None, help="spawn this many gloo ranks (a machine without GPUs)")
     p.add_argument("--dry-run", action="store_true", help="validate the config and layout, print them, do not train")
@@ -137,6 +140,16 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tpkernels.cli import main as cli_main  # noqa: PLC0415
+    """``python -m tpkernels.train``: the same arguments and errors as ``tpkernels train``."""
+    import argparse  # noqa: PLC0415
 
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+    from tpkernels.parallel.config import ParallelConfigError  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(prog="python -m tpkernels.train", description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(args)
+    except (ValueError, ParallelConfigError) as e:
+        print(f"tpkernels train: error: {e}", file=sys.stderr)
+        return 2
