@@ -129,7 +129,7 @@ def test_cli_trains_on_spawned_ranks_and_dry_run_explains_a_bad_layout(tmp_path)
     args = ["--nproc", "2", "--tp", "2", "--sequence-parallel", "true", "--layers", "2", "--hidden", "32",
             "--heads", "4", "--kv-heads", "2", "--ffn", "48", "--vocab", "300", "--seq-length", "32", "--steps", "4",
             "--data", str(tmp_path / "corpus.txt"), "--progress", "false", "--save-dir", str(tmp_path / "ck"),
-            "--verify-step0", "--metrics-file", str(tmp_path / "m.jsonl")]
+            "--verify-step0", "--metrics-file", str(tmp_path / "m.jsonl"), "--trace", str(tmp_path / "t.json")]
     r = subprocess.run([sys.executable, "-m", "tpkernels.train", *args], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "TP2 PP1 DP1 mbs1 SP: 4 steps: loss" in r.stdout
@@ -140,6 +140,10 @@ def test_cli_trains_on_spawned_ranks_and_dry_run_explains_a_bad_layout(tmp_path)
     lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2, 3] and all(0 < x["mfu"] < 1 for x in lines)
     assert lines[0]["mfu_vs"] == "measured CPU fp32 GEMM" and lines[0]["layout"] == "TP2 PP1 DP1 mbs1 SP"
+    assert all(0 <= x["comm_ratio"] and 0 <= x["bubble"] < 1 for x in lines)
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    spans = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "X"}
+    assert spans == {(r, t) for r in (0, 1) for t in (0, 1, 2)}  # GEMMs, TP transfers, pipeline, per rank
     r = subprocess.run([sys.executable, "-m", "tpkernels.cli", "train", "--tp", "3", "--nproc", "3", "--dry-run"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "num_attention_heads (32) must be divisible by tensor_parallel_size (3)" in r.stderr

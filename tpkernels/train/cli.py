@@ -61,22 +61,14 @@ def single_process_loss(cfg: TrainConfig, dp: int) -> float:
     return trainer.model.evaluate(ids, next_token_targets(ids, pos), position_ids=pos)
 
 
-def measured_bubble(timeline) -> float:
-    """This rank's idle share of its last step: 1 − busy / span of the pipeline actions."""
-    if not timeline:
-        return 0.0
-    span = max(e for _, _, e in timeline) - min(s for _, s, _ in timeline)
-    busy = sum(e - s for _, s, e in timeline)
-    return max(0.0, 1 - busy / span) if span > 0 else 0.0
-
-
 def prediction_report(predicted: dict, history: list[dict], trainer) -> str:
     steps = history[1:] or history
     measured = sorted(h["step_s"] for h in steps)[len(steps) // 2]
-    bubble = measured_bubble(trainer.runtime.timeline)
+    bubble = sorted(h["bubble"] for h in steps)[len(steps) // 2]
+    comm = sorted(h["comm_ratio"] for h in steps)[len(steps) // 2]
     return (f"planner vs measured ({predicted['layout']}): step {predicted['step_s']:.3g} s vs {measured:.3g} s "
             f"(median), bubble {100 * predicted['bubble']:.0f}% vs {100 * bubble:.0f}% (rank 0's idle share), "
-            f"comm/compute {100 * predicted['comm_ratio']:.0f}% predicted")
+            f"comm/compute {100 * predicted['comm_ratio']:.0f}% vs {100 * comm:.0f}% (worst rank, exposed TP)")
 
 
 def rank_main(rank: int, world: int, cfg: TrainConfig) -> list[dict]:

@@ -78,6 +78,8 @@ class TrainConfig:
     log_every: int = 1
     progress: bool = True              # a progress bar on rank 0
     metrics_file: str | None = None    # a JSON line per step (rank 0)
+    trace: str | None = None           # a Perfetto trace (Chrome JSON) of step ``trace_step``: pipeline + TP spans
+    trace_step: int = 1
     predicted: dict | None = None      # set by layout auto: the planner's step time, bubble, comm ratio
 
     # ---- derived ----

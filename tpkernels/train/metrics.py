@@ -1,10 +1,16 @@
-"""What the run reports per step: model FLOP utilisation and a JSON line for machines.
+"""What the run reports per step: model FLOP utilisation, communication/compute, the pipeline bubble,
+a JSON line for machines, and a Perfetto trace of one step.
 
 MFU = model FLOPs of the step (the planner's count: forward + backward of every GEMM and of the
 attention core, no recompute) / (step time × ranks × peak FLOP/s of one rank). The peak is the
 GPU's dense bf16 peak from the planner's hardware table (matched by device name); on a CPU it is
 the fp32 GEMM rate this rank measures at start-up (a 1024³ matmul), so CPU MFU is labelled
 "vs measured GEMM": it says how much of the machine's matmul speed the step achieves.
+
+Communication/compute: the TP transfers of the step (``CommTrace`` spans of every GEMM-comm op)
+that no GEMM hid, over the rest of the step; the worst rank's is reported (one all-reduce of one
+number), and above 30% the run warns to lower tensor_parallel_size, as practitioners do. The
+bubble is this rank's idle share of its pipeline actions' span (the timeline of the runtime).
 """
 
 from __future__ import annotations
@@ -47,3 +53,43 @@ class MetricsFile:
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+COMM_WARN = 0.30
+
+
+def exposed_comm_ratio(trace, step_s: float) -> float:
+    """Exposed TP communication / the rest of the step, from a CommTrace of the step."""
+    from tpkernels.parallel.trace import _merge  # noqa: PLC0415
+
+    total = sum(e - s for s, e in _merge(trace.intervals("comm")))
+    exposed = total * (1.0 - trace.hidden_comm_fraction())
+    return exposed / max(step_s - exposed, 1e-9)
+
+
+def idle_share(timeline) -> float:
+    """1 − busy / span of this rank's pipeline actions (its share of the bubble)."""
+    if not timeline:
+        return 0.0
+    span = max(e for _, _, e in timeline) - min(s for _, s, _ in timeline)
+    busy = sum(e - s for _, s, e in timeline)
+    return max(0.0, 1.0 - busy / span) if span > 0 else 0.0
+
+
+def step_trace_events(rank: int, trace, timeline) -> list[dict]:
+    """Chrome-trace events of one step on this rank: GEMMs (tid 0), TP transfers (tid 1) and the
+    pipeline actions (tid 2), on one host time base."""
+    events = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
+    events += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": t, "args": {"name": n}}
+               for t, n in ((0, "GEMM"), (1, "TP communication"), (2, "pipeline"))]
+    events += trace.chrome_events(rank)
+    for a, s, e in timeline:
+        events.append({"name": str(a), "cat": a.kind, "ph": "X", "pid": rank, "tid": 2,
+                       "ts": (trace._t0_wall + (s - trace._t0)) * 1e6, "dur": (e - s) * 1e6,
+                       "args": {"microbatch": a.mb, "chunk": a.chunk}})
+    return events
+
+
+def write_trace(path: str | Path, events_by_rank: list[list[dict]]) -> None:
+    with open(path, "w") as f:
+        json.dump({"traceEvents": [e for evs in events_by_rank for e in evs], "displayTimeUnit": "ms"}, f)

@@ -26,7 +26,16 @@ from tpkernels.train import checkpoint
 from tpkernels.train.config import TrainConfig
 from tpkernels.train.data import make_data, rows_of_dp_rank
 from tpkernels.train.dp_overlap import OverlappedGradReduce
-from tpkernels.train.metrics import MetricsFile, peak_flops
+from tpkernels.parallel.trace import CommTrace
+from tpkernels.train.metrics import (
+    COMM_WARN,
+    MetricsFile,
+    exposed_comm_ratio,
+    idle_share,
+    peak_flops,
+    step_trace_events,
+    write_trace,
+)
 from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer
 from tpkernels.train.precision import DTYPES, MixedPrecision
 
@@ -98,6 +107,7 @@ class Trainer:
                                                                                cfg.seq_length)
         self.peak, self.peak_label = peak_flops(self.device)
         self.metrics = MetricsFile(cfg.metrics_file if self.state.rank == 0 else None)
+        self._warned = False
         if cfg.save_dir and cfg.resume:
             path = checkpoint.latest(cfg.save_dir)
             if path is not None:
@@ -112,6 +122,16 @@ class Trainer:
         if self.mp is not None:
             meta["loss_scale"] = self.mp.state_dict()
         return checkpoint.save(self.cfg.save_dir, self.model, self.optimizer, self.step_index, meta, self.master_of)
+
+    def _write_trace(self, tr: CommTrace) -> None:
+        """Every rank's GEMM, TP-transfer and pipeline spans of this step into one Chrome trace (rank 0)."""
+        events = step_trace_events(self.state.rank, tr, self.runtime.timeline)
+        every = [events]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, events)
+        if self.is_logger:
+            write_trace(self.cfg.trace, every)
 
     @property
     def is_logger(self) -> bool:
@@ -136,7 +156,15 @@ class Trainer:
             self.model.zero_grad(set_to_none=True)
         if self.dp_reduce is not None:
             self.dp_reduce.start(cfg.num_microbatches)
-        loss = self.model.step(ids if st.is_first_stage else None, target, position_ids=pos, runtime=self.runtime)
+        t_step = time.perf_counter()
+        with CommTrace() as tr:
+            loss = self.model.step(ids if st.is_first_stage else None, target, position_ids=pos,
+                                   runtime=self.runtime)
+        comm = torch.tensor([exposed_comm_ratio(tr, time.perf_counter() - t_step)], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # the worst rank's
+            dist.all_reduce(comm, op=dist.ReduceOp.MAX)
+        if cfg.trace and self.step_index == cfg.trace_step:
+            self._write_trace(tr)
         if self.dp_reduce is not None:
             self.dp_reduce.finish()
         self.model.finish_grad_sync(reduce_dp=self.dp_reduce is None)
@@ -166,7 +194,12 @@ class Trainer:
         dt = time.perf_counter() - t0
         rec = {"step": self.step_index, "loss": loss, "lr": lr, "grad_norm": norm, "step_s": dt,
                "tokens_per_s": gb * cfg.seq_length / dt, "skipped": skipped,
-               "mfu": self.step_flops / (dt * self.pc.world_size * self.peak)}
+               "mfu": self.step_flops / (dt * self.pc.world_size * self.peak),
+               "comm_ratio": float(comm), "bubble": idle_share(self.runtime.timeline)}
+        if rec["comm_ratio"] > COMM_WARN and not self._warned and self.is_logger:
+            self._warned = True
+            print(f"warning: communication/compute {100 * rec['comm_ratio']:.0f}% > {100 * COMM_WARN:.0f}% on the "
+                  f"worst rank at {self.pc.short()}: lower tensor_parallel_size ({self.pc.tp})", flush=True)
         if mp is not None and mp.scaling:
             rec["loss_scale"] = mp.scale
         self.metrics.write({**rec, "layout": self.pc.short(), "mfu_vs": self.peak_label})
@@ -191,7 +224,8 @@ class Trainer:
                 if rec["step"] % cfg.log_every == 0 or self.step_index == cfg.steps:
                     bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",
                                     tok_s=f"{rec['tokens_per_s']:.0f}", step_s=f"{rec['step_s']:.3f}",
-                                    mfu=f"{100 * rec['mfu']:.1f}%")
+                                    mfu=f"{100 * rec['mfu']:.1f}%", comm=f"{100 * rec['comm_ratio']:.0f}%",
+                                    bubble=f"{100 * rec['bubble']:.0f}%")
         if bar is not None:
             bar.close()
         if cfg.save_dir and not (cfg.save_every and self.step_index % cfg.save_every == 0) and \
