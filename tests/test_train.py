@@ -402,3 +402,36 @@ def _nan_worker(rank, world, kw):
 def test_nan_loss_stops_every_rank_naming_the_step(rank_pool):
     out = rank_pool(4).run(_nan_worker, dict(tp=2, pp=2, num_microbatches=2), timeout=120)
     assert all("loss is nan at step 0 (TP2 PP2 DP1 mbs1); last good checkpoint: none" in o for o in out), out
+
+
+def _kill_worker(rank, world, kw, folder, victim, at_step):
+    import os
+
+    from tpkernels.train.failures import RankLostError
+
+    trainer = Trainer(TrainConfig(**{**SMALL, **kw, "save_dir": folder, "save_every": 2}))
+    try:
+        while trainer.step_index < trainer.cfg.steps:
+            if rank == victim and trainer.step_index == at_step:
+                os._exit(3)  # the process dies mid-run
+            trainer._guarded_step()
+            if trainer.step_index % 2 == 0:
+                trainer.save()
+    except RankLostError as e:
+        return e.ranks, str(e)
+    return "finished", ""
+
+
+def test_a_killed_rank_is_named_everywhere_and_the_restart_resumes(rank_pool, tmp_path):
+    from tpkernels.parallel.local_ranks import RankExited
+
+    kw = dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2, steps=6)
+    full = rank_pool(4).run(_ckpt_worker, kw, timeout=300)[0][0]
+    out = rank_pool(4).run(_kill_worker, kw, str(tmp_path), 1, 3, expect_exit={1}, timeout=120)
+    assert isinstance(out[1], RankExited)
+    for r in (0, 2, 3):
+        ranks, msg = out[r]
+        assert ranks == [1], msg
+        assert "step_00000002" in msg and "restart the job" in msg
+    again = rank_pool(4).run(_ckpt_worker, {**kw, "save_dir": str(tmp_path)}, timeout=300)[0]
+    assert again[2].endswith("step_00000002") and again[0] == full[2:]

@@ -121,8 +121,13 @@ class P2P:
             raise self._lost(peer, what, e) from None
 
     def _lost(self, peer: int, what: str, err: Exception) -> "PipelinePeerLostError":
-        return PipelinePeerLostError(f"rank {peer} stopped responding (connection lost) while rank {self.rank} "
-                                     f"waited for {what}: {err}", peer)
+        return PipelinePeerLostError(f"{self._name(peer)} stopped responding (connection lost) while "
+                                     f"{self._name(self.rank)} waited for {what}: {err}", peer)
+
+    def _name(self, r: int) -> str:
+        """``rank r`` of the pipeline group, with its global rank when the two differ (TP × PP)."""
+        g = global_rank(self.group, r) if dist.is_initialized() else r
+        return f"rank {r}" if g == r else f"pipeline rank {r} (global rank {g})"
 
     def _isend(self, t: torch.Tensor, dst: int) -> None:
         self._inflight.append((self._post(dist.isend, t, dst, "a send to post"), t, dst))

@@ -25,6 +25,7 @@ from tpkernels.parallel.state import ParallelState
 from tpkernels.train import checkpoint
 from tpkernels.train.config import TrainConfig
 from tpkernels.train.data import make_data, rows_of_dp_rank
+from tpkernels.train.failures import RankLostError, lost_ranks
 from tpkernels.train.dp_overlap import OverlappedGradReduce
 from tpkernels.parallel.trace import CommTrace
 from tpkernels.train.metrics import (
@@ -123,6 +124,21 @@ class Trainer:
             meta["loss_scale"] = self.mp.state_dict()
         return checkpoint.save(self.cfg.save_dir, self.model, self.optimizer, self.step_index, meta, self.master_of)
 
+    def _guarded_step(self) -> dict:
+        """train_step, with a lost rank named on every survivor (and where to restart from)."""
+        try:
+            return self.train_step()
+        except FloatingPointError:
+            raise  # every rank raises it alike: nobody is lost
+        except Exception as e:
+            lost = lost_ranks()
+            if not lost:
+                raise
+            last = checkpoint.latest(self.cfg.save_dir) if self.cfg.save_dir else None
+            raise RankLostError(f"rank(s) {lost} stopped responding during step {self.step_index} "
+                                f"({self.pc.short()}); the last complete checkpoint is {last or 'none'}: restart the "
+                                f"job to resume from it ({type(e).__name__}: {str(e)[:200]})", lost) from e
+
     def _write_trace(self, tr: CommTrace) -> None:
         """Every rank's GEMM, TP-transfer and pipeline spans of this step into one Chrome trace (rank 0)."""
         events = step_trace_events(self.state.rank, tr, self.runtime.timeline)
@@ -216,7 +232,7 @@ class Trainer:
             bar = tqdm(total=cfg.steps, initial=self.step_index, desc=f"train {self.pc.short()}", unit="step")
         last = cfg.steps if cfg.stop_at_step is None else min(cfg.steps, cfg.stop_at_step)
         while self.step_index < last:
-            rec = self.train_step()
+            rec = self._guarded_step()
             if cfg.save_dir and cfg.save_every and self.step_index % cfg.save_every == 0:
                 self.save()
             if bar is not None:
