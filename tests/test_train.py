@@ -435,3 +435,16 @@ def test_a_killed_rank_is_named_everywhere_and_the_restart_resumes(rank_pool, tm
         assert "step_00000002" in msg and "restart the job" in msg
     again = rank_pool(4).run(_ckpt_worker, {**kw, "save_dir": str(tmp_path)}, timeout=300)[0]
     assert again[2].endswith("step_00000002") and again[0] == full[2:]
+
+
+def test_out_of_memory_says_where_and_what_to_change(monkeypatch):
+    trainer = Trainer(TrainConfig(**{**SMALL, "micro_batch_size": 2}))
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")
+
+    monkeypatch.setattr(trainer, "train_step", oom)
+    with pytest.raises(torch.OutOfMemoryError, match=r"rank 0 \(pipeline stage 0 of 1, TP1 PP1 DP1 mbs2\) ran out of "
+                                                     r"memory at step 0: CUDA out of memory. Tried to allocate 2.00 GiB"
+                                                     r".*recompute=selective.*micro_batch_size \(now 2"):
+        trainer.train()

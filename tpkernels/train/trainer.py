@@ -130,6 +130,8 @@ class Trainer:
             return self.train_step()
         except FloatingPointError:
             raise  # every rank raises it alike: nobody is lost
+        except torch.OutOfMemoryError as e:
+            raise torch.OutOfMemoryError(out_of_memory_advice(self, e)) from e
         except Exception as e:
             lost = lost_ranks()
             if not lost:
@@ -248,6 +250,25 @@ class Trainer:
                 (self.history or self.resumed_from is None):
             self.save()
         return self.history
+
+
+def out_of_memory_advice(trainer: "Trainer", err: Exception) -> str:
+    """What ran out, where, and what to change (the knobs that trade memory for time)."""
+    cfg, pc, st = trainer.cfg, trainer.pc, trainer.state
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    options = []
+    if pc.recompute != "full":
+        options.append(f"recompute={'selective' if pc.recompute == 'none' else 'full'} (now {pc.recompute})")
+    options.append(f"more pipeline stages (pp={pc.pp})")
+    if not pc.zero1 and pc.dp > 1:
+        options.append("zero1=true")
+    if pc.micro_batch_size > 1:
+        options.append(f"a smaller micro_batch_size (now {pc.micro_batch_size}, with more micro-batches)")
+    if cfg.finetune == "full":
+        options.append("finetune=lora")
+    return (f"rank {st.rank} (pipeline stage {st.pp_rank} of {pc.pp}, {pc.short()}) ran out of memory at step "
+            f"{trainer.step_index}: {first_line}. Try: {'; '.join(options)}. `tpkernels plan` predicts each "
+            "layout's memory per GPU.")
 
 
 def train(cfg: TrainConfig) -> list[dict]:
