@@ -448,3 +448,18 @@ def test_out_of_memory_says_where_and_what_to_change(monkeypatch):
                                                      r"memory at step 0: CUDA out of memory. Tried to allocate 2.00 GiB"
                                                      r".*recompute=selective.*micro_batch_size \(now 2"):
         trainer.train()
+
+
+def test_async_save_completes_and_resumes_exactly(rank_pool, tmp_path):
+    """Checkpoints written in the background (on a gloo group of their own) while training goes on."""
+    kw = dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2, steps=6)
+    full = rank_pool(4).run(_ckpt_worker, kw, timeout=300)[0][0]
+    out = rank_pool(4).run(_ckpt_worker, {**kw, "save_dir": str(tmp_path), "save_every": 2, "async_save": True},
+                           timeout=300)[0]
+    assert out[0] == full  # training did not change while the saves ran
+    import shutil
+
+    shutil.rmtree(tmp_path / "step_00000006")
+    shutil.rmtree(tmp_path / "step_00000004")
+    again = rank_pool(4).run(_ckpt_worker, {**kw, "save_dir": str(tmp_path)}, timeout=300)[0]
+    assert again[2].endswith("step_00000002") and again[0] == full[2:]

@@ -77,9 +77,35 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of: dict | None = None) -> Path:
+class PendingSave:
+    """An asynchronous save in flight: ``finish()`` (collective) waits for it and makes it complete."""
+
+    def __init__(self, future, tmp: Path, final: Path, meta: dict):
+        self.future, self.tmp, self.final, self.meta = future, tmp, final, meta
+
+    def finish(self) -> Path:
+        (self.future.result() if hasattr(self.future, "result") else self.future)
+        _barrier()
+        _complete(self.tmp, self.final, self.meta)
+        return self.final
+
+
+def _complete(tmp: Path, final: Path, meta: dict) -> None:
+    """meta.json, then the atomic rename (rank 0), once every rank's files are written."""
+    if _rank() == 0:
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    _barrier()
+
+
+def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of: dict | None = None, *,
+         async_group=None, asynchronous: bool = False):
     """Write the checkpoint of ``step`` under ``folder`` (collective); returns its path. ``master_of``
-    (id(param) -> fp32 master, mixed precision) saves the masters the optimizer steps instead."""
+    (id(param) -> fp32 master, mixed precision) saves the masters the optimizer steps instead.
+    ``asynchronous``: the tensors are copied now and written in the background (``dcp.async_save``
+    over ``async_group``, a process group of its own so that training collectives do not mix with
+    it); returns a :class:`PendingSave` to ``finish()`` later."""
     master_of = master_of or {}
     folder = Path(folder)
     final = folder / f"step_{step:08d}"
@@ -100,13 +126,13 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of:
             sd[_key("exp_avg_sq", name, rows, cols)] = st["exp_avg_sq"][sl]
             opt_step = float(st["step"])
     sd["optim::step"] = torch.tensor(opt_step, dtype=torch.float64)
+    meta = {**meta, "step": step}
+    if asynchronous:
+        sd = {k: v.detach().clone().cpu() for k, v in sd.items()}  # the training step may now change the originals
+        return PendingSave(dcp.async_save(sd, checkpoint_id=str(tmp), process_group=async_group), tmp, final, meta)
     dcp.save(sd, checkpoint_id=str(tmp))
     _barrier()
-    if _rank() == 0:
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    _barrier()
+    _complete(tmp, final, meta)
     return final
 
 

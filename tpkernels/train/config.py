@@ -74,6 +74,7 @@ class TrainConfig:
     save_dir: str | None = None        # checkpoints go to save_dir/step_XXXXXXXX (DCP, reshardable)
     save_every: int = 0                # steps between checkpoints (0: only at the end)
     resume: bool = True                # start from the latest complete checkpoint in save_dir, if any
+    async_save: bool = False           # write checkpoints in the background while training goes on
     # ---- logging ----
     log_every: int = 1
     progress: bool = True              # a progress bar on rank 0

@@ -109,6 +109,7 @@ class Trainer:
         self.peak, self.peak_label = peak_flops(self.device)
         self.metrics = MetricsFile(cfg.metrics_file if self.state.rank == 0 else None)
         self._warned = False
+        self._pending, self._ckpt_group = None, None
         if cfg.save_dir and cfg.resume:
             path = checkpoint.latest(cfg.save_dir)
             if path is not None:
@@ -118,11 +119,24 @@ class Trainer:
                     self.mp.load_state_dict(meta["loss_scale"])
 
     def save(self) -> Path:
-        """A checkpoint of the steps done so far under ``cfg.save_dir`` (collective)."""
+        """A checkpoint of the steps done so far under ``cfg.save_dir`` (collective). With ``async_save``
+        it is written in the background and completed at the next save or at the end of ``train``."""
+        self.finish_saving()
         meta = {"config": self.cfg.to_dict(), "layout": self.pc.short(), "model": self.mc.name or self.mc.model_type}
         if self.mp is not None:
             meta["loss_scale"] = self.mp.state_dict()
+        if self.cfg.async_save:
+            if self._ckpt_group is None and dist.is_initialized():
+                self._ckpt_group = dist.new_group(backend="gloo")
+            self._pending = checkpoint.save(self.cfg.save_dir, self.model, self.optimizer, self.step_index, meta,
+                                            self.master_of, asynchronous=True, async_group=self._ckpt_group)
+            return self._pending.final
         return checkpoint.save(self.cfg.save_dir, self.model, self.optimizer, self.step_index, meta, self.master_of)
+
+    def finish_saving(self) -> Path | None:
+        """Complete an asynchronous save in flight (collective); its path, or None."""
+        pending, self._pending = self._pending, None
+        return pending.finish() if pending is not None else None
 
     def _guarded_step(self) -> dict:
         """train_step, with a lost rank named on every survivor (and where to restart from)."""
@@ -249,6 +263,7 @@ class Trainer:
         if cfg.save_dir and not (cfg.save_every and self.step_index % cfg.save_every == 0) and \
                 (self.history or self.resumed_from is None):
             self.save()
+        self.finish_saving()
         return self.history
 
 
