@@ -56,5 +56,11 @@ timeout 60 $PY benchmarks/bench_llama_ops.py --reps 5 2>&1 | tee "$OUT/bench_lla
 timeout 60 $PY benchmarks/bench_models.py --reps 3 2>&1 | tee "$OUT/bench_models.log" | tail -8
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+# the main job on one GPU: the demo's model in bf16 (fp32 masters), 20 steps, a checkpoint, Triton kernels
+timeout 90 $PY -m tpkernels.train --config python/configs/demo_llama_tp2_pp2.yaml --tp 1 --pp 1 \
+  --sequence-parallel false --precision bf16 --steps 20 --save-dir /tmp/tpk_gpu_ckpt --progress false \
+  --metrics-file "$OUT/train_gpu_metrics.jsonl" 2>&1 | tee "$OUT/train_gpu.log" | tail -4
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
 step "done: status $status"
 exit $status

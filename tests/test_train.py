@@ -45,6 +45,7 @@ CASES = {
     "dp2tp2-sp": dict(tp=2, dp=2, sequence_parallel=True, num_microbatches=2),
     "tp4-replicated-kv": dict(tp=4, num_microbatches=1, micro_batch_size=2),
     "dp2tp2-zero1": dict(tp=2, dp=2, sequence_parallel=True, num_microbatches=2, zero1=True),
+    "pp2-interleaved-v2": dict(pp=2, virtual_stages=2, num_microbatches=2, schedule="interleaved"),
     "dp2pp2-zb-serial-dp": dict(pp=2, dp=2, num_microbatches=2, schedule="zb-h1", overlap_dp=False),
     "dp2pp2-zb-small-buckets": dict(pp=2, dp=2, num_microbatches=2, schedule="zb-h1", bucket_mb=0.001),
 }
@@ -169,7 +170,12 @@ def test_exact_resume_and_reshard(rank_pool, tmp_path):
     import shutil
 
     shutil.rmtree(tmp_path / "a" / "step_00000008")
-    (tmp_path / "a" / "step_00000009.tmp").mkdir()  # a half-written checkpoint: ignored
+    (tmp_path / "a" / "step_00000009.tmp").mkdir()  # a half-written checkpoint: ignored, with a warning
+    (tmp_path / "a" / "step_00000010").mkdir()  # renamed but without its metadata (corrupted): ignored too
+    from tpkernels.train.checkpoint import latest
+
+    with pytest.warns(UserWarning, match="ignoring incomplete checkpoint"):
+        assert latest(tmp_path / "a").name == "step_00000004"
     again = rank_pool(4).run(_ckpt_worker, {**layout, "steps": 8, "save_dir": str(tmp_path / "a")}, timeout=300)
     assert again[0][2].endswith("step_00000004") and again[0][0] == full[4:]  # bitwise
     for other in (dict(pp=4, num_microbatches=2), dict(tp=4, num_microbatches=2),  # the same global batch
@@ -463,3 +469,20 @@ def test_async_save_completes_and_resumes_exactly(rank_pool, tmp_path):
     shutil.rmtree(tmp_path / "step_00000004")
     again = rank_pool(4).run(_ckpt_worker, {**kw, "save_dir": str(tmp_path)}, timeout=300)[0]
     assert again[2].endswith("step_00000002") and again[0] == full[2:]
+
+
+def test_under_torchrun(tmp_path):
+    """`torchrun -m tpkernels.train`: the launch users run on GPU nodes (gloo here)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = ["--tp", "2", "--sequence-parallel", "true", "--layers", "2", "--hidden", "32", "--heads", "4",
+            "--kv-heads", "2", "--ffn", "48", "--vocab", "97", "--seq-length", "16", "--steps", "3",
+            "--progress", "false", "--save-dir", str(tmp_path)]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(port), "-m", "tpkernels.train", *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TP2 PP1 DP1 mbs1 SP: 3 steps: loss" in r.stdout
+    assert (tmp_path / "step_00000003" / "meta.json").is_file()
