@@ -192,7 +192,8 @@ class Trainer:
         with CommTrace() as tr:
             loss = self.model.step(ids if st.is_first_stage else None, target, position_ids=pos,
                                    runtime=self.runtime)
-        comm = torch.tensor([exposed_comm_ratio(tr, time.perf_counter() - t_step)], dtype=torch.float64)
+        comm = torch.tensor([exposed_comm_ratio(tr, time.perf_counter() - t_step)], dtype=torch.float64,
+                            device=self.device)  # NCCL reduces device tensors only
         if dist.is_initialized() and dist.get_world_size() > 1:  # the worst rank's
             dist.all_reduce(comm, op=dist.ReduceOp.MAX)
         if cfg.trace and self.step_index == cfg.trace_step:
