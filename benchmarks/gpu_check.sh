@@ -11,6 +11,10 @@ export OUT
 PY="${PYTHON:-python3}"
 status=0
 step() { echo; echo "=== $1 ($(date +%T))"; }
+# one budget for the whole script (the device tool allows 600 s a call): every step's timeout is
+# capped by what is left, so the late steps shrink instead of the call being killed
+deadline=$((SECONDS + ${GPU_CHECK_BUDGET_S:-540}))
+cap() { local left=$((deadline - SECONDS)); if [ "$left" -lt "$1" ]; then echo $((left > 1 ? left : 1)); else echo "$1"; fi; }
 
 step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu_info.csv"
@@ -18,7 +22,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
 
 step "build tpkernels._C (in place)"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}" TPKERNELS_CUDA_ARCHS="${TPKERNELS_CUDA_ARCHS:-80;90}"
-if ! timeout 150 $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+if ! timeout $(cap 150) $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
   echo "BUILD FAILED (tail of $OUT/build.log):"; tail -40 "$OUT/build.log"; exit 1
 fi
 tail -2 "$OUT/build.log"
@@ -26,38 +30,38 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 $PY -m tpkernels.cli info | tee "$OUT/tpkernels_info.txt"
 
 step "cuda-marked tests (all but attention)"
-timeout 100 $PY -m pytest tests -m cuda -q --timeout 60 -p no:cacheprovider --ignore tests/test_gpu_attention.py \
+timeout $(cap 100) $PY -m pytest tests -m cuda -q --timeout $(cap 60) -p no:cacheprovider --ignore tests/test_gpu_attention.py \
   --ignore tests/test_gpu_models.py \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "cuda-marked attention tests (Triton compiles one config per variant: ~40 kernels)"
-timeout 180 $PY -m pytest tests/test_gpu_attention.py -m cuda -q --timeout 120 -p no:cacheprovider \
+timeout $(cap 180) $PY -m pytest tests/test_gpu_attention.py -m cuda -q --timeout $(cap 120) -p no:cacheprovider \
   --junitxml="$OUT/gpu_attention_tests.xml" 2>&1 | tee "$OUT/gpu_attention_tests.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "cuda-marked model tests (Llama, GPT-2, Mistral in bf16: our model and apply_kernels vs float64)"
-timeout 120 $PY -m pytest tests/test_gpu_models.py -m cuda -q --timeout 100 -p no:cacheprovider \
+timeout $(cap 120) $PY -m pytest tests/test_gpu_models.py -m cuda -q --timeout $(cap 100) -p no:cacheprovider \
   --junitxml="$OUT/gpu_model_tests.xml" 2>&1 | tee "$OUT/gpu_model_tests.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "benchmarks"
-timeout 40 $PY benchmarks/bench_bias_gelu.py --sizes 1 16 64 2>&1 | tee "$OUT/bench_bias_gelu.log" | tail -30
+timeout $(cap 40) $PY benchmarks/bench_bias_gelu.py --sizes 1 16 64 2>&1 | tee "$OUT/bench_bias_gelu.log" | tail -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # attention at the key shapes of the issue's targets (bf16, headdim 128, seqlen >= 2k), autotuned
-timeout 100 $PY benchmarks/bench_attention.py --headdims 128 --seqlens 2048 8192 --name attention_key_shapes \
+timeout $(cap 100) $PY benchmarks/bench_attention.py --headdims 128 --seqlens 2048 8192 --name attention_key_shapes \
   2>&1 | tee "$OUT/bench_attention.log" | tail -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # RMSNorm, SwiGLU, rotary, linear_cross_entropy at Llama-3-8B widths, bf16 (Liger-Kernel too if it imports)
-timeout 60 $PY benchmarks/bench_llama_ops.py --reps 5 2>&1 | tee "$OUT/bench_llama_ops.log" | tail -30
+timeout $(cap 60) $PY benchmarks/bench_llama_ops.py --reps 5 2>&1 | tee "$OUT/bench_llama_ops.log" | tail -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 # a whole training step: transformers (SDPA) vs transformers + apply_kernels vs ParallelTransformer, 2 Llama-3-8B layers
-timeout 60 $PY benchmarks/bench_models.py --reps 3 2>&1 | tee "$OUT/bench_models.log" | tail -8
+timeout $(cap 60) $PY benchmarks/bench_models.py --reps 3 2>&1 | tee "$OUT/bench_models.log" | tail -8
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 # the main job on one GPU: the demo's model in bf16 (fp32 masters), 20 steps, a checkpoint, Triton kernels
-timeout 90 $PY -m tpkernels.train --config python/configs/demo_llama_tp2_pp2.yaml --tp 1 --pp 1 \
+timeout $(cap 90) $PY -m tpkernels.train --config python/configs/demo_llama_tp2_pp2.yaml --tp 1 --pp 1 \
   --sequence-parallel false --precision bf16 --steps 20 --save-dir /tmp/tpk_gpu_ckpt --progress false \
   --metrics-file "$OUT/train_gpu_metrics.jsonl" 2>&1 | tee "$OUT/train_gpu.log" | tail -4
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
