@@ -18,6 +18,7 @@ or zero rows (vocabulary padding). The same parts serve three uses:
 
 from __future__ import annotations
 
+import abc
 import json
 import math
 import zlib
@@ -45,14 +46,16 @@ def _sl(r):
     return slice(None) if r is None else slice(*r)
 
 
-class TensorSource:
-    """Full Hugging Face tensors by name, read a rectangle at a time."""
+class TensorSource(abc.ABC):
+    """Full Hugging Face tensors by name, read a rectangle at a time (subclasses: where they live)."""
 
+    @abc.abstractmethod
     def names(self) -> set[str]:
-        raise NotImplementedError
+        """Every tensor name the source holds."""
 
+    @abc.abstractmethod
     def _read(self, name: str, index: tuple) -> torch.Tensor:
-        raise NotImplementedError
+        """``tensor[index]`` of tensor ``name`` as stored (index: a tuple of slices)."""
 
     def resolve(self, name: str) -> str:
         names = self.names()
@@ -147,11 +150,14 @@ class RandomInit(TensorSource):
             self._cache = {name: t}  # parts of one tensor are read one after another: keep one
         return self._cache[name]
 
+    def _read(self, name, index):
+        return self._full(name)[index]
+
     def read(self, part: Part, dtype=None) -> torch.Tensor:
         if part.name is None:
             return torch.zeros(part.zero_shape, dtype=dtype or torch.float32)
-        t = self._full(part.name)  # RandomInit shapes are in our orientation: no transpose
-        t = t[_sl(part.rows), _sl(part.cols)] if part.cols is not None else t[_sl(part.rows)]
+        # RandomInit shapes are in our orientation: no transpose
+        t = self._read(part.name, (_sl(part.rows), _sl(part.cols)) if part.cols is not None else (_sl(part.rows),))
         return t.to(dtype) if dtype is not None else t.clone()
 
 

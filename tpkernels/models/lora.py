@@ -104,8 +104,11 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
 @torch.no_grad()
 def _init_a(model, seed: int) -> None:
     """Kaiming-uniform A of the whole layer, U(±1/sqrt(in_features)), from a generator keyed by its name."""
-    for part_list, (name, m) in ((model.param_parts().get(f"{n}.weight"), (n, m)) for n, m in model.named_modules()
-                                 if isinstance(getattr(m, "lora", None), LoRA)):
+    base = model.param_parts()
+    for name, m in model.named_modules():
+        if not isinstance(getattr(m, "lora", None), LoRA):
+            continue
+        part_list = base[f"{name}.weight"]
         lora, hf = m.lora, part_list[0].name
         g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(hf.encode())) % 2 ** 63)
         bound = 1.0 / math.sqrt(m.in_features)
@@ -155,11 +158,12 @@ def lora_shapes(model) -> dict[str, tuple[int, int]]:
     """Full shapes of the adapters' Hugging Face-named tensors (for checkpoints)."""
     full = {}
     base_shapes = {k: v for c in model.chunks for k, v in c.shapes().items()}
+    base = model.param_parts()
     for name, m in model.named_modules():
         lora = getattr(m, "lora", None)
         if not isinstance(lora, LoRA):
             continue
-        for p in model.param_parts()[f"{name}.weight"]:
+        for p in base[f"{name}.weight"]:
             if p.name is None:
                 continue
             out_f, in_f = base_shapes[p.name]
