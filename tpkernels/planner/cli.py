@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tpkernels.planner.efficiency import A100_CALIBRATED
+from tpkernels.planner.efficiency import calibrated_for
 from tpkernels.planner.hardware import GPU_PRESETS, ClusterSpec, gpu_preset
 from tpkernels.planner.memory import DEFAULT_MEMORY_MARGIN
 from tpkernels.planner.models import MODEL_PRESETS, ModelSpec, from_hf_config, model_preset
@@ -123,7 +123,7 @@ def run(args) -> int:
     seq_len = args.seq_len if args.seq_len is not None else min(model.seq_length, 8192)
     train = TrainingSetup(args.global_batch, seq_len, args.precision, args.optimizer,
                           args.finetune, args.lora_rank, not args.no_flash_attention)
-    eff = A100_CALIBRATED
+    eff = calibrated_for(cluster.gpu)
     if args.measure:
         from tpkernels.planner.measure import calibrate, measure  # noqa: PLC0415
 

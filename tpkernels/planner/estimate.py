@@ -9,17 +9,20 @@ from tpkernels.planner.efficiency import Efficiency
 from tpkernels.planner.hardware import ClusterSpec
 from tpkernels.planner.memory import DEFAULT_MEMORY_MARGIN, GIB, MemoryBreakdown, fits, peak_memory
 from tpkernels.planner.models import ModelSpec
-from tpkernels.planner.step_time import StepTime, step_time
+from tpkernels.planner.step_time import StepTime, schedule_errors, step_time
 from tpkernels.planner.workload import TrainingSetup
 
 COMM_RATIO_LIMIT = 0.30  # practitioners' rule: above ~30% communication/compute, lower TP
 
 
-def layout_errors(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, cfg: ParallelConfig) -> list[str]:
-    """Every rule ``cfg`` breaks for this model, cluster and batch (empty when valid)."""
+def layout_errors(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, cfg: ParallelConfig,
+                  schedule: str | None = None) -> list[str]:
+    """Every rule ``cfg`` (run with ``schedule``) breaks for this model, cluster and batch (empty when valid)."""
     errs = cfg.layout_errors()
     if errs:
         return errs
+    if schedule is not None and cfg.pp > 1:
+        errs += schedule_errors(cfg, schedule)
     errs += cfg.job_errors(world_size=cluster.num_gpus, global_batch_size=train.global_batch)
     errs += cfg.model_errors(num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
                              num_kv_heads=model.kv_heads, ffn_hidden_size=model.ffn_hidden_size,
@@ -74,7 +77,7 @@ class Estimate:
             "tp": c.tp, "pp": c.pp, "dp": c.dp, "virtual_stages": c.virtual_stages,
             "micro_batch_size": c.micro_batch_size, "num_microbatches": c.num_microbatches,
             "sequence_parallel": c.sequence_parallel, "recompute": c.recompute, "zero1": c.zero1,
-            "schedule": c.schedule, "fits": self.fits, "step_time_s": self.step_time,
+            "schedule": self.time.schedule, "fits": self.fits, "step_time_s": self.step_time,
             "model_tflops_per_gpu": self.model_tflops_per_gpu,
             "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
             "bubble_fraction": self.bubble_fraction, "comm_ratio": self.time.comm_ratio,
@@ -85,10 +88,11 @@ class Estimate:
 
 
 def estimate(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, cfg: ParallelConfig,
-             eff: Efficiency, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Estimate:
-    """Memory and step time of a layout that passed ``layout_errors``."""
-    mem = peak_memory(model, train, cfg)
-    t = step_time(model, train, cfg, cluster, eff)
+             eff: Efficiency, memory_margin: float = DEFAULT_MEMORY_MARGIN, schedule: str | None = None) -> Estimate:
+    """Memory and step time of a layout that passed ``layout_errors``, run with ``schedule``
+    (default: 1F1B, or interleaved with virtual stages)."""
+    t = step_time(model, train, cfg, cluster, eff, schedule)
+    mem = peak_memory(model, train, cfg, t.schedule)
     model_flops = model.model_flops_per_step(train.global_batch, train.seq_length)
     lin, core = model.forward_flops_per_layer(train.global_batch, train.seq_length)
     if train.finetune == "lora":

@@ -22,6 +22,7 @@ def _check_positive(name: str, value, optional: bool = False) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
         raise ValueError(f"{name} ({value!r}) must be a finite number > 0")
 
+GENERATIONS = ("ampere", "ada", "hopper", "cpu")
 PCIE_GEN4_GBS = 32.0
 PCIE_GEN5_GBS = 64.0
 
@@ -38,11 +39,26 @@ class GPUSpec:
     pcie_gbs: float
     inter_node_gbs: float
     peak_tflops_fp8: float | None = None
+    # What the GEMM-efficiency model needs (tpkernels/planner/gemm_model.py): the streaming
+    # multiprocessors that run one output tile each, the tile cuBLAS picks for large bf16 GEMMs on
+    # this generation (Hopper's warp-specialised kernels: 128×256; Ampere: 128×128), and the
+    # generation, which selects the calibrated constants (efficiency.calibrated_for).
+    sm_count: int = 108
+    tile_m: int = 128
+    tile_n: int = 128
+    generation: str = "ampere"
+    peak_tflops_fp32: float | None = None  # fp32 GEMM rate; set for measured CPUs (fp32 training there)
 
     def __post_init__(self):
         for f in ("peak_tflops_bf16", "memory_gib", "hbm_gbs", "nvlink_gbs", "pcie_gbs", "inter_node_gbs",
-                  "peak_tflops_fp8"):
-            _check_positive(f, getattr(self, f), optional=f in ("nvlink_gbs", "peak_tflops_fp8"))
+                  "peak_tflops_fp8", "peak_tflops_fp32"):
+            _check_positive(f, getattr(self, f), optional=f in ("nvlink_gbs", "peak_tflops_fp8", "peak_tflops_fp32"))
+        for f in ("sm_count", "tile_m", "tile_n"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{f} ({value!r}) must be a positive integer")
+        if self.generation not in GENERATIONS:
+            raise ValueError(f"generation ({self.generation!r}) must be one of {', '.join(GENERATIONS)}")
 
     def peak_tflops(self, precision: str) -> float:
         if precision in ("bf16", "fp16"):
@@ -51,22 +67,31 @@ class GPUSpec:
             if self.peak_tflops_fp8 is None:
                 raise ValueError(f"precision ('fp8') is not supported by {self.name}: it has no FP8 tensor cores")
             return self.peak_tflops_fp8
-        raise ValueError(f"precision ({precision!r}) must be one of bf16, fp16, fp8")
+        if precision == "fp32":
+            if self.peak_tflops_fp32 is None:
+                raise ValueError(f"precision ('fp32') has no rate for {self.name}: plan 16-bit training on GPUs, "
+                                 "or measure this machine (tpkernels plan --measure)")
+            return self.peak_tflops_fp32
+        raise ValueError(f"precision ({precision!r}) must be one of bf16, fp16, fp8, fp32")
 
     def replace(self, **changes) -> "GPUSpec":
         return dataclasses.replace(self, **changes)
 
 
+_HOPPER = dict(sm_count=132, tile_n=256, generation="hopper")
+
 GPU_PRESETS: dict[str, GPUSpec] = {
     g.name: g
     for g in (
-        GPUSpec("A100-40GB", 312.0, 40.0, 1555.0, 300.0, PCIE_GEN4_GBS, 25.0),
-        GPUSpec("A100-80GB", 312.0, 80.0, 2039.0, 300.0, PCIE_GEN4_GBS, 25.0),
-        GPUSpec("H100-SXM", 989.0, 79.6, 3350.0, 450.0, PCIE_GEN5_GBS, 50.0, peak_tflops_fp8=1979.0),
-        GPUSpec("H100-PCIe", 756.0, 79.6, 2000.0, None, PCIE_GEN5_GBS, 25.0, peak_tflops_fp8=1513.0),
-        GPUSpec("H200", 989.0, 140.4, 4800.0, 450.0, PCIE_GEN5_GBS, 50.0, peak_tflops_fp8=1979.0),
-        GPUSpec("A10-24GB", 125.0, 22.5, 600.0, None, PCIE_GEN4_GBS, 12.5),
-        GPUSpec("L20", 119.5, 44.5, 864.0, None, PCIE_GEN4_GBS, 12.5, peak_tflops_fp8=239.0),
+        GPUSpec("A100-40GB", 312.0, 40.0, 1555.0, 300.0, PCIE_GEN4_GBS, 25.0, sm_count=108),
+        GPUSpec("A100-80GB", 312.0, 80.0, 2039.0, 300.0, PCIE_GEN4_GBS, 25.0, sm_count=108),
+        GPUSpec("H100-SXM", 989.0, 79.6, 3350.0, 450.0, PCIE_GEN5_GBS, 50.0, peak_tflops_fp8=1979.0, **_HOPPER),
+        GPUSpec("H100-PCIe", 756.0, 79.6, 2000.0, None, PCIE_GEN5_GBS, 25.0, peak_tflops_fp8=1513.0,
+                **{**_HOPPER, "sm_count": 114}),
+        GPUSpec("H200", 989.0, 140.4, 4800.0, 450.0, PCIE_GEN5_GBS, 50.0, peak_tflops_fp8=1979.0, **_HOPPER),
+        GPUSpec("A10-24GB", 125.0, 22.5, 600.0, None, PCIE_GEN4_GBS, 12.5, sm_count=72),
+        GPUSpec("L20", 119.5, 44.5, 864.0, None, PCIE_GEN4_GBS, 12.5, peak_tflops_fp8=239.0, sm_count=92,
+                generation="ada"),
     )
 }
 

@@ -61,11 +61,16 @@ def lora_params_per_rank(model: ModelSpec, cfg: ParallelConfig, rank: int) -> fl
     return model.num_layers / cfg.pp * model.lora_params_per_layer(rank) / cfg.tp
 
 
-def inflight_layers(model: ModelSpec, cfg: ParallelConfig, stage: int) -> float:
-    """Layers' worth of micro-batch activations alive at the peak on ``stage``."""
+def inflight_layers(model: ModelSpec, cfg: ParallelConfig, stage: int, schedule: str | None = None) -> float:
+    """Layers' worth of micro-batch activations alive at the peak on ``stage``. GPipe runs every
+    forward before any backward, so all m micro-batches are alive; 1F1B and ZB-H1 hold at most
+    p − stage (ZB-H1 frees a micro-batch's activations after its W, which it schedules within the
+    same window)."""
     p, v, m = cfg.pp, cfg.virtual_stages, cfg.num_microbatches
     if p == 1:
         return float(model.num_layers)  # gradient accumulation frees each micro-batch after its backward
+    if schedule == "gpipe":
+        return m * model.num_layers / p
     if v == 1:
         return min(m, p - stage) * model.num_layers / p
     chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
@@ -94,7 +99,8 @@ class MemoryBreakdown:
         return d
 
 
-def stage_memory(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, stage: int) -> MemoryBreakdown:
+def stage_memory(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, stage: int,
+                 schedule: str | None = None) -> MemoryBreakdown:
     params = stage_params_per_rank(model, cfg, stage)
     opt_bytes = train.optimizer_state_bytes / (cfg.dp if cfg.zero1 else 1)
     if train.finetune == "full":
@@ -105,7 +111,7 @@ def stage_memory(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, st
     act = layer_activations(model, seq=train.seq_length, micro_batch=cfg.micro_batch_size, tp=cfg.tp,
                             sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
                             flash_attention=train.flash_attention)
-    activations = inflight_layers(model, cfg, stage) * act.stored + act.recompute_peak
+    activations = inflight_layers(model, cfg, stage, schedule) * act.stored + act.recompute_peak
     logits = 0.0
     if stage == cfg.pp - 1:
         # 16-bit logits plus the fp32 copy the vocab-parallel cross-entropy works on, for one micro-batch.
@@ -113,10 +119,11 @@ def stage_memory(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, st
     return MemoryBreakdown(stage, weights, grads, optim, activations, logits, float(RUNTIME_RESERVED_BYTES))
 
 
-def peak_memory(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig) -> MemoryBreakdown:
+def peak_memory(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig,
+                schedule: str | None = None) -> MemoryBreakdown:
     """The fullest stage: the first (most activations in flight) or the last (head and logits)."""
     stages = {0, cfg.pp - 1}
-    return max((stage_memory(model, train, cfg, s) for s in stages), key=lambda m: m.total)
+    return max((stage_memory(model, train, cfg, s, schedule) for s in stages), key=lambda m: m.total)
 
 
 def fits(mem: MemoryBreakdown, capacity_gib: float, margin: float = DEFAULT_MEMORY_MARGIN) -> bool:

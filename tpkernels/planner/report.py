@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tpkernels.planner.efficiency import is_calibrated
 from tpkernels.planner.estimate import Estimate
 from tpkernels.planner.memory import GIB
 from tpkernels.planner.search import Explanation, Plan
@@ -26,29 +27,36 @@ def describe_inputs(p: Plan) -> list[str]:
         f"cluster  {p.cluster.describe()}",
         f"training global batch {t.global_batch} × {t.seq_length} tokens, {t.precision}, {t.optimizer}, {tune}"
         + ("" if t.flash_attention else ", no FlashAttention"),
-        f"constants gemm {e.gemm:.2f} (+{1e6 * e.gemm_launch_s:g} µs per GEMM), hbm {e.hbm:.2f}, link {e.link:.2f}, "
-        f"tp_overlap {e.tp_overlap:g}, dp_overlap {e.dp_overlap:g}",
+        f"constants gemm {e.gemm:.2f} (fp8 {e.gemm_fp8:.2f}, k0 {e.gemm_k0:g}, tail {e.gemm_tail:g}, "
+        f"+{1e6 * e.gemm_launch_s:g} µs per GEMM), attention {e.attention:.2f}, hbm {e.hbm:.2f}, link {e.link:.2f}, "
+        f"tp_overlap {e.tp_overlap:g}" + ("" if is_calibrated(p.cluster.gpu) else
+                                        f" (no published {p.cluster.gpu.generation} runs: Ampere's constants)"),
     ]
     if p.fixed:
         lines.append("fixed    " + ", ".join(f"{k}={v}" for k, v in p.fixed.items()))
     return lines
 
 
+def label(e: Estimate) -> str:
+    """The layout and, with a pipeline, its schedule: ``TP4 PP8 DP2 mbs1 SP ZeRO1 zb-h1``."""
+    return e.config.short() + (f" {e.time.schedule}" if e.config.pp > 1 else "")
+
+
 def table(rows: list[Estimate]) -> str:
-    head = ("#", "layout", "v", "mbs", "m", "SP", "recompute", "ZeRO1", "memory GiB", "step s", "MFU",
+    head = ("#", "layout", "schedule", "v", "mbs", "m", "SP", "recompute", "ZeRO1", "memory GiB", "step s", "MFU",
             "TFLOP/s/GPU", "bubble", "TP exposed", "DP exposed", "comm/comp")
     body = []
     for i, e in enumerate(rows, 1):
         c, t = e.config, e.time
         body.append((
-            str(i), f"TP{c.tp} PP{c.pp} DP{c.dp}", str(c.virtual_stages), str(c.micro_batch_size),
+            str(i), f"TP{c.tp} PP{c.pp} DP{c.dp}", t.schedule, str(c.virtual_stages), str(c.micro_batch_size),
             str(c.num_microbatches), "on" if c.sequence_parallel else "off", c.recompute, "on" if c.zero1 else "off",
             f"{e.memory.total / GIB:.1f}/{e.memory_capacity_gib:.3g}", f"{e.step_time:.3g}", _pct(e.mfu),
             f"{e.model_tflops_per_gpu:.0f}", _pct(t.bubble / t.total), _pct(t.tp_exposed / t.total),
             _pct(t.dp_exposed / t.total), _pct(t.comm_ratio),
         ))
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    fmt = lambda r: "  ".join(x.rjust(w) if j not in (1, 6) else x.ljust(w) for j, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
+    fmt = lambda r: "  ".join(x.rjust(w) if j not in (1, 2, 7) else x.ljust(w) for j, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body)])
 
 
@@ -59,7 +67,7 @@ def compare(a: Estimate, b: Estimate) -> str:
     worse = [f"{COMPONENTS[k]} +{d:.3g} s" for d, k in deltas if d > 0.02 * a.step_time][:2]
     better = [f"{COMPONENTS[k]} −{-d:.3g} s" for d, k in reversed(deltas) if -d > 0.02 * a.step_time][:1]
     slower = b.step_time / a.step_time - 1
-    text = f"{b.config.short()} takes {100 * slower:.1f}% longer per step"
+    text = f"{label(b)} takes {100 * slower:.1f}% longer per step"
     if worse:
         text += f" ({', '.join(worse)})"
     if better:
@@ -91,7 +99,7 @@ def explanation_paragraph(p: Plan) -> str:
     if not p.ranked:
         return no_fit_message(p)
     best = p.ranked[0]
-    text = (f"{best.config.short()} wins: {best.step_time:.3g} s per step, {_pct(best.mfu)} MFU, "
+    text = (f"{label(best)} wins: {best.step_time:.3g} s per step, {_pct(best.mfu)} MFU, "
             f"{best.memory.total / GIB:.1f} GiB of {best.memory_capacity_gib:.3g} GiB; {why(best)}.")
     if len(p.ranked) > 1:
         text += " The runner-up " + compare(best, p.ranked[1])
@@ -101,7 +109,7 @@ def explanation_paragraph(p: Plan) -> str:
 def no_fit_message(p: Plan) -> str:
     if p.too_big:
         e = p.too_big[0]
-        return (f"No layout fits in {e.memory_capacity_gib:.3g} GiB per GPU. The smallest, {e.config.short()}, needs "
+        return (f"No layout fits in {e.memory_capacity_gib:.3g} GiB per GPU. The smallest, {label(e)}, needs "
                 f"{e.memory.total / GIB:.1f} GiB on pipeline stage {e.memory.stage} "
                 f"({', '.join(f'{k} {v:.1f}' for k, v in e.memory.as_gib().items() if k != 'total')} GiB): "
                 "add GPUs, use ZeRO-1/recompute, a smaller micro-batch or LoRA.")
@@ -147,11 +155,11 @@ def format_explanation(x: Explanation) -> str:
     if x.errors:
         lines = [f"{want} is not a valid layout for this job:"] + [f"  - {e}" for e in x.errors]
         if x.best:
-            lines.append(f"The best valid layout is {x.best.config.short()} ({x.best.step_time:.3g} s per step, "
+            lines.append(f"The best valid layout is {label(x.best)} ({x.best.step_time:.3g} s per step, "
                          f"{_pct(x.best.mfu)} MFU).")
         return "\n".join(lines)
     e = x.estimate
-    lines = [f"{want} → best setting {e.config.short()}", "", table([e]), ""]
+    lines = [f"{want} → best setting {label(e)}", "", table([e]), ""]
     mem = ", ".join(f"{k} {v:.1f}" for k, v in e.memory.as_gib().items())
     lines.append(f"memory (GiB, pipeline stage {e.memory.stage}): {mem}")
     lines.append("time (s): " + ", ".join(f"{COMPONENTS[k]} {e.time.as_dict()[k]:.3g}" for k in COMPONENTS))

@@ -9,16 +9,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tpkernels.parallel import RECOMPUTE_CHOICES, ParallelConfig
-from tpkernels.planner.efficiency import A100_CALIBRATED, Efficiency
+from tpkernels.planner.efficiency import Efficiency, calibrated_for
 from tpkernels.planner.estimate import Estimate, estimate, layout_errors
 from tpkernels.planner.hardware import ClusterSpec
 from tpkernels.planner.memory import DEFAULT_MEMORY_MARGIN
 from tpkernels.planner.models import ModelSpec
+from tpkernels.planner.step_time import PLANNER_SCHEDULES, default_schedule
 from tpkernels.planner.workload import TrainingSetup
 
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL_STAGES = 8
-FIXABLE = ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "sequence_parallel", "recompute", "zero1")
+FIXABLE = ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "sequence_parallel", "recompute", "zero1",
+           "schedule")
 
 
 def divisors(n: int) -> list[int]:
@@ -49,7 +51,7 @@ class Plan:
 
 def candidate_configs(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, fixed: dict | None = None):
     """Yield every ParallelConfig of this job's search space (valid or not), honouring ``fixed``."""
-    fixed = dict(fixed or {})
+    fixed = {k: v for k, v in (fixed or {}).items() if k != "schedule"}
     unknown = set(fixed) - set(FIXABLE)
     if unknown:
         raise ValueError(f"fixed choices {sorted(unknown)} are not layout fields; use {', '.join(FIXABLE)}")
@@ -79,20 +81,37 @@ def candidate_configs(model: ModelSpec, train: TrainingSetup, cluster: ClusterSp
                 yield ParallelConfig(tp, pp, dp, v, mbs, max(1, per_replica // mbs), sp, rc, z)
 
 
-def plan(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, eff: Efficiency = A100_CALIBRATED,
+def schedules_for(cfg: ParallelConfig, fixed: dict | None = None) -> list[str]:
+    """Pipeline schedules to score for ``cfg``: the fixed one, or 1F1B and ZB-H1 (GPipe has 1F1B's
+    bubble with m micro-batches of activations alive, so it is never the better choice), or
+    interleaved with virtual stages."""
+    if fixed and "schedule" in fixed:
+        return [fixed["schedule"]]
+    if cfg.pp == 1:
+        return [default_schedule(cfg)]
+    return ["interleaved"] if cfg.virtual_stages > 1 else ["1f1b", "zb-h1"]
+
+
+def plan(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, eff: Efficiency | None = None,
          fixed: dict | None = None, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Plan:
     """Score every valid configuration; keep per layout (TP, PP, DP) the fastest one that fits
-    (virtual stages, micro-batch size, SP, recompute and ZeRO-1 are that layout's knobs)."""
+    (virtual stages, micro-batch size, SP, recompute, ZeRO-1 and the schedule are that layout's
+    knobs). ``eff`` defaults to the constants calibrated for the cluster's GPU generation."""
+    eff = eff or calibrated_for(cluster.gpu)
+    if fixed and "schedule" in fixed and fixed["schedule"] not in PLANNER_SCHEDULES:
+        raise ValueError(f"schedule ({fixed['schedule']!r}) must be one of {', '.join(PLANNER_SCHEDULES)}")
     result = Plan(model, train, cluster, eff, [], fixed=dict(fixed or {}))
     best: dict[tuple, Estimate] = {}
     smallest: dict[tuple, Estimate] = {}
-    for cfg in candidate_configs(model, train, cluster, fixed):
-        errs = layout_errors(model, train, cluster, cfg)
+    scored = ((cfg, sched) for cfg in candidate_configs(model, train, cluster, fixed)
+              for sched in schedules_for(cfg, fixed))
+    for cfg, sched in scored:
+        errs = layout_errors(model, train, cluster, cfg, sched)
         if errs:
             for e in errs:
                 result.rejected[rule_of(e)] += 1
             continue
-        est = estimate(model, train, cluster, cfg, eff, memory_margin)
+        est = estimate(model, train, cluster, cfg, eff, memory_margin, sched)
         result.evaluated += 1
         key = (cfg.tp, cfg.pp, cfg.dp)
         if est.fits:
@@ -111,7 +130,7 @@ _KEYS = {
     "tp": "tp", "pp": "pp", "dp": "dp", "v": "virtual_stages", "vpp": "virtual_stages",
     "virtual_stages": "virtual_stages", "mbs": "micro_batch_size", "micro_batch_size": "micro_batch_size",
     "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel", "recompute": "recompute",
-    "rc": "recompute", "zero1": "zero1", "zero": "zero1",
+    "rc": "recompute", "zero1": "zero1", "zero": "zero1", "schedule": "schedule",
 }
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
 
@@ -135,6 +154,10 @@ def parse_layout(text: str) -> dict:
             if value.lower() not in _TRUE + _FALSE:
                 raise ValueError(f"{key} ({value!r}) must be on or off")
             out[field_name] = value.lower() in _TRUE
+        elif field_name == "schedule":
+            if value.lower() not in PLANNER_SCHEDULES:
+                raise ValueError(f"{key} ({value!r}) must be one of {', '.join(PLANNER_SCHEDULES)}")
+            out[field_name] = value.lower()
         elif field_name == "recompute":
             if value.lower() not in RECOMPUTE_CHOICES:
                 raise ValueError(f"{key} ({value!r}) must be one of {', '.join(RECOMPUTE_CHOICES)}")
@@ -161,11 +184,11 @@ class Explanation:
 
 
 def explain(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, layout: dict | str,
-            eff: Efficiency = A100_CALIBRATED, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Explanation:
+            eff: Efficiency | None = None, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Explanation:
     """Score the layout a user has in mind: unspecified knobs take their best value."""
     req = parse_layout(layout) if isinstance(layout, str) else dict(layout)
     label = layout if isinstance(layout, str) else ",".join(f"{k}={v}" for k, v in req.items())
-    cfg_fields = dict(req)
+    cfg_fields = {k: v for k, v in req.items() if k != "schedule"}
     tp, pp = req.get("tp", 1), req.get("pp", 1)
     if "dp" not in req and cluster.num_gpus % (tp * pp) == 0:
         cfg_fields["dp"] = cluster.num_gpus // (tp * pp)
@@ -173,7 +196,7 @@ def explain(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, layout
     mbs = req.get("micro_batch_size", 1)
     m = train.global_batch // (dp * mbs) if train.global_batch % (dp * mbs) == 0 else 0
     probe = ParallelConfig(**{**cfg_fields, "num_microbatches": max(m, 1)})
-    errors = layout_errors(model, train, cluster, probe)
+    errors = layout_errors(model, train, cluster, probe, req.get("schedule"))
     if "dp" not in cfg_fields and not probe.layout_errors():
         errors = [e for e in errors if not e.startswith("world_size")]
         errors.insert(0, f"world_size ({cluster.num_gpus}) must be divisible by tensor_parallel_size ({tp}) × "
@@ -184,7 +207,8 @@ def explain(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, layout
     overall = plan(model, train, cluster, eff, memory_margin=memory_margin)
     if errors:
         return Explanation(req, label, errors, None, False, overall.best)
-    scoped = plan(model, train, cluster, eff, fixed=cfg_fields, memory_margin=memory_margin)
+    scoped = plan(model, train, cluster, eff, fixed=req if "schedule" in req else cfg_fields,
+                  memory_margin=memory_margin)
     est = scoped.best or (scoped.too_big[0] if scoped.too_big else None)
     if est is None:  # every knob setting broke a rule (e.g. interleaving with an incompatible batch)
         return Explanation(req, label, sorted(scoped.rejected), None, False, overall.best)

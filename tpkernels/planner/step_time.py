@@ -1,25 +1,29 @@
 """Step time of one layout: compute, TP / PP / DP communication, pipeline bubble, optimizer.
 
 Per micro-batch on the slowest pipeline stage (the last one also runs the output layer):
-  GEMMs      forward FLOPs (linear layers 2·tokens·weights, attention core 4·b·s²·heads·head_dim)
-             + backward (2× forward; LoRA: 1× for the frozen linears, which need no weight
-             gradient; FlashAttention's backward recomputes the scores: 2.5× for the core)
-             + recompute (full: one more forward; selective without FlashAttention: the core)
-             over peak × Efficiency.gemm, plus Efficiency.gemm_launch_s per GEMM kernel.
+  GEMMs      every linear layer's forward, input-gradient and weight-gradient GEMM timed at its own
+             shape after TP splitting (gemm_model.py: ceiling, wave quantization, short-k loss,
+             memory roof, launch cost); LoRA's frozen linears skip the weight gradient; full
+             recompute runs the forward twice. FP8 runs the linear GEMMs at the FP8 peak and the
+             attention core in bf16.
+  attention  FlashAttention: forward + backward (2.5× forward, it recomputes the scores) FLOPs
+             over bf16 peak × Efficiency.attention. Without FlashAttention (Megatron 2021): the
+             batched QKᵀ and PV GEMMs through the GEMM model; selective recompute redoes them.
   elementwise  the bytes of activations the layer writes × Efficiency.elementwise_traffic over
              HBM bandwidth × Efficiency.hbm (norms, softmax, GeLU, dropout are memory-bound).
   TP comm    message = s·b·h 16-bit activations. Without SP, Megatron's form: 2 all-reduces per
-             layer forward and 2 backward (+2 with full recompute), each 2(t−1)/t·bytes/bw, not
-             hidden. With SP: all-gathers and reduce-scatters ((t−1)/t·bytes/bw each; 4 forward,
-             6 backward counting the re-gather of the input for the weight gradient), of which
-             Efficiency.tp_overlap is hidden behind the chunked GEMMs, but never more than the
-             linear GEMMs' own time (on slow links the communication cannot all hide).
+             layer forward and 2 backward (+2 with full recompute), not hidden. With SP:
+             all-gathers and reduce-scatters (4 forward, 6 backward counting the re-gather of the
+             input for the weight gradient), of which Efficiency.tp_overlap is hidden behind the
+             chunked GEMMs, but never more than the linear GEMMs' own time.
   P2P        one activation forward and one gradient backward per model chunk, 1/t of it per
              TP rank (Narayanan et al.'s scatter/gather), not hidden.
-Step = (m + (p−1)/v) × slowest micro-batch   (1F1B and interleaved bubble: (p−1)/(v·m))
-       + exposed DP gradient reduction (ring all-reduce 2(d−1)/d·bytes/bw, or reduce-scatter +
-         all-gather with ZeRO-1; the part hidden behind the last micro-batch's backward removed)
-       + optimizer step (memory-bound).
+Step = the engine's simulated makespan of the schedule (pipeline_bubble.py: GPipe, 1F1B,
+       interleaved, ZB-H1 with its split weight gradient) over those per-micro-batch costs
+     + exposed DP communication (collectives.py: hierarchical across nodes; the gradient
+       reduction bucketed behind the last micro-batch's backward, the ZeRO-1 weight all-gather
+       behind the first forward, when the software overlaps them)
+     + optimizer step (memory-bound).
 """
 
 from __future__ import annotations
@@ -28,26 +32,57 @@ from dataclasses import asdict, dataclass
 
 from tpkernels.parallel import ParallelConfig
 from tpkernels.planner.activations import layer_activations
+from tpkernels.planner.collectives import exposed_after_overlap, group_collective_time
 from tpkernels.planner.efficiency import Efficiency
+from tpkernels.planner.gemm_model import gemm_time, linear_time
 from tpkernels.planner.hardware import ClusterSpec
 from tpkernels.planner.memory import lora_params_per_rank, padded_vocab, stage_params_per_rank
 from tpkernels.planner.models import ModelSpec
+from tpkernels.planner.pipeline_bubble import bubble_time
 from tpkernels.planner.workload import TrainingSetup
+
+PLANNER_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+# Non-GEMM kernels of one decoder layer, forward + backward, in our implementation: forward runs two
+# fused norms (each also adds a residual), rotary on q and k, the attention core, the MLP
+# activation and ~6 reshapes/copies around the GEMMs; backward runs each again with about twice the
+# kernels. Only Efficiency.kernel_launch_s (CPUs) makes this count matter.
+ELEMENTWISE_KERNELS_PER_LAYER = 36
+# Bytes the vocabulary-parallel cross-entropy moves per logit, in units of one stored logit: the
+# logits are written by the head GEMM, read for the max, the exp-sum and the target pick, and the
+# softmax gradient is written and read by the backward GEMMs (ours fuses them per chunk, but each
+# chunk's logits still make these passes).
+LOGIT_TRAFFIC = 6.0
+
+
+def default_schedule(cfg: ParallelConfig) -> str:
+    return "interleaved" if cfg.virtual_stages > 1 else "1f1b"
+
+
+def schedule_errors(cfg: ParallelConfig, schedule: str) -> list[str]:
+    if schedule not in PLANNER_SCHEDULES:
+        return [f"schedule ({schedule!r}) must be one of {', '.join(PLANNER_SCHEDULES)}"]
+    if cfg.virtual_stages > 1 and schedule != "interleaved":
+        return [f"schedule ({schedule!r}) cannot run virtual_stages ({cfg.virtual_stages}) > 1; "
+                "only 'interleaved' does"]
+    if cfg.virtual_stages == 1 and schedule == "interleaved" and cfg.pp > 1:
+        return ["schedule ('interleaved') needs virtual_stages > 1"]
+    return []
 
 
 @dataclass(frozen=True)
 class StepTime:
     """Seconds per optimizer step on the slowest GPU, and what they are made of."""
 
-    gemm: float  # GEMMs of all micro-batches
+    gemm: float  # GEMMs (and the attention core) of all micro-batches
     elementwise: float  # memory-bound kernels of all micro-batches
     tp_comm: float  # TP collectives, total (hidden + exposed)
     tp_exposed: float
     p2p: float  # pipeline send/recv (exposed)
     bubble: float
-    dp_comm: float  # DP gradient reduction, total
+    dp_comm: float  # DP gradient reduction (+ ZeRO-1 weight all-gather), total
     dp_exposed: float
     optimizer: float
+    schedule: str = "none"
 
     @property
     def compute(self) -> float:
@@ -68,96 +103,148 @@ class StepTime:
         return d
 
 
+def _linear_shapes(model: ModelSpec, t: int) -> list[tuple[float, float]]:
+    """(k, n) per TP rank of one layer's linear GEMMs: QKV, output projection, MLP up(+gate), down."""
+    h, q, kv, f = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
+    return [(h, (q + 2 * kv) / t), (q / t, h), (h, f * (model.mlp_matrices - 1) / t), (f / t, h)]
+
+
+def _attention_time(model: ModelSpec, train: TrainingSetup, b: int, s: int, t: int, cluster: ClusterSpec,
+                    eff: Efficiency) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's attention core on one TP rank."""
+    precision = "bf16" if train.precision == "fp8" else train.precision
+    if train.flash_attention:
+        # on a measured CPU the core runs in fp32 at the measured attention rate (same formula)
+        _, core = model.forward_flops_per_layer(b, s)
+        fwd = core / t / (cluster.gpu.peak_tflops(precision) * 1e12 * eff.attention)
+        return fwd, 2.5 * fwd
+    heads, d = model.num_attention_heads / t, model.dhead
+    fwd = (gemm_time(s, s, d, cluster.gpu, eff, precision, batch=b * heads)  # QKᵀ
+           + gemm_time(s, d, s, cluster.gpu, eff, precision, batch=b * heads))  # PV
+    return fwd, 2.0 * fwd
+
+
 def _microbatch_time(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec,
                      eff: Efficiency, last_stage: bool) -> dict[str, float]:
-    """Seconds of one micro-batch (forward + backward) on one GPU of a stage."""
+    """Seconds of one micro-batch on one GPU of a stage: forward, input-gradient, weight-gradient."""
     t, b, s = cfg.tp, cfg.micro_batch_size, train.seq_length
+    tokens = b * s
     layers = model.num_layers / cfg.pp
-    peak = cluster.gpu.peak_tflops(train.precision) * 1e12 * eff.gemm
-    lin, core = model.forward_flops_per_layer(b, s)
-    lin, core = lin / t, core / t
-    lin_bwd = 1.0 if train.finetune == "lora" else 2.0
-    core_bwd = 2.5 if train.flash_attention else 2.0
-    lin_passes = 1 + lin_bwd + (1 if cfg.recompute == "full" else 0)
-    core_passes = 1 + core_bwd + (1 if cfg.recompute == "full" or
-                                  (cfg.recompute == "selective" and not train.flash_attention) else 0)
-    flops_linear = layers * lin * lin_passes
-    flops = flops_linear + layers * core * core_passes
-    # Four linear GEMMs per layer and pass (QKV, output projection, MLP up (+gate, fused), down) and
-    # two attention-core GEMMs; each pays a fixed launch cost on top of its FLOPs.
-    launches = layers * (4 * lin_passes + 2 * core_passes)
+    gpu, frozen = cluster.gpu, train.finetune == "lora"
+    lin_f = lin_b = lin_w = 0.0
+    for k, n in _linear_shapes(model, t):
+        f_, b_, w_ = linear_time(tokens, k, n, gpu, eff, train.precision, weight_grad=not frozen)
+        lin_f, lin_b, lin_w = lin_f + f_, lin_b + b_, lin_w + w_
+    att_f, att_b = _attention_time(model, train, b, s, t, cluster, eff)
+    fwd_rc = {"full": lin_f + att_f, "selective": 0.0 if train.flash_attention else att_f, "none": 0.0}[cfg.recompute]
+    f = layers * (lin_f + att_f)
+    bwd_in = layers * (lin_b + att_b + fwd_rc)  # recompute runs just before the backward that needs it
+    bwd_w = layers * lin_w
+    linear_gemm = layers * (lin_f + lin_b + lin_w + (lin_f if cfg.recompute == "full" else 0.0))
     if last_stage:
-        logits = model.logits_forward_flops(b, s) * padded_vocab(model, t) / model.vocab_size / t
-        flops += 3.0 * logits
-        launches += 3
-    gemm = flops / peak + launches * eff.gemm_launch_s
+        vocab = padded_vocab(model, t) / t
+        # The output layer stays in 16 bits under FP8 (TransformerEngine recipes keep it out of FP8).
+        head_precision = "bf16" if train.precision == "fp8" else train.precision
+        hf, hb, hw = linear_time(tokens, model.hidden_size, vocab, gpu, eff, head_precision,
+                                 weight_grad=not (frozen and not model.tied_embeddings))
+        f, bwd_in, bwd_w = f + hf, bwd_in + hb, bwd_w + hw
+    gemm = f + bwd_in + bwd_w
 
     act = layer_activations(model, seq=s, micro_batch=b, tp=t, sequence_parallel=cfg.sequence_parallel,
                             recompute="none", flash_attention=train.flash_attention)
     passes = 4.0 if cfg.recompute == "full" else 3.0  # forward = 1, backward = 2 (in units of forward traffic)
-    elementwise = layers * act.produced * eff.elementwise_traffic * passes / 3.0 / (cluster.gpu.hbm_gbs * 1e9 * eff.hbm)
+    elementwise = layers * act.produced * train.activation_bytes / 2.0 * eff.elementwise_traffic * passes / 3.0 \
+        / (gpu.hbm_gbs * 1e9 * eff.hbm)
+    elementwise += layers * ELEMENTWISE_KERNELS_PER_LAYER * passes / 3.0 * eff.kernel_launch_s
+    if last_stage:
+        logits = tokens * padded_vocab(model, t) / t * train.activation_bytes
+        elementwise += logits * LOGIT_TRAFFIC / (gpu.hbm_gbs * 1e9 * eff.hbm)
 
     tp_comm = tp_exposed = 0.0
     if t > 1:
-        msg = 2.0 * s * b * model.hidden_size
-        bw = cluster.group_bandwidth_gbs(t) * 1e9 * eff.link
-        one = (t - 1) / t * msg / bw  # one all-gather or reduce-scatter; an all-reduce is two
+        msg = train.activation_bytes * s * b * model.hidden_size
+        one = group_collective_time("all_gather", msg, t, 1, cluster, eff)  # = one reduce-scatter
         fwd_recompute = cfg.recompute == "full"
         if cfg.sequence_parallel:
             per_layer = one * (4 + 6 + (4 if fwd_recompute else 0))
             head = 2 * one if last_stage else 0.0  # gather before the output layer, reduce-scatter its grad
             tp_comm = layers * per_layer + head
             # The ring hides communication behind the chunk GEMMs: never more than those GEMMs last.
-            linear_gemm_time = flops_linear / peak
-            tp_exposed = tp_comm - min(eff.tp_overlap * tp_comm, linear_gemm_time)
+            tp_exposed = tp_comm - min(eff.tp_overlap * tp_comm, linear_gemm)
         else:
-            per_layer = 2 * one * (2 + 2 + (2 if fwd_recompute else 0))
-            head = 2 * one if last_stage else 0.0  # all-reduce of the output layer's input gradient
+            ar = group_collective_time("all_reduce", msg, t, 1, cluster, eff)
+            per_layer = ar * (2 + 2 + (2 if fwd_recompute else 0))
+            head = ar if last_stage else 0.0  # all-reduce of the output layer's input gradient
             tp_comm = tp_exposed = layers * per_layer + head
-    p2p = 0.0
+    p2p = p2p_one = 0.0
     if cfg.pp > 1:
         # Each TP rank sends only its 1/t slice (already sharded with SP; otherwise Megatron's
         # scatter/gather optimisation: slice, send, all-gather over the intra-node link).
-        msg = 2.0 * s * b * model.hidden_size
+        msg = train.activation_bytes * s * b * model.hidden_size
         neighbour_span = cfg.tp * cfg.dp + 1  # the next stage starts tp·dp ranks further
         bw = cluster.group_bandwidth_gbs(neighbour_span) * 1e9 * eff.link
         one = msg / t / bw + eff.p2p_latency_s
         if t > 1 and not cfg.sequence_parallel:
-            one += (t - 1) / t * msg / (cluster.intra_gbs * 1e9 * eff.link)
-        p2p = 2 * cfg.virtual_stages * one
+            one += group_collective_time("all_gather", msg, t, 1, cluster, eff)
+        p2p_one = one
+        p2p = 0.0 if train.overlap_p2p else 2 * cfg.virtual_stages * one
+    compute = gemm + elementwise
+    # Elementwise work, exposed TP communication and P2P are charged to forward and backward in
+    # proportion to their GEMM time, so the schedule simulation sees whole-pass costs.
+    extra = elementwise + tp_exposed + p2p
+    scale = 1.0 + extra / gemm
     return {"gemm": gemm, "elementwise": elementwise, "tp_comm": tp_comm, "tp_exposed": tp_exposed, "p2p": p2p,
-            "backward": (gemm + elementwise) * 2.0 / 3.0,
-            "total": gemm + elementwise + tp_exposed + p2p}
+            "f": f * scale, "b": bwd_in * scale, "w": bwd_w * scale, "total": compute + tp_exposed + p2p,
+            "p2p_one": p2p_one}
 
 
-def step_time(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec,
-              eff: Efficiency) -> StepTime:
-    m = cfg.num_microbatches
-    stages = [_microbatch_time(model, train, cfg, cluster, eff, last_stage=True)]
-    if cfg.pp > 1:
-        stages.append(_microbatch_time(model, train, cfg, cluster, eff, last_stage=False))
-    slow = max(stages, key=lambda x: x["total"])
-    bubble = (cfg.pp - 1) / cfg.virtual_stages * slow["total"]
-
-    # Data-parallel gradient reduction of the largest stage (the first, or the last with the head).
+def _dp_time(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec, eff: Efficiency,
+             slow: dict[str, float]) -> tuple[float, float, float]:
+    """(total DP communication, exposed part, trained parameters per rank) of one step."""
     trained = max(stage_params_per_rank(model, cfg, 0), stage_params_per_rank(model, cfg, cfg.pp - 1))
     if train.finetune == "lora":
         trained = lora_params_per_rank(model, cfg, train.lora_rank)
-    dp_comm = dp_exposed = 0.0
-    if cfg.dp > 1:
-        # fp16 gradients are reduced in fp16 (Megatron 2021); bf16 training reduces the fp32 main grads.
-        grad_bytes = 2.0 if train.precision == "fp16" else 4.0
-        bw = cluster.group_bandwidth_gbs(cfg.tp * cfg.dp) * 1e9 * eff.link
-        ring = (cfg.dp - 1) / cfg.dp / bw
-        if cfg.zero1:
-            dp_comm = ring * trained * (grad_bytes + 2.0)  # reduce-scatter grads, all-gather 16-bit weights
-        else:
-            dp_comm = ring * trained * 2.0 * grad_bytes
-        dp_exposed = max(0.0, dp_comm - eff.dp_overlap * slow["backward"])
+    if cfg.dp == 1:
+        return 0.0, 0.0, trained
+    # fp16 gradients are reduced in fp16 (Megatron 2021); bf16 training reduces the fp32 main grads.
+    grad_bytes = trained * (2.0 if train.precision == "fp16" else 4.0)
+    kind = "reduce_scatter" if cfg.zero1 else "all_reduce"
+    grads = group_collective_time(kind, grad_bytes, cfg.dp, cfg.tp, cluster, eff)
+    buckets = max(1, round(grad_bytes / eff.dp_bucket_bytes))
+    # The reduction overlaps the last micro-batch's backward on this rank.
+    grads_exposed = (exposed_after_overlap(grads, slow["b"] + slow["w"], buckets) if train.overlap_grad_reduce
+                     else grads)
+    weights = weights_exposed = 0.0
+    if cfg.zero1:  # each rank updated 1/dp of the weights; gather the 16-bit result
+        weights = group_collective_time("all_gather", trained * 2.0, cfg.dp, cfg.tp, cluster, eff)
+        weights_exposed = (exposed_after_overlap(weights, slow["f"], buckets) if train.overlap_param_gather
+                           else weights)
+    return grads + weights, grads_exposed + weights_exposed, trained
+
+
+def step_time(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec,
+              eff: Efficiency, schedule: str | None = None) -> StepTime:
+    schedule = schedule or default_schedule(cfg)
+    errs = schedule_errors(cfg, schedule)
+    if errs:
+        raise ValueError(errs[0])
+    m, p, v = cfg.num_microbatches, cfg.pp, cfg.virtual_stages
+    stages = [_microbatch_time(model, train, cfg, cluster, eff, last_stage=True)]
+    if p > 1:
+        stages.append(_microbatch_time(model, train, cfg, cluster, eff, last_stage=False))
+    slow = max(stages, key=lambda x: x["total"])
+    bubble = 0.0
+    if p > 1:
+        split = schedule == "zb-h1"
+        # Overlapped P2P: each transfer delays only its consumer, inside the simulation.
+        comm = slow["p2p_one"] if train.overlap_p2p else 0.0
+        bubble = bubble_time(schedule, p, m, v, slow["f"] / v, (slow["b"] if split else slow["b"] + slow["w"]) / v,
+                             slow["w"] / v if split else 0.0, comm)
+    dp_comm, dp_exposed, trained = _dp_time(model, train, cfg, cluster, eff, slow)
     opt_params = trained / (cfg.dp if cfg.zero1 else 1)
     optimizer = opt_params * eff.optimizer_bytes_per_param / (cluster.gpu.hbm_gbs * 1e9 * eff.hbm)
     return StepTime(
         gemm=m * slow["gemm"], elementwise=m * slow["elementwise"], tp_comm=m * slow["tp_comm"],
         tp_exposed=m * slow["tp_exposed"], p2p=m * slow["p2p"], bubble=bubble, dp_comm=dp_comm,
-        dp_exposed=dp_exposed, optimizer=optimizer,
+        dp_exposed=dp_exposed, optimizer=optimizer, schedule=schedule if p > 1 else "none",
     )

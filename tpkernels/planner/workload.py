@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-PRECISIONS = ("bf16", "fp16", "fp8")
+PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 OPTIMIZERS = ("adam", "sgd")
 FINETUNE = ("full", "lora")
 
@@ -14,13 +14,24 @@ FINETUNE = ("full", "lora")
 class TrainingSetup:
     """global_batch: sequences per optimizer step; seq_length: tokens per sequence.
 
-    precision: GEMM precision ("fp8" = FP8 GEMMs with bf16 weights, as TransformerEngine does).
+    precision: GEMM precision ("fp8" = FP8 GEMMs with bf16 weights, as TransformerEngine does;
+        "fp32" = everything in fp32, what ``tpkernels train`` runs on CPUs: activations and
+        messages take 4 bytes, and the device needs a ``peak_tflops_fp32``).
     optimizer: "adam" (fp32 master weights + two moments: 12 bytes/param) or "sgd" (fp32 master +
         momentum: 8 bytes/param). Both keep 16-bit weights and fp32 gradients.
     finetune: "full" trains every weight; "lora" freezes them and trains rank-``lora_rank``
         adapters on every linear layer of every decoder layer.
     flash_attention: the attention core never stores the (s × s) scores (FlashAttention / our
         tpkernels.flash_attn_func); False models the 2021 Megatron kernels that did.
+    overlap_grad_reduce: the data-parallel gradient reduction runs in buckets during the last
+        micro-batch's backward (our trainer's dp_overlap, Megatron's --overlap-grad-reduce);
+        False reduces after the backward (Megatron-LM in 2021).
+    overlap_param_gather: with ZeRO-1, the updated weights are all-gathered in buckets during the
+        next step's first forward (Megatron's --overlap-param-gather); False gathers them right
+        after the optimizer step (torch's ZeroRedundancyOptimizer, which our trainer uses).
+    overlap_p2p: pipeline sends and receives run asynchronously beside the compute (Megatron's
+        --overlap-p2p-communication): a transfer only delays the action that consumes it. False:
+        each send/recv blocks its stage (our runtime, and Megatron in 2021).
     """
 
     global_batch: int
@@ -30,6 +41,9 @@ class TrainingSetup:
     finetune: str = "full"
     lora_rank: int = 16
     flash_attention: bool = True
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    overlap_p2p: bool = False
 
     def __post_init__(self):
         for f in ("global_batch", "seq_length", "lora_rank"):
@@ -47,6 +61,11 @@ class TrainingSetup:
     def optimizer_state_bytes(self) -> int:
         """fp32 master weights + optimizer moments, per trained parameter."""
         return 12 if self.optimizer == "adam" else 8
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per activation value (16-bit training keeps activations in bf16/fp16)."""
+        return 4 if self.precision == "fp32" else 2
 
     @property
     def tokens(self) -> int:

@@ -19,7 +19,7 @@ from tpkernels.train.config import TrainConfig
 
 def plan_layout(cfg: TrainConfig, world: int):
     """(the planner's best Estimate, its Plan) for ``cfg`` on ``world`` ranks of this machine's device."""
-    from tpkernels.planner import A100_CALIBRATED, ClusterSpec, TrainingSetup, gpu_preset, plan  # noqa: PLC0415
+    from tpkernels.planner import ClusterSpec, TrainingSetup, calibrated_for, gpu_preset, plan  # noqa: PLC0415
     from tpkernels.planner.measure import calibrate, measure, preset_for_device  # noqa: PLC0415
     from tpkernels.train.trainer import model_config  # noqa: PLC0415
 
@@ -27,7 +27,7 @@ def plan_layout(cfg: TrainConfig, world: int):
     gb = cfg.global_batch or cfg.micro_batch_size * cfg.num_microbatches * world
     train = TrainingSetup(gb, cfg.seq_length, precision="fp16" if cfg.precision == "fp16" else "bf16",
                           finetune=cfg.finetune, lora_rank=cfg.lora_rank)
-    eff = A100_CALIBRATED
+    eff = None
     if torch.cuda.is_available():
         gpu = preset_for_device(torch.cuda.get_device_name())
         if gpu is None:
@@ -35,9 +35,10 @@ def plan_layout(cfg: TrainConfig, world: int):
                              "give tp/pp/dp by hand or add the GPU to tpkernels.planner.hardware")
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8)))
         cluster = ClusterSpec(gpu, gpus_per_node=per_node, nodes=max(1, world // per_node))
+        eff = calibrated_for(gpu)
     else:  # a CPU box: the planner runs on the rates measured here
         cluster = ClusterSpec(gpu_preset("A100-80GB"), gpus_per_node=world, nodes=1)
-        cluster, eff, _ = calibrate(cluster, eff, measure(spec, train))
+        cluster, eff, _ = calibrate(cluster, calibrated_for(cluster.gpu), measure(spec, train))
     p = plan(spec, train, cluster, eff)
     if p.best is None:
         from tpkernels.planner.report import no_fit_message  # noqa: PLC0415
@@ -53,7 +54,7 @@ def apply_plan(cfg: TrainConfig, best) -> TrainConfig:
         cfg, layout="manual", tp=c.tp, pp=c.pp, dp=c.dp, virtual_stages=c.virtual_stages,
         micro_batch_size=c.micro_batch_size, num_microbatches=c.num_microbatches,
         sequence_parallel=c.sequence_parallel, recompute=c.recompute, zero1=c.zero1,
-        schedule="interleaved" if c.virtual_stages > 1 else ("1f1b" if cfg.schedule == "interleaved" else cfg.schedule),
+        schedule=best.time.schedule if c.pp > 1 else cfg.schedule,
         predicted={"step_s": best.step_time, "bubble": best.bubble_fraction, "comm_ratio": best.time.comm_ratio,
                    "layout": c.short()})
 
