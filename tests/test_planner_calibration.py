@@ -1,5 +1,5 @@
-"""The planner against published throughput (Narayanan et al. 2021, Table 1), its search speed,
-and the practitioners' cases of the README."""
+"""The planner against published throughput (A100: Narayanan et al. 2021, Table 1; H100: NeMo 24.12's
+pre-training table), its search speed, and the practitioners' cases of the README."""
 
 from __future__ import annotations
 
@@ -9,31 +9,48 @@ import pytest
 
 from tpkernels.planner import ClusterSpec, TrainingSetup, gpu_preset, model_preset, plan
 from tpkernels.planner.report import no_fit_message
-from tpkernels.planner.calibration import predict, rank_of_published, search, table_rows
+from tpkernels.planner.calibration import a100_rows, error, h100_rows, predict, rank_of_published, search, table_rows
 
+A100_ROWS, H100_ROWS = a100_rows(), h100_rows()
 ROWS = table_rows()
 
 
-def test_table_is_complete():
-    assert [r.model for r in ROWS] == ["1.7B", "3.6B", "7.5B", "18B", "39B", "76B", "145B", "310B", "530B", "1T"]
+def test_tables_are_complete():
+    assert [r.model for r in A100_ROWS] == ["1.7B", "3.6B", "7.5B", "18B", "39B", "76B", "145B", "310B", "530B", "1T"]
+    assert len(H100_ROWS) == 10 and {r.gpu for r in H100_ROWS} == {"H100-SXM"}
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.model for r in ROWS])
-def test_predicted_tflops_within_15_percent(row):
+def test_predicted_step_within_10_percent(row):
+    # the issue's target (benchmarks/planner_calibration.py reports each row); one constant set per
+    # GPU generation, no per-row factor
+    assert abs(error(row)) <= 0.10, (row.model, error(row))
+
+
+@pytest.mark.parametrize("row", A100_ROWS, ids=[r.model for r in A100_ROWS])
+def test_published_a100_layouts_fit(row):
     est = predict(row)
     assert est.fits, est.notes
-    assert est.hardware_tflops_per_gpu == pytest.approx(row.tflops_per_gpu, rel=0.15)
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[r.model for r in ROWS])
+@pytest.mark.parametrize("row", A100_ROWS, ids=[r.model for r in A100_ROWS])
 def test_published_layout_is_in_top_five(row):
     rank = rank_of_published(row, search(row))
     assert rank is not None and rank <= 5, (row.model, rank)
 
 
+def test_h100_rows_reproduce_the_tables_flops_per_token():
+    # the model shapes in benchmarks/data were chosen to match the table's own TFLOP/s ÷ tokens/s
+    for row in H100_ROWS:
+        m = row.spec
+        per_token = m.model_flops_per_step(1, row.training.seq_length) / row.training.seq_length
+        published = row.published_tflops_per_gpu * 1e12 / (row.training.tokens / row.published_step_s / row.gpus)
+        assert per_token == pytest.approx(published, rel=0.02), row.model
+
+
 def test_hardware_flops_match_the_papers_formula():
-    for row in ROWS:
-        m, B, s = row.spec, row.global_batch, 2048
+    for row in A100_ROWS:
+        m, B, s = row.spec, row.training.global_batch, 2048
         l, h, V = m.num_layers, m.hidden_size, m.vocab_size
         paper = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
         assert predict(row).hardware_flops == pytest.approx(paper, rel=1e-9)
@@ -59,7 +76,8 @@ def test_14b_on_one_8xa100_node():
 def test_70b_on_64_h100():
     p = plan(model_preset("Llama-3-70B"), TrainingSetup(512, 8192), ClusterSpec(gpu_preset("H100-SXM"), 8, 8))
     best = p.best.config
-    assert best.tp == 8 and best.pp >= 2  # TP fills the NVLink node, PP spans nodes
+    # TP inside the NVLink node, PP across nodes: NeMo's own H100 recipe for this model is TP4 PP8
+    assert best.tp in (4, 8) and best.pp >= 2
     assert 0.4 < p.best.mfu < 0.7
 
 

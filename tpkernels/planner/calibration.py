@@ -1,78 +1,148 @@
-"""Narayanan et al. 2021, Table 1 (Megatron-LM GPT runs on A100-80GB): the planner's check against
-published throughput.
+"""Published training runs that state their layout and throughput: what the planner's constants are
+fitted on, and how each row is turned into a planner question.
 
-Each row fixes what the paper's system used: fp16, attention without FlashAttention, full
-activation recompute, no sequence parallelism (it came a year later), no distributed optimizer,
-the table's micro-batch size, and DGX A100 nodes (8 GPUs on NVLink, one 200 Gb/s HDR NIC each).
-The table counts hardware FLOPs (recompute included): 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
+Tables live in ``benchmarks/data/`` of the repository (with their sources in each file's header):
+  A100  ``megatron_narayanan2021_table1.csv``: Narayanan et al. 2021, Table 1 (Megatron-LM GPT runs
+        on A100-80GB): fp16, attention without FlashAttention, full activation recompute, no
+        sequence parallelism (it came a year later), no distributed optimizer, DP gradient
+        all-reduce after the backward; DGX A100 nodes (8 GPUs on NVLink, one 200 Gb/s HDR NIC
+        each). The table counts hardware FLOPs: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
+  H100  ``nemo_24.12_h100_pretrain.csv``: NVIDIA NeMo 24.12 pre-training on DGX-H100 (FP8 linear
+        GEMMs, bf16 attention, SP with TP overlap, distributed optimizer with overlapped
+        gradient reduction and parameter gather, overlapped P2P, no recompute). Tokens per second per GPU.
+
+Every row is compared by step time: the published step = the row's tokens (or hardware FLOPs) per
+step over its throughput; error = published step / predicted step − 1 (+ = the planner predicts a
+faster run than was measured).
 """
 
 from __future__ import annotations
 
 import csv
 from dataclasses import dataclass
-from importlib import resources
+from pathlib import Path
 
 from tpkernels.parallel import ParallelConfig
-from tpkernels.planner.efficiency import A100_CALIBRATED, Efficiency
+from tpkernels.planner.efficiency import Efficiency, calibrated_for
 from tpkernels.planner.estimate import Estimate, estimate, layout_errors
 from tpkernels.planner.hardware import ClusterSpec, gpu_preset
 from tpkernels.planner.models import ModelSpec, model_preset
 from tpkernels.planner.search import Plan, plan
 from tpkernels.planner.workload import TrainingSetup
 
-TABLE = "megatron_narayanan2021_table1.csv"
-PAPER_FIXED = dict(sequence_parallel=False, recompute="full", zero1=False)
+DATA_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+A100_TABLE = "megatron_narayanan2021_table1.csv"
+H100_TABLE = "nemo_24.12_h100_pretrain.csv"
+PAPER_FIXED = dict(sequence_parallel=False, recompute="full", zero1=False)  # Narayanan et al. 2021
 
 
 @dataclass(frozen=True)
 class Row:
-    model: str
-    tp: int
-    pp: int
-    virtual_stages: int
+    """One published run: the model, the cluster, the layout and software, and what it measured."""
+
+    source: str  # table file
+    label: str
+    spec: ModelSpec
+    gpu: str
     gpus: int
-    global_batch: int
-    micro_batch: int
-    tflops_per_gpu: float
+    config: ParallelConfig
+    training: TrainingSetup
+    published_step_s: float
+    published_tflops_per_gpu: float  # as the source reports it (its own FLOP count)
+    fixed: tuple = ()  # (name, value) of the software choices the source fixes, for search()
 
     @property
-    def spec(self) -> ModelSpec:
-        return model_preset(f"GPT-{self.model}")
-
-    @property
-    def config(self) -> ParallelConfig:
-        dp = self.gpus // (self.tp * self.pp)
-        return ParallelConfig(self.tp, self.pp, dp, self.virtual_stages, self.micro_batch,
-                              self.global_batch // (self.micro_batch * dp), **PAPER_FIXED)
+    def model(self) -> str:
+        return self.label
 
     @property
     def cluster(self) -> ClusterSpec:
-        return ClusterSpec(gpu_preset("A100-80GB"), gpus_per_node=8, nodes=self.gpus // 8)
+        return ClusterSpec(gpu_preset(self.gpu), gpus_per_node=8, nodes=self.gpus // 8)
 
     @property
-    def training(self) -> TrainingSetup:
-        return TrainingSetup(self.global_batch, 2048, precision="fp16", flash_attention=False)
+    def tp(self) -> int:
+        return self.config.tp
+
+    @property
+    def pp(self) -> int:
+        return self.config.pp
+
+    def layout(self) -> str:
+        c = self.config
+        return f"TP{c.tp} PP{c.pp}" + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "") + \
+            f" DP{c.dp} mbs{c.micro_batch_size}"
 
 
-def table_rows() -> list[Row]:
-    text = resources.files("tpkernels.planner").joinpath("data", TABLE).read_text()
-    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
-    return [Row(r["model"], int(r["tp"]), int(r["pp"]), int(r["virtual_stages"]), int(r["gpus"]),
-                int(r["global_batch"]), int(r["micro_batch"]), float(r["tflops_per_gpu"]))
-            for r in csv.DictReader(lines)]
+def _read(name: str, data_dir: Path | None = None) -> list[dict]:
+    path = (data_dir or DATA_DIR) / name
+    if not path.exists():
+        raise FileNotFoundError(f"calibration table {path} not found: the tables ship with the repository's "
+                                "benchmarks/data/, not with an installed package")
+    lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
+    return list(csv.DictReader(lines))
 
 
-def predict(row: Row, eff: Efficiency = A100_CALIBRATED) -> Estimate:
+def a100_rows(data_dir: Path | None = None) -> list[Row]:
+    rows = []
+    for r in _read(A100_TABLE, data_dir):
+        spec = model_preset(f"GPT-{r['model']}")
+        tp, pp, v, gpus = int(r["tp"]), int(r["pp"]), int(r["virtual_stages"]), int(r["gpus"])
+        gbs, mbs = int(r["global_batch"]), int(r["micro_batch"])
+        dp = gpus // (tp * pp)
+        cfg = ParallelConfig(tp, pp, dp, v, mbs, gbs // (mbs * dp), **PAPER_FIXED)
+        train = TrainingSetup(gbs, 2048, precision="fp16", flash_attention=False, overlap_grad_reduce=False)
+        l, h, s, V = spec.num_layers, spec.hidden_size, 2048, spec.vocab_size
+        flops = 96 * gbs * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+        tflops = float(r["tflops_per_gpu"])
+        rows.append(Row(A100_TABLE, r["model"], spec, "A100-80GB", gpus, cfg, train,
+                        flops / (tflops * 1e12 * gpus), tflops,
+                        tuple({**PAPER_FIXED, "micro_batch_size": mbs}.items())))
+    return rows
+
+
+def h100_rows(data_dir: Path | None = None) -> list[Row]:
+    rows = []
+    for r in _read(H100_TABLE, data_dir):
+        n = {k: int(r[k]) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "gpus", "global_batch",
+                                    "micro_batch", "seq_length", "tp", "pp", "cp", "virtual_stages")}
+        spec = ModelSpec(r["model"], n["layers"], n["hidden"], n["heads"], n["ffn"], n["vocab"],
+                         num_kv_heads=n["kv_heads"], mlp=r["mlp"], seq_length=n["seq_length"])
+        dp = n["gpus"] // (n["tp"] * n["pp"] * n["cp"])
+        cfg = ParallelConfig(n["tp"], n["pp"], dp, n["virtual_stages"], n["micro_batch"],
+                             n["global_batch"] // (n["micro_batch"] * dp), sequence_parallel=n["tp"] > 1,
+                             recompute="none", zero1=dp > 1)
+        train = TrainingSetup(n["global_batch"], n["seq_length"], precision="fp8", overlap_grad_reduce=True,
+                              overlap_param_gather=True, overlap_p2p=True)
+        tokens_per_gpu = float(r["tokens_per_sec_per_gpu"])
+        step = n["global_batch"] * n["seq_length"] / (tokens_per_gpu * n["gpus"])
+        rows.append(Row(H100_TABLE, f"{r['model']}@{n['gpus']}", spec, "H100-SXM", n["gpus"], cfg, train, step,
+                        float(r["model_tflops_per_gpu"]),
+                        (("recompute", "none"), ("micro_batch_size", n["micro_batch"]))))
+    return rows
+
+
+def table_rows(data_dir: Path | None = None) -> list[Row]:
+    """Every calibration row, A100 first."""
+    return a100_rows(data_dir) + h100_rows(data_dir)
+
+
+def predict(row: Row, eff: Efficiency | None = None) -> Estimate:
     errs = layout_errors(row.spec, row.training, row.cluster, row.config)
     if errs:
-        raise ValueError(f"published layout of GPT-{row.model} rejected: {errs}")
-    return estimate(row.spec, row.training, row.cluster, row.config, eff)
+        raise ValueError(f"published layout of {row.label} rejected: {errs}")
+    return estimate(row.spec, row.training, row.cluster, row.config, eff or calibrated_for(row.cluster.gpu))
 
 
-def search(row: Row, eff: Efficiency = A100_CALIBRATED) -> Plan:
-    """The planner's ranking for the row's model, GPU count and batch, under the paper's fixed choices."""
-    return plan(row.spec, row.training, row.cluster, eff, fixed={**PAPER_FIXED, "micro_batch_size": row.micro_batch})
+def error(row: Row, eff: Efficiency | None = None) -> float:
+    """published step / predicted step − 1: + when the planner is optimistic."""
+    return row.published_step_s / predict(row, eff).step_time - 1.0
+
+
+def search(row: Row, eff: Efficiency | None = None) -> Plan:
+    """The planner's ranking for the row's model, GPU count and batch, under the software choices the
+    source fixes (Narayanan et al.: no SP, full recompute, no ZeRO; NeMo: no recompute) and its
+    micro-batch size."""
+    return plan(row.spec, row.training, row.cluster, eff, fixed=dict(row.fixed))
 
 
 def rank_of_published(row: Row, p: Plan) -> int | None:
