@@ -149,10 +149,20 @@ def test_calibrate_same_gpu_sets_constants():
 
 def test_calibrate_foreign_device_plans_for_it():
     cluster = ClusterSpec(gpu_preset("H100-SXM"), 2, 1)
-    meas = Measurement("cpu", "CPU x86_64 ×2 threads", 0.15, "float32", 1e10, 20.0, 24.0, "gloo", 1.0)
+    meas = Measurement("cpu", "CPU x86_64 ×1 threads", 0.15, "float32", 1e10, 20.0, 24.0, "gloo", 1.0, threads=1,
+                       cores=2, op_overhead_s=1e-5, attention_tflops=0.05, collective_latency_s=2e-4, p2p_gbs=0.8,
+                       elementwise_gbs=10.0)
     mine, eff, notes = calibrate(cluster, A100_CALIBRATED, meas)
-    assert mine.gpu.peak_tflops_bf16 == 0.15 and mine.gpu.memory_gib == 24.0 and mine.intra_gbs == 1.0
-    assert (eff.gemm, eff.hbm, eff.link) == (1.0, 1.0, 1.0) and "is not a H100-SXM" in notes[0]
+    assert mine.gpu.peak_tflops_bf16 == 0.15 and mine.gpu.peak_tflops_fp32 == 0.15 and mine.gpu.memory_gib == 24.0
+    assert mine.intra_gbs == 0.8  # the slower of all-reduce and pairwise exchange: the TP ring's path
+    assert mine.gpu.hbm_gbs == 10.0  # memory-bound kernels at the measured elementwise rate
+    assert (eff.gemm, eff.hbm, eff.link, eff.gemm_tail, eff.tp_overlap) == (1.0, 1.0, 1.0, 0.0, 0.0)
+    assert eff.attention == pytest.approx(0.05 / 0.15) and eff.kernel_launch_s == 1e-5
+    assert eff.collective_latency_s == pytest.approx(1e-4) and "is not a H100-SXM" in notes[0]
+    # four one-thread ranks on two cores: each gets half the rates and waits twice as long
+    crowded, eff4, notes = calibrate(ClusterSpec(gpu_preset("H100-SXM"), 4, 1), A100_CALIBRATED, meas)
+    assert crowded.gpu.peak_tflops_fp32 == pytest.approx(0.075) and crowded.gpu.hbm_gbs == pytest.approx(5.0)
+    assert eff4.kernel_launch_s == pytest.approx(2e-5) and "50% of the measured rates" in notes[-1]
 
 
 def test_layer_gemm_shapes_cover_one_layer():

@@ -4,10 +4,19 @@ and turn them into planner constants.
 If the machine's accelerator is the GPU being planned for, the measured rates replace the
 efficiency constants (gemm, hbm, link). Otherwise (a CPU, or another GPU) the planner plans for a
 cluster of *this* device: its measured rates become the peaks, with efficiency 1.
+
+On a CPU the ranks of ``tpkernels train --nproc N`` are processes with one thread each that share
+the machine's cores, so everything is timed the way one rank sees it: with
+``threads_per_rank`` threads, in fp32 (what training runs there), at the model's own GEMM
+shapes. Four more rates make the prediction hold for the small models a CPU trains: the cost of
+one op's dispatch (eager PyTorch pays it on the critical path), the attention core's rate, and
+the latency and bandwidth of gloo collectives between two ranks. ``calibrate`` then shares the
+cores among the cluster's ranks.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -31,12 +40,29 @@ class Measurement:
     memory_gib: float
     collective: str | None = None
     busbw_gbs: float | None = None  # all-reduce bus bandwidth, 2(n-1)/n · bytes / time
+    threads: int = 1  # threads the rates were timed with (CPU)
+    cores: int = 1  # cores of this machine (CPU)
+    op_overhead_s: float = 0.0  # one small op's dispatch, forward + its autograd backward (CPU)
+    attention_tflops: float | None = None  # causal attention forward+backward, full-count FLOPs (CPU)
+    collective_latency_s: float = 0.0  # a tiny all-reduce between two ranks
+    p2p_gbs: float | None = None  # one direction of a pairwise exchange of a TP-sized message
+    elementwise_gbs: float | None = None  # (read + write bytes) / time of exp / mul / add (CPU)
 
     def describe(self) -> str:
         text = (f"{self.device_name}: GEMM {self.gemm_tflops:.3g} TFLOP/s ({self.gemm_dtype}), "
                 f"copy {self.copy_gbs:.0f} GB/s, {self.memory_gib:.0f} GiB")
+        if self.device == "cpu":
+            text += (f" (one rank: {self.threads} thread(s) of {self.cores} cores), op dispatch "
+                     f"{1e6 * self.op_overhead_s:.1f} µs")
+            if self.attention_tflops:
+                text += f", attention {self.attention_tflops:.3g} TFLOP/s"
+            if self.elementwise_gbs:
+                text += f", elementwise {self.elementwise_gbs:.3g} GB/s"
         if self.busbw_gbs is not None:
-            text += f", {self.collective} bus bandwidth {self.busbw_gbs:.2f} GB/s"
+            text += (f", {self.collective} bus bandwidth {self.busbw_gbs:.2f} GB/s, "
+                     f"latency {1e6 * self.collective_latency_s:.0f} µs")
+            if self.p2p_gbs:
+                text += f", pairwise exchange {self.p2p_gbs:.2f} GB/s"
         else:
             text += ", no collective measured (one device)"
         return text
@@ -65,33 +91,120 @@ def layer_gemm_shapes(model: ModelSpec, tokens: int, max_width: int | None = Non
     return shapes
 
 
-def _allreduce_worker(rank: int, world_size: int, numel: int, reps: int) -> float:
+def _allreduce_worker(rank: int, world_size: int, numel: int, reps: int, p2p_numel: int = 2**18
+                      ) -> tuple[float, float, float]:
+    """(bus bandwidth GB/s of a ``numel`` all-reduce, seconds of a 1-element one, GB/s of a pairwise
+    exchange of ``p2p_numel`` fp32 values each way)."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
     dev = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
     x = torch.ones(numel, device=dev)
+    tiny = torch.ones(1, device=dev)
     sync = torch.cuda.synchronize if dev != "cpu" else (lambda: None)
     dist.all_reduce(x)
     sync()
     dist.barrier()
     t = _median_time(lambda: dist.all_reduce(x), sync, reps)
-    return 2 * (world_size - 1) / world_size * x.numel() * x.element_size() / t / 1e9
+    latency = _median_time(lambda: dist.all_reduce(tiny), sync, 4 * reps)
+    # a pairwise exchange of a TP-sized message (what the ring GEMM-comm ops and pipeline P2P do)
+    msg = torch.ones(p2p_numel, device=dev)
+    back = torch.empty_like(msg)
+    peer = (rank + 1) % world_size
+
+    def exchange():
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, msg, peer), dist.P2POp(dist.irecv, back, peer)])
+        for r in reqs:
+            r.wait()
+
+    tp2p = _median_time(exchange, sync, reps)
+    return (2 * (world_size - 1) / world_size * x.numel() * x.element_size() / t / 1e9, latency,
+            msg.numel() * msg.element_size() / tp2p / 1e9)
 
 
-def measure(model: ModelSpec, train: TrainingSetup, collective: bool = True) -> Measurement:
+def _op_overhead(torch, reps: int = 200) -> float:
+    """Seconds of one tiny op forward plus its backward: eager dispatch and autograd bookkeeping."""
+    x = torch.ones(8, requires_grad=True)
+    ops = 20
+
+    def run():
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return _median_time(run, lambda: None, reps // ops + 3) / (ops + 2)
+
+
+def _elementwise_gbs(torch) -> float:
+    """Bytes per second of a chain of memory-bound ops (exp, multiply-add), one rank's threads:
+    on a CPU these run far below the copy bandwidth (exp is computed, not streamed)."""
+    x = torch.randn(2**21)
+    y = torch.empty_like(x)
+
+    def run():
+        torch.exp(x, out=y)
+        y.mul_(0.5).add_(x)
+
+    t = _median_time(run, lambda: None, 7)
+    return 6 * x.numel() * x.element_size() / t / 1e9  # three passes, each reads and writes
+
+
+def _attention_rate(torch, model: ModelSpec, train: TrainingSetup) -> float:
+    """Full-count TFLOP/s of causal SDPA forward+backward at the model's shape (one sequence)."""
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    heads, d, s = min(model.num_attention_heads, 8), model.dhead, min(train.seq_length, 2048)
+    q, k, v = (torch.randn(1, heads, s, d, requires_grad=True) for _ in range(3))
+
+    def run():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    t = _median_time(run, lambda: None, 3)
+    return 3.5 * 4.0 * s * s * heads * d / t / 1e12  # forward 4·s²·h·d, backward 2.5×
+
+
+def measure(model: ModelSpec, train: TrainingSetup, collective: bool = True, threads_per_rank: int = 1,
+            micro_batch_size: int = 1) -> Measurement:
     import torch  # noqa: PLC0415
 
     on_gpu = torch.cuda.is_available()
+    if not on_gpu:  # time what one rank of `tpkernels train --nproc` sees
+        saved_threads = torch.get_num_threads()
+        torch.set_num_threads(threads_per_rank)
+        try:
+            return _measure(torch, model, train, collective, on_gpu, micro_batch_size)
+        finally:
+            torch.set_num_threads(saved_threads)
+    return _measure(torch, model, train, collective, on_gpu, micro_batch_size)
+
+
+def _measure(torch, model: ModelSpec, train: TrainingSetup, collective: bool, on_gpu: bool,
+             micro_batch_size: int) -> Measurement:
     dev = "cuda" if on_gpu else "cpu"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     # bf16 on GPUs (what training runs); fp32 on CPUs, where bf16 GEMMs are emulated on many parts.
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    shapes = layer_gemm_shapes(model, GPU_TOKENS if on_gpu else CPU_TOKENS, None if on_gpu else CPU_MAX_WIDTH)
+    cpu_tokens = min(max(micro_batch_size * train.seq_length, 64), 4 * CPU_TOKENS)
+    shapes = layer_gemm_shapes(model, GPU_TOKENS if on_gpu else cpu_tokens, None if on_gpu else CPU_MAX_WIDTH)
     pairs = [(torch.randn(m, k, device=dev, dtype=dtype), torch.randn(k, n, device=dev, dtype=dtype))
              for m, k, n in shapes]
     flops = sum(2.0 * m * k * n for m, k, n in shapes)
-    t = _median_time(lambda: [a @ b for a, b in pairs], sync, reps=5)
+    if on_gpu:
+        t = _median_time(lambda: [a @ b for a, b in pairs], sync, reps=5)
+    else:
+        # A CPU's backward GEMMs (transposed operands) run at their own rate: time forward, input
+        # gradient and weight gradient together, as training runs them.
+        for a, b in pairs:
+            a.requires_grad_(True)
+            b.requires_grad_(True)
+        grads = [torch.ones(m, n) for m, _, n in shapes]
+
+        def fwd_bwd():
+            outs = [a @ b for a, b in pairs]
+            torch.autograd.backward(outs, grads)
+
+        t = _median_time(fwd_bwd, sync, reps=5) / 3.0
     del pairs
     src = torch.empty(2**26 if on_gpu else 2**24, device=dev)  # 256 MiB / 64 MiB of fp32
     dst = torch.empty_like(src)
@@ -102,22 +215,30 @@ def measure(model: ModelSpec, train: TrainingSetup, collective: bool = True) -> 
         name = torch.cuda.get_device_name()
         mem = torch.cuda.get_device_properties(0).total_memory / 2**30
     else:
-        import os  # noqa: PLC0415
         import platform  # noqa: PLC0415
 
         name = f"CPU {platform.machine()} ×{torch.get_num_threads()} threads"
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    coll = busbw = None
+    coll = busbw = p2p_gbs = None
+    latency = 0.0
     ranks = 2
     if collective and (not on_gpu or torch.cuda.device_count() >= ranks):
         from tpkernels.parallel.local_ranks import run_on_ranks  # noqa: PLC0415
 
         backend = "nccl" if on_gpu else "gloo"
         numel = 2**26 if on_gpu else 2**22
-        busbw = min(run_on_ranks(_allreduce_worker, ranks, numel, 5, backend=backend, timeout=120))
+        # the TP message of one micro-batch: tokens × hidden activations
+        p2p_numel = max(1024, micro_batch_size * train.seq_length * model.hidden_size // ranks)
+        results = run_on_ranks(_allreduce_worker, ranks, numel, 5, p2p_numel, backend=backend, timeout=120)
+        busbw, latency = min(r[0] for r in results), max(r[1] for r in results)
+        p2p_gbs = min(r[2] for r in results)
         coll = f"{backend} all-reduce over {ranks} ranks"
+    extra = {}
+    if not on_gpu:
+        extra = dict(threads=torch.get_num_threads(), cores=os.cpu_count() or 1, op_overhead_s=_op_overhead(torch),
+                     attention_tflops=_attention_rate(torch, model, train), elementwise_gbs=_elementwise_gbs(torch))
     return Measurement(dev, name, flops / t / 1e12, str(dtype).replace("torch.", ""), flops, copy_gbs, mem,
-                       coll, busbw)
+                       coll, busbw, collective_latency_s=latency, p2p_gbs=p2p_gbs, **extra)
 
 
 def _same_gpu(spec: GPUSpec, device_name: str) -> bool:
@@ -150,14 +271,42 @@ def calibrate(cluster: ClusterSpec, eff: Efficiency, meas: Measurement) -> tuple
         notes.append(f"this is a {gpu.name}: constants set from the measurement: "
                      + ", ".join(f"{k} {v:.2f}" for k, v in changes.items()))
         return cluster, eff.replace(**changes), notes
+    # CPU ranks share the cores: with more ranks than cores each gets a 1/oversubscription share of
+    # the measured (one rank, ``threads`` threads) rates.
+    share = 1.0
+    if meas.device == "cpu":
+        share = min(1.0, meas.cores / max(1, cluster.num_gpus * meas.threads))
+    rate = meas.gemm_tflops * share
+    link = meas.busbw_gbs if meas.busbw_gbs is not None else cluster.intra_gbs
+    if meas.device == "cpu" and meas.p2p_gbs:
+        # gloo moves the TP layers' ring chunks and the pipeline's activations as pairwise
+        # send/recv, slower per byte than its all-reduce: plan the links at that rate
+        link = min(link, meas.p2p_gbs)
     gpu = GPUSpec(
-        name=f"measured {meas.device_name}", peak_tflops_bf16=meas.gemm_tflops, memory_gib=meas.memory_gib,
-        hbm_gbs=meas.copy_gbs, nvlink_gbs=None,
-        pcie_gbs=meas.busbw_gbs if meas.busbw_gbs is not None else cluster.intra_gbs,
+        name=f"measured {meas.device_name}", peak_tflops_bf16=rate, memory_gib=meas.memory_gib,
+        # memory-bound kernels: on a CPU at the measured elementwise rate, not memcpy's
+        hbm_gbs=(meas.elementwise_gbs or meas.copy_gbs) * share, nvlink_gbs=None, pcie_gbs=link,
         inter_node_gbs=meas.busbw_gbs if meas.busbw_gbs is not None else cluster.inter_gbs,
-        peak_tflops_fp8=meas.gemm_tflops,
+        peak_tflops_fp8=rate, peak_tflops_fp32=rate, sm_count=1, tile_m=1, tile_n=1,
+        generation="cpu" if meas.device == "cpu" else cluster.gpu.generation,
     )
     notes.append(f"this machine's device ({meas.device_name}) is not a {cluster.gpu.name}: planning for "
                  f"{cluster.nodes}×{cluster.gpus_per_node} of this device at its measured rates (efficiency 1)")
     mine = ClusterSpec(gpu, cluster.gpus_per_node, cluster.nodes, "pcie", gpu.pcie_gbs, gpu.inter_node_gbs)
-    return mine, eff.replace(gemm=1.0, hbm=1.0, link=1.0), notes
+    # The measured rates already include every loss the GEMM model would add on a GPU (no waves,
+    # no tiles, the real k): efficiency 1. Dispatch and collective latencies are measured, and
+    # oversubscribed ranks wait for a core to run them too.
+    changes = dict(gemm=1.0, gemm_fp8=1.0, gemm_k0=0.0, gemm_tail=0.0, hbm=1.0, link=1.0)
+    if meas.device == "cpu":
+        slow = 1.0 / share
+        changes.update(gemm_launch_s=meas.op_overhead_s * slow, kernel_launch_s=meas.op_overhead_s * slow,
+                       # a 2-rank all-reduce is two ring steps
+                       collective_latency_s=meas.collective_latency_s / 2 * slow,
+                       p2p_latency_s=meas.collective_latency_s * slow,
+                       # gloo makes progress on the CPU the compute is using: nothing hides
+                       tp_overlap=0.0, elementwise_traffic=eff.elementwise_traffic)
+        if meas.attention_tflops:
+            changes["attention"] = min(1.0, meas.attention_tflops / meas.gemm_tflops)
+        notes.append(f"{cluster.num_gpus} ranks × {meas.threads} thread(s) on {meas.cores} cores: each rank gets "
+                     f"{100 * share:.0f}% of the measured rates")
+    return mine, eff.replace(**changes), notes
