@@ -6,9 +6,11 @@ For TP ∈ {1, 2, 4} × PP ∈ {1, 2} × schedule ∈ {1f1b, zb-h1} (the schedul
   measured   ``Trainer`` (what ``tpkernels train --nproc N`` runs): median step time (forward,
              backward, optimizer) of the steps after the first two, on N = TP·PP gloo ranks of one
              thread each (NCCL, one GPU per rank, when N GPUs are visible);
-  predicted  ``tpkernels plan --measure``: this machine's rates measured once (one rank's GEMM,
-             copy, attention and op-dispatch rates, gloo's all-reduce bandwidth and latency), then
-             the planner's estimate of each layout with the ranks sharing the cores.
+  predicted  ``tpkernels plan --measure``: this machine's rates (one rank's GEMM, copy, attention,
+             elementwise, optimizer, loss and op-dispatch rates, gloo's all-reduce bandwidth and
+             latency, a pairwise exchange), measured right before each layout's run (a shared
+             machine's speed drifts by tens of percent over minutes), then the planner's estimate
+             of that layout with the ranks sharing the cores.
 Prints each layout's error (+ = predicted faster than measured) and whether the measured best layout
 is among the planner's top 3. Writes benchmarks/results/planner_vs_trainer_<device>.csv
 ($OUT instead, if set). The target is ±15% per layout.
@@ -68,13 +70,13 @@ def main() -> None:
                      num_kv_heads=args.heads, seq_length=args.seq)
     train = TrainingSetup(args.mbs * args.microbatches, args.seq, precision="bf16" if on_gpu else "fp32",
                           overlap_grad_reduce=True)
-    meas = measure(spec, train, micro_batch_size=args.mbs)
-    print("measured here: " + meas.describe())
     rows = []
     for tp, pp, sched in LAYOUTS:
         world = tp * pp
         if on_gpu and torch.cuda.device_count() < world:
             continue
+        meas = measure(spec, train, micro_batch_size=args.mbs)
+        print("measured here: " + meas.describe())
         cluster, eff, _ = calibrate(ClusterSpec(gpu_preset("A100-80GB"), gpus_per_node=world, nodes=1),
                                     calibrated_for(gpu_preset("A100-80GB")), meas)
         cfg = ParallelConfig(tp, pp, 1, 1, args.mbs, args.microbatches, sequence_parallel=tp > 1)

@@ -47,6 +47,11 @@ class Efficiency:
     # activation they store, forward + backward. Each stored tensor is written once and read about
     # twice in forward, and its gradient is written and read again in backward.
     elementwise_traffic: float = 4.0
+    # Bytes the vocabulary-parallel cross-entropy moves per logit, in units of one stored logit: the
+    # logits are written by the head GEMM, read for the max, the exp-sum and the target pick, and
+    # the softmax gradient is written and read by the backward GEMMs (ours fuses them per chunk,
+    # but each chunk's logits still make these passes). --measure times it on CPUs.
+    logit_traffic: float = 6.0
     # Share of the HBM bandwidth those memory-bound kernels (and memory-bound GEMMs) reach.
     hbm: float = 0.8
     # --- communication ---

@@ -47,6 +47,8 @@ class Measurement:
     collective_latency_s: float = 0.0  # a tiny all-reduce between two ranks
     p2p_gbs: float | None = None  # one direction of a pairwise exchange of a TP-sized message
     elementwise_gbs: float | None = None  # (read + write bytes) / time of exp / mul / add (CPU)
+    optimizer_s_per_param: float | None = None  # AdamW step + gradient norm (CPU)
+    loss_s_per_logit: float | None = None  # cross-entropy softmax passes, forward + backward (CPU)
 
     def describe(self) -> str:
         text = (f"{self.device_name}: GEMM {self.gemm_tflops:.3g} TFLOP/s ({self.gemm_dtype}), "
@@ -150,6 +152,36 @@ def _elementwise_gbs(torch) -> float:
     return 6 * x.numel() * x.element_size() / t / 1e9  # three passes, each reads and writes
 
 
+def _optimizer_s_per_param(torch) -> float:
+    """Seconds per parameter of one AdamW step (torch's foreach implementation, fp32, as the
+    trainer runs it on a CPU), with the gradient-norm pass the trainer's clipping adds."""
+    params = [torch.zeros(2**18, requires_grad=True) for _ in range(8)]
+    for q in params:
+        q.grad = torch.randn_like(q)
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+    def run():
+        torch._foreach_norm([q.grad for q in params])
+        opt.step()
+
+    return _median_time(run, lambda: None, 5) / sum(q.numel() for q in params)
+
+
+def _loss_s_per_logit(torch, model: ModelSpec, tokens: int) -> float:
+    """Seconds per logit of the cross-entropy's softmax passes, forward and backward, without its
+    GEMMs (F.cross_entropy over materialised logits: the same passes our chunked loss makes)."""
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    vocab = min(model.vocab_size, 8192)
+    logits = torch.randn(tokens, vocab, requires_grad=True)
+    target = torch.randint(0, vocab, (tokens,))
+
+    def run():
+        F.cross_entropy(logits, target).backward()
+
+    return _median_time(run, lambda: None, 3) / logits.numel()
+
+
 def _attention_rate(torch, model: ModelSpec, train: TrainingSetup) -> float:
     """Full-count TFLOP/s of causal SDPA forward+backward at the model's shape (one sequence)."""
     import torch.nn.functional as F  # noqa: PLC0415
@@ -236,7 +268,9 @@ def _measure(torch, model: ModelSpec, train: TrainingSetup, collective: bool, on
     extra = {}
     if not on_gpu:
         extra = dict(threads=torch.get_num_threads(), cores=os.cpu_count() or 1, op_overhead_s=_op_overhead(torch),
-                     attention_tflops=_attention_rate(torch, model, train), elementwise_gbs=_elementwise_gbs(torch))
+                     attention_tflops=_attention_rate(torch, model, train), elementwise_gbs=_elementwise_gbs(torch),
+                     optimizer_s_per_param=_optimizer_s_per_param(torch),
+                     loss_s_per_logit=_loss_s_per_logit(torch, model, cpu_tokens))
     return Measurement(dev, name, flops / t / 1e12, str(dtype).replace("torch.", ""), flops, copy_gbs, mem,
                        coll, busbw, collective_latency_s=latency, p2p_gbs=p2p_gbs, **extra)
 
@@ -307,6 +341,13 @@ def calibrate(cluster: ClusterSpec, eff: Efficiency, meas: Measurement) -> tuple
                        tp_overlap=0.0, elementwise_traffic=eff.elementwise_traffic)
         if meas.attention_tflops:
             changes["attention"] = min(1.0, meas.attention_tflops / meas.gemm_tflops)
+        # the optimizer and the loss's softmax passes at their measured speed, expressed in the
+        # planner's units (bytes moved at the memory-bound rate)
+        bw = gpu.hbm_gbs * 1e9
+        if meas.optimizer_s_per_param:
+            changes["optimizer_bytes_per_param"] = meas.optimizer_s_per_param * slow * bw
+        if meas.loss_s_per_logit:
+            changes["logit_traffic"] = meas.loss_s_per_logit * slow * bw / 4.0  # per 4-byte fp32 logit
         notes.append(f"{cluster.num_gpus} ranks × {meas.threads} thread(s) on {meas.cores} cores: each rank gets "
                      f"{100 * share:.0f}% of the measured rates")
     return mine, eff.replace(**changes), notes

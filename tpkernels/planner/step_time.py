@@ -47,11 +47,7 @@ PLANNER_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 # activation and ~6 reshapes/copies around the GEMMs; backward runs each again with about twice the
 # kernels. Only Efficiency.kernel_launch_s (CPUs) makes this count matter.
 ELEMENTWISE_KERNELS_PER_LAYER = 36
-# Bytes the vocabulary-parallel cross-entropy moves per logit, in units of one stored logit: the
-# logits are written by the head GEMM, read for the max, the exp-sum and the target pick, and the
-# softmax gradient is written and read by the backward GEMMs (ours fuses them per chunk, but each
-# chunk's logits still make these passes).
-LOGIT_TRAFFIC = 6.0
+
 
 
 def default_schedule(cfg: ParallelConfig) -> str:
@@ -158,7 +154,7 @@ def _microbatch_time(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig
     elementwise += layers * ELEMENTWISE_KERNELS_PER_LAYER * passes / 3.0 * eff.kernel_launch_s
     if last_stage:
         logits = tokens * padded_vocab(model, t) / t * train.activation_bytes
-        elementwise += logits * LOGIT_TRAFFIC / (gpu.hbm_gbs * 1e9 * eff.hbm)
+        elementwise += logits * eff.logit_traffic / (gpu.hbm_gbs * 1e9 * eff.hbm)
 
     tp_comm = tp_exposed = 0.0
     if t > 1:
