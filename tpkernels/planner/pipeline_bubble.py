@@ -5,12 +5,14 @@ the planner and the runtime share one definition of every schedule, so GPipe, 1F
 The simulator runs one step of ``m`` micro-batches with per-chunk costs f (forward), b (input
 gradient) and w (weight gradient) and transfer delay comm. Its work grows with p · m · v, and a
 search scores thousands of layouts, so two exact properties of these schedules keep it small:
-  * once m ≥ 2p the pipeline is in its steady state, where the idle time grows linearly with m
+  * once m ≥ 3p the pipeline is in its steady state, where the idle time grows linearly with m
     (slope 0 for GPipe, 1F1B and interleaved; for ZB-H1, whose order is built for F = B = W, a
     cheaper W leaves a gap of f − w per micro-batch): larger m are extrapolated from simulations at
-    2p and 3p (multiples of p, which the interleaved schedule needs);
-  * the idle time grows linearly with p − 1 (the warm-up and cool-down ramps have p − 1 steps in
-    all four schedules): deeper pipelines are simulated at ``SIM_STAGES`` stages and scaled.
+    3p and 4p (multiples of p, which the interleaved schedule needs);
+  * at a fixed number of micro-batches per stage the idle time grows linearly with p (the warm-up
+    and cool-down ramps have p − 1 steps in all four schedules): deeper pipelines than
+    ``SIM_STAGES`` are extrapolated from SIM_STAGES / 2 and SIM_STAGES stages holding the same
+    m / p.
 tests/test_planner_pipeline_bubble.py checks both against full simulations. Results are cached
 on the cost ratios (rounded to a 4% grid).
 """
@@ -21,9 +23,9 @@ import math
 import warnings
 from functools import lru_cache
 
-STEADY_FACTOR = 2  # micro-batches per stage beyond which the idle time is constant
+STEADY_FACTOR = 3  # micro-batches per stage beyond which the idle time is linear in m
 RATIO_STEP = 0.04  # log-spaced grid of the cost ratios the cache keys on
-SIM_STAGES = 16  # deepest pipeline simulated; deeper ones scale the idle time by (p − 1) / (SIM_STAGES − 1)
+SIM_STAGES = 16  # deepest pipeline simulated; deeper ones are extrapolated linearly in p
 
 
 def steady_microbatches(p: int) -> int:
@@ -53,19 +55,30 @@ def bubble_time(schedule: str, p: int, m: int, v: int, f: float, b: float, w: fl
         return 0.0
     if f <= 0:
         raise ValueError(f"f ({f!r}) must be > 0: a pipeline stage with no forward work cannot be timed")
-    p_sim = min(p, SIM_STAGES)
     ratios = (_sig2(b / f), _sig2(w / f), _sig2(comm / f))
-    scale = (p - 1) / (p_sim - 1)
-    m_a = steady_microbatches(p_sim)
+    if p <= SIM_STAGES:
+        return f * _idle_in_m(schedule, p, m, v, ratios)
+    # deeper pipelines: at a fixed m / p the idle time is linear in p (ramps of p − 1 steps);
+    # extrapolate from two simulated depths with the same micro-batches per stage
+    lo, hi = SIM_STAGES // 2, SIM_STAGES
+    i_lo = _idle_in_m(schedule, lo, max(1, round(m * lo / p)), v, ratios)
+    i_hi = _idle_in_m(schedule, hi, max(1, round(m * hi / p)), v, ratios)
+    idle = i_hi + (p - hi) * (i_hi - i_lo) / (hi - lo)
+    return f * max(0.0, idle)
+
+
+def _idle_in_m(schedule: str, p: int, m: int, v: int, ratios: tuple) -> float:
+    """Idle time in units of f at depth p: simulated, or extrapolated linearly in m from the
+    steady state (simulations at 3p and 4p)."""
+    m_a = steady_microbatches(p)
     if m <= m_a:
-        m_sim = m
-        if p_sim < p and m % p_sim and schedule == "interleaved":
-            m_sim = p_sim * max(1, round(m / p_sim))  # keep the interleaved schedule's m % p == 0
-        return f * _idle_units(schedule, p_sim, m_sim, v, *ratios) * scale
-    m_b = m_a + p_sim
-    idle_a = _idle_units(schedule, p_sim, m_a, v, *ratios)
-    slope = max(0.0, (_idle_units(schedule, p_sim, m_b, v, *ratios) - idle_a) / (m_b - m_a))
-    return f * ((idle_a - slope * m_a) * scale + slope * m)
+        if m % p and schedule == "interleaved":
+            m = p * max(1, round(m / p))  # keep the interleaved schedule's m % p == 0
+        return _idle_units(schedule, p, m, v, *ratios)
+    m_b = m_a + p
+    idle_a = _idle_units(schedule, p, m_a, v, *ratios)
+    slope = max(0.0, (_idle_units(schedule, p, m_b, v, *ratios) - idle_a) / (m_b - m_a))
+    return idle_a + slope * (m - m_a)
 
 
 def _sig2(x: float) -> float:

@@ -25,8 +25,11 @@ def plan_layout(cfg: TrainConfig, world: int):
 
     spec = model_config(cfg).to_spec(cfg.seq_length)
     gb = cfg.global_batch or cfg.micro_batch_size * cfg.num_microbatches * world
-    train = TrainingSetup(gb, cfg.seq_length, precision="fp16" if cfg.precision == "fp16" else "bf16",
-                          finetune=cfg.finetune, lora_rank=cfg.lora_rank)
+    precision = {"fp16": "fp16", "bf16": "bf16"}.get(cfg.precision, "bf16" if torch.cuda.is_available() else "fp32")
+    # our trainer: bucketed DP gradient overlap (overlap_dp), torch's ZeRO-1 (weights gathered after
+    # the step), blocking P2P
+    train = TrainingSetup(gb, cfg.seq_length, precision=precision, finetune=cfg.finetune, lora_rank=cfg.lora_rank,
+                          overlap_grad_reduce=cfg.overlap_dp)
     eff = None
     if torch.cuda.is_available():
         gpu = preset_for_device(torch.cuda.get_device_name())
@@ -38,7 +41,8 @@ def plan_layout(cfg: TrainConfig, world: int):
         eff = calibrated_for(gpu)
     else:  # a CPU box: the planner runs on the rates measured here
         cluster = ClusterSpec(gpu_preset("A100-80GB"), gpus_per_node=world, nodes=1)
-        cluster, eff, _ = calibrate(cluster, calibrated_for(cluster.gpu), measure(spec, train))
+        cluster, eff, _ = calibrate(cluster, calibrated_for(cluster.gpu),
+                                    measure(spec, train, micro_batch_size=cfg.micro_batch_size))
     p = plan(spec, train, cluster, eff)
     if p.best is None:
         from tpkernels.planner.report import no_fit_message  # noqa: PLC0415
