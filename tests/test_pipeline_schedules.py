@@ -127,3 +127,22 @@ def test_simulator_rejects_broken_schedules():
         validate([[F(0), F(1), B(0), B(1)], [F(1), F(0), B(0), B(1)]], 2)
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate([[F(0), B(0), F(1), B(1)], [F(0), F(1), B(0), B(1)]], 2)  # rank 0 waits for a grad, rank 1 for F1
+
+
+@pytest.mark.parametrize("costs", [(1.0, 1.0, 0.6), (1.0, 1.2, 0.8), (0.7, 1.3, 0.5), (1.0, 1.0, 1.4)])
+@pytest.mark.parametrize("p,m", [(2, 3), (4, 17), (5, 40)])
+def test_zb_h1_built_for_the_costs_is_valid_and_never_worse_than_1f1b(costs, p, m):
+    f, b, w = costs
+    sched = zb_h1(p, m, costs)
+    r = simulate(sched, m, costs=Costs(f, b, w))  # validates: every action once, in dependency order
+    one = simulate(one_f_one_b(p, m), m, costs=Costs(f, b + w, 0.0))
+    assert r.makespan <= one.makespan + 1e-9
+    assert max(r.peak_inflight) <= max(one.peak_inflight)  # 1F1B's activation memory, as ZB-H1 promises
+    unit = simulate(zb_h1(p, m), m, costs=Costs(f, b, w))
+    assert r.makespan <= unit.makespan + 1e-9
+
+
+def test_zb_h1_costs_equal_unit_order_and_bad_costs_raise():
+    assert zb_h1(4, 9, (1.0, 1.0, 1.0)) == zb_h1(4, 9)
+    with pytest.raises(ScheduleError, match=r"costs \(\(0"):
+        zb_h1(4, 9, (0.0, 1.0, 1.0))

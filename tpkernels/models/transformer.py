@@ -287,17 +287,25 @@ class ParallelTransformer(nn.Module):
         return self.head.logits(y) if target is None else self.head.loss(y, target)
 
     def pipeline(self, schedule: str = "1f1b", num_microbatches: int | None = None,
-                 timeout_s: float = 300.0, loss_fn=None) -> PipelineRuntime:
-        """A PipelineRuntime over this rank's chunks (the loss: the head's, or ``loss_fn(y, target)``)."""
+                 timeout_s: float = 300.0, loss_fn=None, seq_length: int | None = None) -> PipelineRuntime:
+        """A PipelineRuntime over this rank's chunks (the loss: the head's, or ``loss_fn(y, target)``).
+        ZB-H1's order is built for this model's F : B : W cost ratios at ``seq_length`` (default:
+        the model's maximum positions), from the planner's FLOP counts."""
         pc = self.state.config
         m = num_microbatches or pc.num_microbatches
         if pc.virtual_stages > 1 and schedule != "interleaved":
             raise ValueError(f"virtual_stages ({pc.virtual_stages}) > 1 needs schedule='interleaved', not {schedule!r}")
         device = self.ctx.device or next(self.parameters()).device
         loss_fn = loss_fn or (self.head.loss if self.head else None)
+        costs = None
+        if schedule == "zb-h1":
+            from tpkernels.planner.step_time import weight_split_costs  # noqa: PLC0415
+
+            seq = seq_length or min(self.config.max_position_embeddings, 8192)
+            costs = weight_split_costs(self.config.to_spec(seq), seq, pc.micro_batch_size, pc.tp)
         return PipelineRuntime(list(self.chunks), schedule, m, loss_fn=loss_fn if self.head else None,
                                group=self.state.pp_group, device=device,
-                               timeout_s=timeout_s)
+                               timeout_s=timeout_s, schedule_costs=costs)
 
     def step(self, input_ids: torch.Tensor | None, target: torch.Tensor | None, position_ids=None, cu_seqlens=None,
              *, schedule: str = "1f1b", num_microbatches: int | None = None, runtime: PipelineRuntime | None = None

@@ -69,11 +69,14 @@ class PipelineRuntime:
     chunks: this rank's model chunks by chunk index (one unless interleaved).
     schedule: a name ("gpipe", "1f1b", "interleaved", "zb-h1") or explicit per-rank actions.
     loss_fn(output, target) → scalar, applied on the last virtual stage.
+    schedule_costs: (f, b, w) of one micro-batch on a stage, for ZB-H1's order (``zb_h1``); every
+    rank of the pipeline must pass the same values.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], schedule: str | Schedule, num_microbatches: int, *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, group=None,
-                 device: torch.device | None = None, timeout_s: float = 300.0):
+                 device: torch.device | None = None, timeout_s: float = 300.0,
+                 schedule_costs: tuple[float, float, float] | None = None):
         self.group = group
         self.rank, self.p = group_rank_size(group)
         self.chunks = list(chunks)
@@ -81,7 +84,7 @@ class PipelineRuntime:
         self.m = num_microbatches
         if isinstance(schedule, str):
             self.name = schedule
-            self.schedule = make_schedule(schedule, self.p, num_microbatches, self.v)
+            self.schedule = make_schedule(schedule, self.p, num_microbatches, self.v, schedule_costs)
         else:
             self.name, self.schedule = "custom", schedule
             if len(schedule) != self.p:

@@ -98,13 +98,25 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     return out
 
 
-def zb_h1(p: int, m: int) -> Schedule:
+def zb_h1(p: int, m: int, costs: tuple[float, float, float] | None = None) -> Schedule:
     """ZB-H1: 1F1B's order of F and B (B = input gradient only), with each W deferred so that it fills
-    the gaps 1F1B leaves. Built by list scheduling with unit costs F = B = W (the paper's
-    assumption): a rank runs a ready B first, else a ready F while fewer than p micro-batches hold
-    activations (forwarded, W not yet run: 1F1B's peak, which its first stage reaches), else its
-    oldest pending W. Later stages may thus hold more micro-batches than under 1F1B, never more
-    than 1F1B's fullest stage."""
+    the gaps 1F1B leaves. Built by list scheduling: a rank runs a ready B first, else a ready F while
+    fewer than p micro-batches hold activations (forwarded, W not yet run: 1F1B's peak, which its
+    first stage reaches), else its oldest pending W. Later stages may thus hold more micro-batches
+    than under 1F1B, never more than 1F1B's fullest stage.
+
+    costs: (f, b, w) seconds of one micro-batch's F, B and W on a stage. Without them the order is
+    built for F = B = W (the paper's assumption); when W is cheaper than F that order stalls
+    about f − w per micro-batch in the steady state, so pass the real ratios when known
+    (``tpkernels.planner`` estimates them from the model)."""
+    if costs is not None:
+        # the greedy order built for the costs, unless the F = B = W order happens to run faster
+        # at these costs (possible when W is dearer than F): keep the faster of the two
+        from tpkernels.pipeline.simulator import Costs, simulate  # noqa: PLC0415  (imports this module)
+
+        timed, unit = _zb_h1_timed(p, m, costs), zb_h1(p, m)
+        c = Costs(*costs)
+        return min((timed, unit), key=lambda s: simulate(s, m, 1, c, check=False).makespan)
     _check(p, m)
     done: dict[tuple[str, int, int], int] = {}  # (kind, mb, rank) -> finish time
     order: Schedule = [[] for _ in range(p)]
@@ -133,6 +145,44 @@ def zb_h1(p: int, m: int) -> Schedule:
     return order
 
 
+def _zb_h1_timed(p: int, m: int, costs: tuple[float, float, float]) -> Schedule:
+    """``zb_h1``'s list scheduling in continuous time with per-kind durations."""
+    _check(p, m)
+    if len(costs) != 3 or any(not isinstance(c, (int, float)) or not c >= 0 for c in costs) or costs[0] <= 0:
+        raise ScheduleError(f"costs ({costs!r}) must be (f, b, w) with f > 0 and b, w >= 0")
+    dur = dict(zip("FBW", (float(c) for c in costs)))
+    fin: dict[tuple[str, int, int], float] = {}  # (kind, mb, rank) -> finish time
+    order: Schedule = [[] for _ in range(p)]
+    next_f, next_b, pending_w, live = [0] * p, [0] * p, [[] for _ in range(p)], [0] * p
+    free = [0.0] * p
+    eps = 1e-9 * sum(dur.values())
+    while True:
+        busy = [r for r in range(p) if len(order[r]) < 3 * m]
+        if not busy:
+            return order
+        r = min(busy, key=lambda q: (free[q], q))
+        t = free[r]
+        b, f = next_b[r], next_f[r]
+        b_dep = (fin.get(("B", b, r + 1)) if r < p - 1 else 0.0) if b < m and b < f else None
+        f_dep = (fin.get(("F", f, r - 1)) if r > 0 else 0.0) if f < m and live[r] < p else None
+        if b_dep is not None and b_dep <= t:
+            act, next_b[r] = Action("B", b), b + 1
+            pending_w[r].append(b)
+        elif f_dep is not None and f_dep <= t:
+            act, next_f[r] = Action("F", f), f + 1
+            live[r] += 1
+        elif pending_w[r]:
+            act = Action("W", pending_w[r].pop(0))
+            live[r] -= 1
+        else:  # idle until an input arrives, or until another rank moves on
+            known = [d for d in (b_dep, f_dep) if d is not None and d > t]
+            later = [free[q] for q in busy if q != r and free[q] > t]
+            free[r] = min(known + later) if known or later else t + eps
+            continue
+        order[r].append(act)
+        fin[(act.kind, act.mb, r)] = free[r] = t + dur[act.kind]
+
+
 def forward_only(p: int, m: int, v: int = 1) -> Schedule:
     """Evaluation: every rank runs its forwards only, chunk by chunk, micro-batches in order (no
     backward, so no activations are kept for one; nothing to interleave)."""
@@ -142,7 +192,9 @@ def forward_only(p: int, m: int, v: int = 1) -> Schedule:
     return [[Action("F", mb, c) for c in range(v) for mb in range(m)] for _ in range(p)]
 
 
-def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+def make_schedule(name: str, p: int, m: int, v: int = 1,
+                  costs: tuple[float, float, float] | None = None) -> Schedule:
+    """The named schedule; ``costs`` (f, b, w) shape ZB-H1's order (see ``zb_h1``), others ignore it."""
     if name == "gpipe":
         sched = gpipe(p, m)
     elif name == "1f1b":
@@ -150,7 +202,7 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     elif name == "interleaved":
         sched = interleaved_1f1b(p, m, v)
     elif name == "zb-h1":
-        sched = zb_h1(p, m)
+        sched = zb_h1(p, m, costs)
     else:
         raise ScheduleError(f"schedule ({name!r}) must be one of {', '.join(SCHEDULES)}")
     if name != "interleaved" and v != 1:

@@ -39,7 +39,8 @@ def _idle_units(schedule: str, p: int, m: int, v: int, b: float, w: float, comm:
 
     with warnings.catch_warnings():  # an unfilled pipeline is the planner's to report, not a warning
         warnings.simplefilter("ignore")
-        sched = make_schedule(schedule, p, m, v)
+        # ZB-H1's order is built for the costs, as the runtime builds it (ParallelTransformer.pipeline)
+        sched = make_schedule(schedule, p, m, v, (1.0, b, w) if schedule == "zb-h1" else None)
     sim = simulate(sched, m, v, Costs(f=1.0, b=b, w=w, comm=comm), check=False)
     return sim.makespan - max(sim.busy)
 

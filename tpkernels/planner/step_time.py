@@ -99,6 +99,16 @@ class StepTime:
         return d
 
 
+def weight_split_costs(model: ModelSpec, seq: int, micro_batch: int, tp: int,
+                       flash_attention: bool = True) -> tuple[float, float, float]:
+    """(F, B, W) of one layer and micro-batch in FLOPs on one TP rank: the ratios ZB-H1's order is
+    built for (tpkernels.pipeline.schedules.zb_h1). B is the input gradient (the linear layers'
+    dX GEMMs and the attention core's whole backward), W the linear layers' weight gradients."""
+    lin, core = model.forward_flops_per_layer(micro_batch, seq)
+    bwd_core = (2.5 if flash_attention else 2.0) * core
+    return (lin + core) / tp, (lin + bwd_core) / tp, lin / tp
+
+
 def _linear_shapes(model: ModelSpec, t: int) -> list[tuple[float, float]]:
     """(k, n) per TP rank of one layer's linear GEMMs: QKV, output projection, MLP up(+gate), down."""
     h, q, kv, f = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size

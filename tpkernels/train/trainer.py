@@ -99,7 +99,8 @@ class Trainer:
         loss_fn = None
         if self.mp is not None and self.mp.scaling:  # fp16: backward of the scaled loss
             loss_fn = lambda y, t: self.model.head.loss(y, t) * self.mp.scale  # noqa: E731
-        self.runtime = self.model.pipeline(cfg.schedule, cfg.num_microbatches, loss_fn=loss_fn)
+        self.runtime = self.model.pipeline(cfg.schedule, cfg.num_microbatches, loss_fn=loss_fn,
+                                           seq_length=cfg.seq_length)
         self.kv_replicas = max(1, self.pc.tp // self.mc.kv_heads)
         self.step_index = 0
         self.history: list[dict] = []
