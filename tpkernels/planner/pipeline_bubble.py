@@ -56,7 +56,7 @@ def bubble_time(schedule: str, p: int, m: int, v: int, f: float, b: float, w: fl
         return 0.0
     if f <= 0:
         raise ValueError(f"f ({f!r}) must be > 0: a pipeline stage with no forward work cannot be timed")
-    ratios = (_sig2(b / f), _sig2(w / f), _sig2(comm / f))
+    ratios = (_on_grid(b / f), _on_grid(w / f), _on_grid(comm / f))
     if p <= SIM_STAGES:
         return f * _idle_in_m(schedule, p, m, v, ratios)
     # deeper pipelines: at a fixed m / p the idle time is linear in p (ramps of p − 1 steps);
@@ -82,7 +82,7 @@ def _idle_in_m(schedule: str, p: int, m: int, v: int, ratios: tuple) -> float:
     return idle_a + slope * (m - m_a)
 
 
-def _sig2(x: float) -> float:
+def _on_grid(x: float) -> float:
     """x on a grid of 4% steps (log scale): plenty for a plan, and a small cache."""
     if x <= 0:
         return 0.0

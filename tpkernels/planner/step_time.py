@@ -120,7 +120,6 @@ def _attention_time(model: ModelSpec, train: TrainingSetup, b: int, s: int, t: i
     """(forward, backward) seconds of one layer's attention core on one TP rank."""
     precision = "bf16" if train.precision == "fp8" else train.precision
     if train.flash_attention:
-        # on a measured CPU the core runs in fp32 at the measured attention rate (same formula)
         _, core = model.forward_flops_per_layer(b, s)
         fwd = core / t / (cluster.gpu.peak_tflops(precision) * 1e12 * eff.attention)
         return fwd, 2.5 * fwd
