@@ -185,7 +185,8 @@ def extension_modules():
     macros += [("TPKERNELS_WITH_CUDA", "1"), ("TPKERNELS_CUDA_ARCHS", f'"{";".join(archs)}"')]
     nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr",
                   f"--threads={nvcc_threads}", *gencode]
-    cuda_sources = cpu_sources + ["csrc/gelu/bias_gelu_cuda.cu"]
+    cuda_sources = cpu_sources + ["csrc/gelu/bias_gelu_cuda.cu", "csrc/comm/comm_signals.cu", "csrc/comm/peer_copy.cu",
+                                  "csrc/comm/tile_reduce.cu"]
     ext = CUDAExtension("tpkernels._C", cuda_sources, include_dirs=nvidia_wheel_include_dirs(),
                         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags}, extra_link_args=link_flags,
                         define_macros=macros)

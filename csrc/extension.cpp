@@ -1,6 +1,7 @@
 // Python bindings of tpkernels._C. Kernels live in csrc/<op>/; this file only exposes them.
 #include <torch/extension.h>
 
+#include "comm/comm_ops.h"
 #include "gelu/bias_gelu.h"
 #include "llama/llama_ops.h"
 
@@ -57,5 +58,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bias_gelu_bwd_cuda", &tpkernels::bias_gelu_bwd_cuda, "(grad_x, grad_bias) of gelu(x + bias)",
         pybind11::arg("grad_out"), pybind11::arg("x"), pybind11::arg("bias"), pybind11::arg("tanh_approx"),
         pybind11::arg("grad_x_out") = pybind11::none(), pybind11::arg("grad_bias_out") = pybind11::none());
+  m.def("comm_signal_set", &tpkernels::comm_signal_set, "signals[index] = value, fenced, on the current stream",
+        pybind11::arg("signals"), pybind11::arg("index"), pybind11::arg("value"));
+  m.def("comm_signal_wait", &tpkernels::comm_signal_wait,
+        "block the current stream until *(int32*)address >= value, or max_spins reads (then err[0] = code)",
+        pybind11::arg("address"), pybind11::arg("value"), pybind11::arg("max_spins"), pybind11::arg("err"),
+        pybind11::arg("code"));
+  m.def("comm_pull_chunks", &tpkernels::comm_pull_chunks,
+        "all-gather pull of the peers' shards by a copy kernel, one signal per (peer, chunk)", pybind11::arg("dst"),
+        pybind11::arg("src_ptrs"), pybind11::arg("rank"), pybind11::arg("world"), pybind11::arg("m"),
+        pybind11::arg("chunk_rows"), pybind11::arg("chunks"), pybind11::arg("signals"), pybind11::arg("counters"),
+        pybind11::arg("epoch"), pybind11::arg("blocks_per_chunk"));
+  m.def("comm_reduce_tiles", &tpkernels::comm_reduce_tiles,
+        "out = scale * sum over ranks of their signalled fp32 partial tiles", pybind11::arg("out"),
+        pybind11::arg("part_ptrs"), pybind11::arg("sig_ptrs"), pybind11::arg("world"), pybind11::arg("row_offset"),
+        pybind11::arg("sig_base"), pybind11::arg("sig_count"), pybind11::arg("tile_m"), pybind11::arg("tile_n"),
+        pybind11::arg("epoch"), pybind11::arg("max_spins"), pybind11::arg("err"), pybind11::arg("scale"),
+        pybind11::arg("blocks"));
 #endif
 }

@@ -24,8 +24,26 @@ def no_env(monkeypatch):
 
 def test_every_op_is_behind_the_rule():
     ops = backends.registered_ops()
-    assert set(ops) >= {"bias_gelu", "flash_attn", "all_gather_matmul", "matmul_reduce_scatter"}
-    assert ops["all_gather_matmul"] == ops["matmul_reduce_scatter"] == ("collective", "ring")
+    assert set(ops) >= {"bias_gelu", "flash_attn", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"}
+    assert ops["all_gather_matmul"] == ops["matmul_reduce_scatter"] == ops["matmul_all_reduce"] == \
+        ("collective", "ring", "fused")
+
+
+def test_fused_says_why_it_cannot_run_here():
+    cpu = torch.device("cpu")
+    for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
+        assert "need CUDA tensors and torch symmetric memory" in backends.why_not("fused", op, cpu, torch.float16)
+        with pytest.raises(BackendUnavailableError, match=r"algo argument cannot run .* CUDA tensors"):
+            backends.select(op, cpu, "fused", dtype=torch.float16, k=16, n=16)
+        # auto never picks it on a CPU, however large the GEMM
+        assert backends.select(op, cpu, dtype=torch.bfloat16, flops=1e15, world=8, k=8192, n=8192) != "fused"
+    cuda = torch.device("cuda", 0)
+    why = backends.why_not("fused", "matmul_reduce_scatter", cuda, torch.float32, k=16, n=16)
+    assert why == "the fused kernels take bfloat16 and float16, got torch.float32"
+    assert backends.why_not("fused", "all_gather_matmul", cuda, torch.bfloat16, k=17, n=32) == \
+        "the fused kernels need K a multiple of 16, got K = 17"
+    assert backends.why_not("fused", "all_gather_matmul", cuda, torch.bfloat16, k=32, n=129) == \
+        "the fused kernels need N a multiple of 16, got N = 129"
 
 
 def test_an_explicit_argument_beats_the_environment(monkeypatch):

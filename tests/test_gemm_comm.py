@@ -12,9 +12,11 @@ import torch
 from tpkernels.functional.gemm_comm import (
     all_gather_matmul,
     choose_algo,
+    matmul_all_reduce,
     matmul_reduce_scatter,
     poison_receive_buffers,
 )
+from tpkernels.backends import BackendUnavailableError
 from tpkernels.parallel.trace import CommTrace
 from tpkernels.testing.errors import error_messages
 from tpkernels.testing.tolerance import assert_fa_close
@@ -96,13 +98,49 @@ def test_matmul_reduce_scatter_bf16_avg(rank_pool, fresh_seed, world, algo):
     assert rank_pool(world).run(_rs_worker, fresh_seed, algo, "bfloat16", "avg") == [True] * world
 
 
+def _ar_worker(rank, world, seed, algo, dtype_name, reduce_op):
+    dtype = getattr(torch, dtype_name)
+    g = _gen(seed)
+    results = []
+    for lead in [(1,), (2, 17), (5,)]:  # rows 1, 34, 5: never a multiple of every group size
+        parts = [torch.randn(*lead, 11, generator=g, dtype=torch.float64) for _ in range(world)]
+        bs = [torch.randn(11, 6, generator=g, dtype=torch.float64) for _ in range(world)]
+        ref64 = sum(p @ b for p, b in zip(parts, bs))
+        ref_lp = sum((p.to(dtype) @ b.to(dtype)).float() for p, b in zip(parts, bs))
+        if reduce_op == "avg":
+            ref64, ref_lp = ref64 / world, ref_lp / world
+        with poison_receive_buffers():
+            out = matmul_all_reduce(parts[rank].to(dtype), bs[rank].to(dtype), None, reduce_op, algo)
+        assert out.dtype == dtype and out.shape == lead + (6,)
+        assert_fa_close(out, ref64, ref_lp.to(dtype), name=f"all-reduced {lead}")
+        results.append(out)
+    return results
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_matmul_all_reduce(rank_pool, fresh_seed, world, algo):
+    per_rank = rank_pool(world).run(_ar_worker, fresh_seed, algo, "float32", "sum")
+    for outs in per_rank[1:]:  # every rank holds the same sum, bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(outs, per_rank[0]))
+
+
+@pytest.mark.parametrize("algo", ["collective", "ring"])
+def test_matmul_all_reduce_bf16_avg(rank_pool, fresh_seed, algo):
+    rank_pool(3).run(_ar_worker, fresh_seed, algo, "bfloat16", "avg")
+
+
 def _errors_worker(rank, world):
     return error_messages([
         lambda: matmul_reduce_scatter(torch.randn(2 * world + 1, 4), torch.randn(4, 3), None),
         lambda: all_gather_matmul(torch.randn(3, 4), [torch.randn(5, 2)], None),
         lambda: all_gather_matmul(torch.randn(3, 4), [torch.randn(4, 2)], None, gather_dim=1),
         lambda: matmul_reduce_scatter(torch.randn(world, 4), torch.randn(4, 3), None, algo="fast"),
-    ])
+        lambda: matmul_all_reduce(torch.randn(3, 4), torch.randn(5, 2), None),
+    ]) + error_messages([
+        lambda: all_gather_matmul(torch.randn(3, 16, dtype=torch.float16), [torch.randn(16, 16, dtype=torch.float16)],
+                                  None, algo="fused"),
+    ], exc=BackendUnavailableError)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -112,7 +150,11 @@ def test_bad_inputs_raise_on_every_rank(rank_pool, world):
             f"a.shape[0] ({2 * world + 1}) must be divisible by the group size ({world})",
             "bs[0] must be (K, N) with K = 4 (the last dim of A), got shape (5, 2)",
             "gather_dim (1) must name a dim of a_shard other than the last (K) one; a_shard has shape (3, 4)",
-            "algo ('fast') must be one of auto, collective, ring",
+            "algo ('fast') must be one of auto, collective, ring, fused",
+            "b must be (K, N) with K = 4 (the last dim of A), got shape (5, 2)",
+            "algo argument cannot run all_gather_matmul on cpu (torch.float16): the fused GEMM-communication "
+            "kernels need CUDA tensors and torch symmetric memory, got a cpu tensor (on the CPU they run only in "
+            "the virtual-TP harness, tpkernels.functional.virtual_tp, under TRITON_INTERPRET=1)",
         ]
 
 

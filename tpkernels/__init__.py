@@ -9,7 +9,10 @@ Public API (this release):
     tpkernels.nn.FlashAttention                        core attention module (q, k, v -> out)
     tpkernels.backends                                 dispatch rule, TPKERNELS_BACKEND
     tpkernels.build_info()                             what tpkernels._C was built with
-    tpkernels.all_gather_matmul / matmul_reduce_scatter  TP communication fused with GEMMs (ring overlap)
+    tpkernels.all_gather_matmul / matmul_reduce_scatter / matmul_all_reduce
+                                                       TP communication overlapped with GEMMs: ring, or
+                                                       fused Triton kernels over symmetric memory (CUDA)
+    tpkernels.functional.virtual_tp.VirtualTP          N ranks emulated on one device, same fused kernels
     tpkernels.nn.ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding
     tpkernels.vocab_parallel_cross_entropy            loss over vocabulary-sharded logits
     tpkernels.rms_norm(x, weight, eps, residual=None) RMSNorm, fused with the residual add
@@ -40,6 +43,7 @@ from tpkernels.functional import (
     flash_attn_func,
     flash_attn_varlen_func,
     linear_cross_entropy,
+    matmul_all_reduce,
     matmul_reduce_scatter,
     rms_norm,
     rotary_cache,
@@ -48,5 +52,5 @@ from tpkernels.functional import (
 )
 
 __all__ = ["__version__", "all_gather_matmul", "apply_rotary", "backends", "bias_gelu", "build_info", "flash_attn_func",
-           "flash_attn_varlen_func", "linear_cross_entropy", "matmul_reduce_scatter", "nn", "rms_norm", "rotary_cache", "swiglu",
+           "flash_attn_varlen_func", "linear_cross_entropy", "matmul_all_reduce", "matmul_reduce_scatter", "nn", "rms_norm", "rotary_cache", "swiglu",
            "vocab_parallel_cross_entropy"]

@@ -27,8 +27,9 @@ Kernel implementations:
 ``reference`` pure PyTorch, any device (the fallback and the test oracle)
 ============  =====================================================================
 
-GEMM-communication algorithms: ``collective`` (one collective + one GEMM) and ``ring`` (chunks
-travel while the previous chunk is multiplied); see :mod:`tpkernels.functional.gemm_comm`.
+GEMM-communication algorithms: ``collective`` (one collective + one GEMM), ``ring`` (chunks
+travel while the previous chunk is multiplied) and ``fused`` (Triton GEMMs that wait on, or raise,
+per-chunk signals in torch symmetric memory: CUDA only); see :mod:`tpkernels.functional.gemm_comm`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch
 from tpkernels._extension import build_info, extension, extension_error
 
 KERNELS = ("cuda", "triton", "cpp", "reference")
-ALGORITHMS = ("collective", "ring")
+ALGORITHMS = ("collective", "ring", "fused")
 DEFAULT_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpp", "reference")}
 ENV_VAR = "TPKERNELS_BACKEND"
 RULE = ("explicit argument (backend=/algo=) > TPKERNELS_BACKEND op=name entry > TPKERNELS_BACKEND bare name "
@@ -132,6 +133,11 @@ def _kernel_unavailable(backend: str, device: torch.device) -> str | None:
     if device.type == "cuda" or (device.type == "cpu" and triton_interpreter_on()):
         return None
     return f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got a {device.type} tensor"
+
+
+def triton_unavailable(device: torch.device) -> str | None:
+    """Why Triton kernels cannot run on ``device`` (None when they can)."""
+    return _kernel_unavailable("triton", device)
 
 
 def why_not(backend: str, op: str, device: torch.device, dtype: torch.dtype | None = None, **context) -> str | None:

@@ -6,6 +6,7 @@ Signatures mirror torch's symmetric-memory ops (``torch.ops.symm_mem.fused_all_g
 
     a_full, [y1, y2] = all_gather_matmul(a_shard, [w1, w2], group, gather_dim=0)
     y_shard = matmul_reduce_scatter(a, b, group, scatter_dim=0, reduce_op="sum")
+    y = matmul_all_reduce(a, b, group)          # the row-parallel layer without SP
 
 Algorithms (``algo=``):
   "collective"  one all-gather / reduce-scatter collective plus one matmul: the baseline.
@@ -13,11 +14,19 @@ Algorithms (``algo=``):
                 async P2P (batch_isend_irecv) while the previous chunk is multiplied; double
                 buffered. NCCL runs P2P on its own stream, gloo on its own threads, so the
                 transfer of chunk i+1 overlaps the GEMM of chunk i.
-  "auto"        no choice: ``TPKERNELS_BACKEND`` (``all_gather_matmul=ring``, ``gemm_comm=ring``,
-                ...) if it names one, else plain matmul for one rank, ring when the per-rank GEMM is
-                large enough to hide the extra per-step latency, collective otherwise (everyone
-                regresses on small problems: see ANCHORS.md). The rule is :mod:`tpkernels.backends`'s:
-                an explicit ``algo`` beats the environment.
+  "fused"       Triton kernels over torch symmetric memory that overlap inside one GEMM launch:
+                the GEMM waits on per-chunk signals of the copy engine's pulls (all-gather) or
+                raises per-tile signals that a reducer on a few SMs follows (reduce-scatter,
+                all-reduce); see :mod:`tpkernels.functional.gemm_comm_fused`. CUDA tensors in
+                bfloat16/float16 with K and N multiples of 16 on an NCCL group; anything else is
+                refused with the reason (``backends.why_not``).
+  "auto"        no choice: ``TPKERNELS_BACKEND`` (``all_gather_matmul=ring``, ``gemm_comm=fused``,
+                ...) if it names one, else plain matmul for one rank; on CUDA, fused when it can
+                run, every rank of the group has peer access (NVLink) and the per-rank GEMM is at
+                least FUSED_MIN_FLOPS; else ring when the per-rank GEMM is large enough to hide the
+                extra per-step latency, collective otherwise (everyone regresses on small problems:
+                see ANCHORS.md). The rule is :mod:`tpkernels.backends`'s: an explicit ``algo``
+                beats the environment.
 
 ``overlap=False`` runs the side work (weight-gradient GEMMs of the TP layers) after the
 transfer instead of during it: the plain, serial form, with the collective algorithm.
@@ -34,6 +43,7 @@ Reduce-scatter partial sums are accumulated (and, in the ring, sent) in the accu
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -46,7 +56,7 @@ from tpkernels.parallel.collectives import all_gather_into, reduce_scatter_into
 from tpkernels.parallel.groups import global_rank, group_rank_size
 from tpkernels.parallel.trace import CommSpan, gemm_span
 
-ALGOS = ("auto", "collective", "ring")
+ALGOS = ("auto", "collective", "ring", "fused")
 FAMILY = "gemm_comm"
 # FLOPs of one chunk's GEMM (this rank's GEMM / world size) from which "auto" picks the ring:
 # below, one collective beats world_size small steps. CPU: from benchmarks/bench_tp.py on the
@@ -55,16 +65,67 @@ FAMILY = "gemm_comm"
 # not measured here yet; set from the published fallbacks of Triton-distributed and torch
 # async-TP (plain path under ~100 GFLOP per GEMM on 8 GPUs).
 RING_MIN_CHUNK_FLOPS = {"cpu": 1e8, "cuda": 1.5e10}
+# FLOPs of this rank's GEMM from which "auto" picks the fused kernels (CUDA, NVLink). Not measured
+# here yet (no multi-GPU machine): the published crossovers of Flux, torch async-TP and
+# Triton-distributed put the fused path ahead from a few 1e10 FLOP per rank on 8 NVLink GPUs.
+FUSED_MIN_FLOPS = 5e10
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _auto(device: torch.device, dtype, flops: float = 0.0, world: int = 1) -> str:
+def _fused_limits(impl: str, device: torch.device, dtype, k: int | None = None, n: int | None = None,
+                  group=None, **_) -> str | None:
+    """Why ``fused`` cannot run this call (None when it can); other algorithms have no limits."""
+    if impl != "fused":
+        return None
+    if device.type != "cuda":
+        return (f"the fused GEMM-communication kernels need CUDA tensors and torch symmetric memory, got a "
+                f"{device.type} tensor (on the CPU they run only in the virtual-TP harness, "
+                "tpkernels.functional.virtual_tp, under TRITON_INTERPRET=1)")
+    if dtype is not None and dtype not in FUSED_DTYPES:
+        return f"the fused kernels take bfloat16 and float16, got {dtype}"
+    for name, v in (("K", k), ("N", n)):
+        if v is not None and v % 16:
+            return f"the fused kernels need {name} a multiple of 16, got {name} = {v}"
+    err = backends.triton_unavailable(device)
+    if err:
+        return err
+    from tpkernels.parallel.symmetric_memory import symmetric_memory_unavailable  # noqa: PLC0415
+
+    return symmetric_memory_unavailable(group)
+
+
+@functools.lru_cache(maxsize=None)
+def _peer_access(world: int) -> bool:
+    """Every pair of the first ``world`` visible GPUs can address each other (NVLink or PCIe P2P): the
+    group lives on one node, with one GPU per rank."""
+    if torch.cuda.device_count() < world:
+        return False
+    return all(torch.cuda.can_device_access_peer(i, j) for i in range(world) for j in range(world) if i != j)
+
+
+def _auto(device: torch.device, dtype, flops: float = 0.0, world: int = 1, **context) -> str:
+    if (device.type == "cuda" and world > 1 and flops >= FUSED_MIN_FLOPS and _peer_access(world)
+            and _fused_limits("fused", device, dtype, **context) is None):
+        return "fused"
     threshold = RING_MIN_CHUNK_FLOPS.get(device.type, RING_MIN_CHUNK_FLOPS["cuda"])
     return "ring" if flops / max(world, 1) >= threshold else "collective"
 
 
-_AUTO_DOC = {dev: f"auto: ring from {t:.2g} FLOP per chunk, else collective" for dev, t in RING_MIN_CHUNK_FLOPS.items()}
+def _auto_all_reduce(device: torch.device, dtype, flops: float = 0.0, world: int = 1, **context) -> str:
+    # the ring form overlaps only its reduce-scatter half: never worth it over one all-reduce by default
+    return "fused" if _auto(device, dtype, flops, world, **context) == "fused" else "collective"
+
+
+_AUTO_DOC = {"cpu": f"auto: ring from {RING_MIN_CHUNK_FLOPS['cpu']:.2g} FLOP per chunk, else collective",
+             "cuda": f"auto: fused from {FUSED_MIN_FLOPS:.2g} FLOP per rank with peer access, else ring from "
+                     f"{RING_MIN_CHUNK_FLOPS['cuda']:.2g} FLOP per chunk, else collective"}
 for _op in ("all_gather_matmul", "matmul_reduce_scatter"):
-    backends.register_op(_op, ("collective", "ring"), family=FAMILY, default=_auto, default_doc=_AUTO_DOC)
+    backends.register_op(_op, ("collective", "ring", "fused"), family=FAMILY, check=_fused_limits, default=_auto,
+                         default_doc=_AUTO_DOC)
+backends.register_op("matmul_all_reduce", ("collective", "ring", "fused"), family=FAMILY, check=_fused_limits,
+                     default=_auto_all_reduce,
+                     default_doc={"cpu": "collective", "cuda": f"auto: fused from {FUSED_MIN_FLOPS:.2g} FLOP per "
+                                                               "rank with peer access, else collective"})
 
 _POISON = False
 
@@ -91,27 +152,32 @@ def _empty(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
 def check_algo(algo: str, overlap: bool = True) -> None:
     if algo not in ALGOS:
         raise ValueError(f"algo ({algo!r}) must be one of {', '.join(ALGOS)}")
-    if not overlap and algo == "ring":
-        raise ValueError("algo ('ring') overlaps communication by construction; overlap=False (the serial form) "
+    if not overlap and algo in ("ring", "fused"):
+        raise ValueError(f"algo ({algo!r}) overlaps communication by construction; overlap=False (the serial form) "
                          "needs algo 'auto' or 'collective'")
 
 
 def choose_algo(op: str, algo: str, world_size: int, flops_per_rank: float, device: torch.device,
-                overlap: bool = True) -> str:
+                overlap: bool = True, dtype: torch.dtype | None = None, k: int | None = None, n: int | None = None,
+                group=None) -> str:
     """The algorithm ``op`` runs: "local" for one rank, else by the dispatch rule of
-    :mod:`tpkernels.backends` (``algo`` unless "auto", then ``TPKERNELS_BACKEND``, then by size)."""
+    :mod:`tpkernels.backends` (``algo`` unless "auto", then ``TPKERNELS_BACKEND``, then by size).
+    ``dtype``, ``k``, ``n`` (the GEMM's inner and output widths) and ``group`` decide whether
+    ``fused`` can run."""
     check_algo(algo, overlap)
     if not overlap:
         algo = "collective"
-    how = backends.select(op, device, None if algo == "auto" else algo, flops=flops_per_rank, world=world_size)
-    return "local" if world_size == 1 else how
+    if world_size == 1:
+        return "local"
+    return backends.select(op, device, None if algo == "auto" else algo, dtype=dtype, flops=flops_per_rank,
+                           world=world_size, k=k, n=n, group=group)
 
 
 def _resolve(op: str, algo: str, world: int, flops: float, device: torch.device,
-             overlap: bool = True) -> tuple[str, Exception | None]:
+             overlap: bool = True, **context) -> tuple[str, Exception | None]:
     """(algorithm, None), or ("invalid", the error) to raise once the ranks have compared notes."""
     try:
-        return choose_algo(op, algo, world, flops, device, overlap), None
+        return choose_algo(op, algo, world, flops, device, overlap, **context), None
     except (ValueError, backends.BackendUnavailableError) as e:
         return "invalid", e
 
@@ -146,7 +212,8 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
     """
     rank, world = group_rank_size(group)
     flops = 2.0 * a_shard.numel() * sum(b.shape[-1] for b in bs) * world
-    how, err = _resolve("all_gather_matmul", algo, world, flops, a_shard.device)
+    how, err = _resolve("all_gather_matmul", algo, world, flops, a_shard.device, dtype=a_shard.dtype,
+                        k=a_shard.shape[-1], n=min((b.shape[-1] for b in bs), default=16), group=group)
     # before any check that can fail on some ranks only: the others would wait in the transfer
     consistency.agree(group, "all_gather_matmul", **{"a_shard.shape": a_shard.shape, "a_shard.dtype": a_shard.dtype,
                                                      "gather_dim": gather_dim, "algo": how, "return_a": return_a},
@@ -167,6 +234,19 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
         return (a_shard if return_a else None), [o.movedim(0, gd) for o in outs]
 
     full_shape = (world * m,) + tuple(a.shape[1:])
+    if how == "fused":
+        from tpkernels.functional.gemm_comm_fused import RealRank, ag_steps, run_rank  # noqa: PLC0415
+
+        rows = a.reshape(-1, a.shape[-1])
+        span = CommSpan("fused all_gather_matmul", a.device.type, bytes=a.numel() * a.element_size() * world)
+        a_full, outs = run_rank(ag_steps(RealRank(group, a.device), rows, bs, return_a=True))
+        span.done()
+        a_full = a_full.view(full_shape)
+        outs = [o.view(full_shape[:-1] + (o.shape[1],)) for o in outs]
+        if on_chunk:
+            for src in range(world):
+                on_chunk(src, a_full[src * m:(src + 1) * m])
+        return (a_full.movedim(0, gd) if return_a else None), [o.movedim(0, gd) for o in outs]
     outs = [torch.empty(full_shape[:-1] + (b.shape[1],), dtype=a.dtype, device=a.device) for b in bs]
     if how == "collective":
         a_full = _empty(full_shape, a)
@@ -220,7 +300,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
     backward puts its weight-gradient chunks there.
     """
     rank, world = group_rank_size(group)
-    how, err = _resolve("matmul_reduce_scatter", algo, world, 2.0 * a.numel() * b.shape[-1], a.device, overlap)
+    how, err = _resolve("matmul_reduce_scatter", algo, world, 2.0 * a.numel() * b.shape[-1], a.device, overlap,
+                        dtype=a.dtype, k=a.shape[-1], n=b.shape[-1], group=group)
     consistency.agree(group, "matmul_reduce_scatter", **{"a.shape": a.shape, "a.dtype": a.dtype, "b.shape": b.shape,
                                                          "b.dtype": b.dtype, "scatter_dim": scatter_dim,
                                                          "reduce_op": reduce_op, "algo": how})
@@ -246,6 +327,16 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
         for work in side_work:
             work()
         return out.movedim(0, sd)
+    if how == "fused":
+        from tpkernels.functional.gemm_comm_fused import RealRank, rs_steps, run_rank  # noqa: PLC0415
+
+        rows = am.contiguous().view(-1, am.shape[-1])
+        span = CommSpan("fused matmul_reduce_scatter", a.device.type, bytes=rows.shape[0] * b.shape[1] * 4)
+        out = run_rank(rs_steps(RealRank(group, a.device), rows, b, reduce_op))
+        span.done()
+        for work in side_work:  # queued behind the GEMM; they overlap the reducer's tail
+            work()
+        return out.view((m,) + tuple(am.shape[1:-1]) + (b.shape[1],)).movedim(0, sd)
     if how == "collective":
         with gemm_span("matmul", a.device.type):
             full = widen(torch.matmul(am, b))
@@ -279,3 +370,60 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
     if reduce_op == "avg":
         acc = acc / world
     return acc.to(a.dtype).movedim(0, sd)
+
+
+def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, reduce_op: str = "sum", algo: str = "auto",
+                      variant: str = "auto") -> torch.Tensor:
+    """``all_reduce(a @ b)`` over ``group``: the row-parallel layer without sequence parallelism.
+
+    a: (..., K), b: (K, N). Returns (..., N), the same on every rank: the sum (or mean,
+    ``reduce_op="avg"``) over ranks, accumulated in float32 for 16-bit inputs. ``algo``:
+    "collective" (GEMM, then one all-reduce), "ring" (the ring GEMM + reduce-scatter over the rows,
+    padded to a multiple of the group size, then one all-gather), "fused" (the GEMM publishes tiles
+    that a reducer follows; ``variant`` "one_shot", "two_shot" or "auto": one-shot for small
+    outputs), "auto".
+    """
+    rank, world = group_rank_size(group)
+    how, err = _resolve("matmul_all_reduce", algo, world, 2.0 * a.numel() * b.shape[-1], a.device,
+                        dtype=a.dtype, k=a.shape[-1], n=b.shape[-1], group=group)
+    consistency.agree(group, "matmul_all_reduce", **{"a.shape": a.shape, "a.dtype": a.dtype, "b.shape": b.shape,
+                                                     "b.dtype": b.dtype, "reduce_op": reduce_op, "algo": how,
+                                                     "variant": variant})
+    if err is not None:
+        raise err
+    if a.dim() < 1:
+        raise ValueError(f"a must have at least 1 dim (..., K), got shape {tuple(a.shape)}")
+    _check_b(a, b, "b")
+    if reduce_op not in ("sum", "avg"):
+        raise ValueError(f"reduce_op ({reduce_op!r}) must be 'sum' or 'avg'")
+    if how == "local":
+        with gemm_span("matmul", a.device.type):
+            return torch.matmul(a, b)
+    out_shape = tuple(a.shape[:-1]) + (b.shape[1],)
+    if how == "fused":
+        from tpkernels.functional.gemm_comm_fused import RealRank, ar_steps, run_rank  # noqa: PLC0415
+
+        rows = a.contiguous().view(-1, a.shape[-1])
+        span = CommSpan("fused matmul_all_reduce", a.device.type, bytes=rows.shape[0] * b.shape[1] * 4)
+        out = run_rank(ar_steps(RealRank(group, a.device), rows, b, reduce_op, variant))
+        span.done()
+        return out.view(out_shape)
+    if how == "ring":
+        rows = a.reshape(-1, a.shape[-1])
+        pad = (-rows.shape[0]) % world
+        if pad:  # zero rows give zero partial sums
+            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+        shard = matmul_reduce_scatter(rows, b, group, scatter_dim=0, reduce_op=reduce_op, algo="ring")
+        full = torch.empty((rows.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+        span = CommSpan("all_gather", a.device.type, bytes=full.numel() * full.element_size())
+        all_gather_into(full, shard, group)
+        span.done()
+        return full[:rows.shape[0] - pad].view(out_shape)
+    with gemm_span("matmul", a.device.type):
+        y = widen(torch.matmul(a, b))
+    span = CommSpan("all_reduce", a.device.type, bytes=y.numel() * y.element_size())
+    dist.all_reduce(y, group=group)
+    span.done()
+    if reduce_op == "avg":
+        y = y / world
+    return y.to(a.dtype)

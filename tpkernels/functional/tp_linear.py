@@ -13,7 +13,7 @@ Row-parallel, weight (out, in/P), x: (..., in/P):
           backward dy_full, dx = all_gather_matmul(dy_shard, W)  dgrad; each gathered chunk of dy
                    feeds its wgrad chunk dyᵀ·x while the next chunk travels
                    dbias = all_reduce(Σ dy_shard)                (each rank saw only its tokens)
-  no SP:  forward  y = all_reduce(x · Wᵀ) + bias
+  no SP:  forward  y = matmul_all_reduce(x, Wᵀ) + bias            (fused on CUDA when auto picks it)
           backward dx = dy · W, dW = dyᵀ·x (dy is replicated)
 Weight gradients go through :class:`tpkernels.functional.weight_grad.WeightGrad` (fp32 over
 chunks for 16-bit inputs): computed at once, in the shadow of the communication, or, inside a
@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from tpkernels.dtypes import widen
-from tpkernels.functional.gemm_comm import all_gather_matmul, check_algo, choose_algo, matmul_reduce_scatter
+from tpkernels.functional.gemm_comm import (all_gather_matmul, check_algo, choose_algo, matmul_all_reduce,
+                                            matmul_reduce_scatter)
 from tpkernels.functional.weight_grad import WeightGrad, graph_anchor, weight_for_graph
 from tpkernels.parallel.groups import group_rank_size
 from tpkernels.parallel.mappings import all_gather_dim, all_reduce
@@ -72,7 +73,8 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
         if ctx.sp:
             x_full = all_gather_dim(x_saved, ctx.seq_dim, ctx.group) if ctx.regather else x_saved
             algo = choose_algo("matmul_reduce_scatter", ctx.algo, world, 2.0 * dy.numel() * weight.shape[1],
-                               dy.device, ctx.overlap)
+                               dy.device, ctx.overlap, dtype=dy.dtype, k=weight.shape[0], n=weight.shape[1],
+                               group=ctx.group)
             if gw.deferred:  # W later, one GEMM: it owns dy and the gathered input
                 gw.add(dy, x_full)
                 side = []
@@ -108,7 +110,7 @@ class RowParallelLinearFunction(torch.autograd.Function):
         if sequence_parallel:
             y = matmul_reduce_scatter(x, weight.t(), group, scatter_dim=seq_dim, algo=algo, overlap=overlap)
         else:
-            y = all_reduce(torch.matmul(x, weight.t()), group)
+            y = matmul_all_reduce(x, weight.t(), group, algo=algo if overlap else "collective")
         if bias is not None:
             y = y + bias
         return y
@@ -122,7 +124,8 @@ class RowParallelLinearFunction(torch.autograd.Function):
         if ctx.sp:
             rank, world = group_rank_size(ctx.group)
             algo = choose_algo("all_gather_matmul", ctx.algo, world, 2.0 * dy.numel() * weight.shape[1] * world,
-                               dy.device, ctx.overlap)
+                               dy.device, ctx.overlap, dtype=dy.dtype, k=weight.shape[0], n=weight.shape[1],
+                               group=ctx.group)
             if algo == "ring" and not gw.deferred and gw.needed:
                 # each gathered chunk of dy feeds its weight-gradient GEMM while the next travels
                 xs = _seq_chunks(x, ctx.seq_dim, world)
