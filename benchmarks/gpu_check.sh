@@ -31,8 +31,13 @@ $PY -m tpkernels.cli info | tee "$OUT/tpkernels_info.txt"
 
 step "cuda-marked tests (all but attention)"
 timeout $(cap 100) $PY -m pytest tests -m cuda -q --timeout $(cap 60) -p no:cacheprovider --ignore tests/test_gpu_attention.py \
-  --ignore tests/test_gpu_models.py \
+  --ignore tests/test_gpu_models.py --ignore tests/test_gpu_gemm_comm.py \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+step "cuda-marked fused GEMM-comm tests (virtual TP on this GPU; NCCL + symmetric memory when >= 2 GPUs)"
+timeout $(cap 120) $PY -m pytest tests/test_gpu_gemm_comm.py -m cuda -q --timeout $(cap 100) -p no:cacheprovider \
+  --junitxml="$OUT/gpu_gemm_comm_tests.xml" 2>&1 | tee "$OUT/gpu_gemm_comm_tests.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "cuda-marked attention tests (Triton compiles one config per variant: ~40 kernels)"
@@ -54,6 +59,11 @@ timeout $(cap 100) $PY benchmarks/bench_attention.py --headdims 128 --seqlens 20
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # RMSNorm, SwiGLU, rotary, linear_cross_entropy at Llama-3-8B widths, bf16 (Liger-Kernel too if it imports)
 timeout $(cap 60) $PY benchmarks/bench_llama_ops.py --reps 5 2>&1 | tee "$OUT/bench_llama_ops.log" | tail -30
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+# fused AG+GEMM / GEMM+RS / GEMM+AR at Flux's and Llama-3-70B's TP=8 shapes: virtual TP=8 on one GPU
+# (every emulated rank's kernels at once), the real ops when >= 2 GPUs are visible
+timeout $(cap 90) $PY benchmarks/bench_gemm_comm.py --reps 5 2>&1 | tee "$OUT/bench_gemm_comm.log" | tail -12
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 # a whole training step: transformers (SDPA) vs transformers + apply_kernels vs ParallelTransformer, 2 Llama-3-8B layers

@@ -33,6 +33,7 @@ K, N (multiples of 16) before they come here.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -68,17 +69,31 @@ def kernel_config(device: torch.device) -> tuple:
 
 
 def signal_set(signals: torch.Tensor, index: int, value: int) -> None:
-    """signals[index] = value on the current stream, ordered after the stream's earlier work (copies)."""
+    """signals[index] = value on the current stream, ordered after the stream's earlier work (copies).
+
+    On CUDA a stream memory operation (cuStreamWriteValue32, which fences first), not a kernel: the
+    GEMM that waits for the signal may hold every SM, and a kernel raising the signal would then
+    never be scheduled. The csrc/comm kernel (fence + release store) is the fallback for a torch
+    without it; the GEMM then leaves it SMs (see ``signal_needs_sms``)."""
     if signals.device.type != "cuda":
         signals[index] = value
-        return
-    ext = extension()
-    if ext is not None and hasattr(ext, "comm_signal_set"):
-        ext.comm_signal_set(signals, index, value)  # csrc/comm: fence + release store
+    elif _stream_write_value32() is not None:
+        _stream_write_value32()(signals.view(torch.uint32), index, value)
     else:
-        from torch._C._distributed_c10d import _SymmetricMemory  # noqa: PLC0415
+        extension().comm_signal_set(signals, index, value)
 
-        _SymmetricMemory.stream_write_value32(signals, index, value)  # cuStreamWriteValue32: fenced
+
+@functools.lru_cache(maxsize=None)
+def _stream_write_value32():
+    try:
+        from torch._C._distributed_c10d import _SymmetricMemory  # noqa: PLC0415
+    except ImportError:
+        return None
+    return getattr(_SymmetricMemory, "stream_write_value32", None)
+
+
+def signal_needs_sms() -> bool:
+    return _stream_write_value32() is None
 
 
 class RealRank:
@@ -184,7 +199,7 @@ def ag_steps(ctx, a: torch.Tensor, bs, return_a: bool = True, chunks: int = AG_C
                     a_full[src * m + r0:src * m + r1].copy_(peer[r0:r1])
                     if not ctx.lost(src, c):
                         signal_set(signals, src * chunks + c, epoch)
-    gemm_programs, _ = ctx.programs(with_reducer=ctx.copy == "kernel")
+    gemm_programs, _ = ctx.programs(with_reducer=ctx.copy == "kernel" or (a.is_cuda and signal_needs_sms()))
     outs = []
     for b in bs:
         out = torch.empty((world * m, b.shape[1]), dtype=a.dtype, device=a.device)

@@ -18,6 +18,7 @@ every world size without a GPU.
     sums = vtp.matmul_all_reduce(xs, ws, variant="two_shot")
 
 ``lose_signal=(rank, src, chunk)`` drops one all-gather signal (tests of the timeout error);
+``delay=(rank, cycles)`` holds that rank's streams back (GPU: the other ranks' kernels must wait);
 ``copy="kernel"`` / ``reducer="cuda"`` use the CUDA kernels of ``csrc/comm`` (GPU only).
 """
 
@@ -55,6 +56,10 @@ class _VirtualRank:
     def fork(self):
         if self.stream is not None:
             self.side_stream.wait_stream(self.stream)
+            if self.vtp.delay is not None and self.vtp.delay[0] == self.rank:
+                for s in (self.stream, self.side_stream):  # this rank's copies and GEMM start late
+                    with torch.cuda.stream(s):
+                        torch.cuda._sleep(self.vtp.delay[1])
 
     def join(self):
         if self.stream is not None:
@@ -74,7 +79,7 @@ class VirtualTP:
     """world_size emulated ranks on ``device`` (CUDA, or CPU with TRITON_INTERPRET=1)."""
 
     def __init__(self, world_size: int, device="cuda", lose_signal: tuple[int, int, int] | None = None,
-                 copy: str = "engine", reducer: str = "triton"):
+                 copy: str = "engine", reducer: str = "triton", delay: tuple[int, int] | None = None):
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be at least 1")
         self.world, self.device = world_size, torch.device(device)
@@ -82,6 +87,7 @@ class VirtualTP:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.config, self.spins, self.lose_signal = kernel_config(self.device), max_spins(self.device), lose_signal
         self.copy, self.reducer = check_movers(copy, reducer, self.device)
+        self.delay = delay
         self._arenas: dict[str, list[VirtualArena]] = {}
         self.ranks = [_VirtualRank(self, r) for r in range(world_size)]
 
