@@ -113,17 +113,13 @@ def _virtual_rows(args):
 
 def _real_rank(rank, world, shapes, reps):
     import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
+    import torch.distributed._symmetric_memory  # noqa: F401 (registers torch.ops.symm_mem)
 
     from tpkernels.functional.gemm_comm import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD
-    symm_ok = True
-    try:
-        symm_mem.enable_symm_mem_for_group(group.group_name)
-    except Exception:  # noqa: BLE001 (an older torch: no symm_mem column)
-        symm_ok = False
+    symm_ok = hasattr(torch.ops.symm_mem, "fused_all_gather_matmul")
     rows = []
     for shape in shapes:
         for name, op, M, K, N in SHAPES[shape]:

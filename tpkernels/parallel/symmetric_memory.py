@@ -144,6 +144,10 @@ class SymmetricArena(_Arena):
 
 
 _ARENAS: dict[tuple, SymmetricArena] = {}
+# arenas outgrown by a larger call: kept, not freed, because kernels of the previous call may still
+# read them on a peer (symmetric memory is unmapped at once, not in stream order); growth by powers
+# of two bounds what this keeps to the size of the live arena
+_RETIRED: list[SymmetricArena] = []
 
 
 def symmetric_arena(group, use: str, nbytes: int, device: torch.device) -> SymmetricArena:
@@ -152,7 +156,8 @@ def symmetric_arena(group, use: str, nbytes: int, device: torch.device) -> Symme
     key = (id(group), use, device)
     arena = _ARENAS.get(key)
     if arena is None or arena.nbytes < nbytes:
-        _ARENAS.pop(key, None)
+        if arena is not None:
+            _RETIRED.append(_ARENAS.pop(key))
         arena = SymmetricArena(group, 1 << max(nbytes - 1, ALIGN).bit_length(), device)
         _ARENAS[key] = arena
     return arena
@@ -169,8 +174,8 @@ def symmetric_memory_unavailable(group=None) -> str | None:
         return "symmetric memory needs CUDA devices"
     if not dist.is_initialized():
         return "torch.distributed is not initialized"
-    backend = dist.get_backend(group)
-    if backend != "nccl":
+    backend = str(dist.get_backend(group))
+    if "nccl" not in backend:
         return f"symmetric memory needs an NCCL process group, this group's backend is {backend!r}"
     return None
 

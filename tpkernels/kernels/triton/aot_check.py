@@ -5,7 +5,10 @@
 The interpreter (TRITON_INTERPRET=1) accepts code the GPU compiler rejects (wrong constexpr
 use, unsupported dtype casts, too much shared memory...). This runs the real compiler pipeline
 (TTIR -> TTGIR -> LLVM -> PTX -> cubin with ptxas) for each (kernel, signature, constants)
-listed by the kernel modules' ``compile_specs(arch)``, and prints registers, spills and shared
+listed by the kernel modules' ``compile_specs(arch)`` (an optional fifth element names the
+arguments the JIT would specialize as divisible by 16 at run time: pointers and strides of
+aligned tensors; without it the compiler cannot vectorize or pipeline the loads, and the report
+would not be the kernel that runs), and prints registers, spills and shared
 memory of each. A config fails when it does not compile, or when it needs more shared memory
 than one block may use on that arch (the launch would fail with "out of resources"); register
 spills are reported, not failed. Exit code 1 if any fails. Must run with TRITON_INTERPRET unset
@@ -60,12 +63,14 @@ def compile_all(archs: list[int], modules: list[str] | None = None, warp_size: i
     for mod_name in modules or KERNEL_MODULES:
         mod = importlib.import_module(mod_name)
         for arch in archs:
-            for kernel, signature, constants, options in mod.compile_specs(arch, full=full):
+            for kernel, signature, constants, options, *divisible in mod.compile_specs(arch, full=full):
                 row = {"module": mod_name, "kernel": kernel.__name__, "arch": f"sm_{arch}",
                        "signature": ",".join(f"{k}:{v}" for k, v in signature.items() if v != "constexpr"),
                        "constants": ",".join(f"{k}={v}" for k, v in constants.items()), **options}
                 try:
-                    src = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+                    names = list(signature)
+                    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (divisible[0] if divisible else ())}
+                    src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
                     compiled = triton.compile(src, target=GPUTarget("cuda", arch, warp_size), options=options)
                     meta = compiled.metadata
                     usage = resource_usage(compiled.asm["cubin"])

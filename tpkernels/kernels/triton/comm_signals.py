@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def wait_signal(sig_ptr, epoch, max_spins, err_ptr, code):
     """Spin until ``*sig_ptr >= epoch`` (acquire, system scope) or ``max_spins`` reads; returns 1 when the
     signal arrived, else 0 after recording ``code`` in ``*err_ptr``."""
@@ -45,7 +45,7 @@ def raise_signal(sig_ptr, epoch):
 
 @triton.jit
 def tile_matmul(a_ptr, b_ptr, rows, cols, K, stride_am, stride_bk, stride_bn, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr = 3):
     """float32 (BLOCK_M, BLOCK_N) tile of A[rows] · B[:, cols]. ``rows``/``cols`` must be in bounds
     (callers wrap them modulo the extent and mask the store), so only the K tail is masked: the
     loads stay unmasked in the steady state and the loop pipelines."""
@@ -53,7 +53,7 @@ def tile_matmul(a_ptr, b_ptr, rows, cols, K, stride_am, stride_bk, stride_bn, BL
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :]
     b_ptrs = b_ptr + ks.to(tl.int64)[:, None] * stride_bk + cols[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         a = tl.load(a_ptrs, mask=ks[None, :] < K - k0, other=0.0)
         b = tl.load(b_ptrs, mask=ks[:, None] < K - k0, other=0.0)
         acc = tl.dot(a, b, acc)

@@ -73,7 +73,9 @@ def compile_specs(arch: int, full: bool = False):
                "stride_bn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                "GROUP_M": "constexpr"}
         const = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": GROUP_M}
-        specs.append((_matmul_signal_kernel, sig, const, {"num_warps": warps, "num_stages": stages}))
+        # as the JIT specializes them for 16-aligned tensors with K, N multiples of 16 (the op's rule)
+        specs.append((_matmul_signal_kernel, sig, const, {"num_warps": warps, "num_stages": stages},
+                      ("a_ptr", "b_ptr", "p_ptr", "N", "K", "stride_am", "stride_bn")))
     return specs
 
 

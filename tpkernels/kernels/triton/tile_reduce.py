@@ -135,7 +135,8 @@ def compile_specs(arch: int, full: bool = False):
                    "stride_out": "i32", "MODE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                    "RED_M": "constexpr"}
             const = {"MODE": mode, "BLOCK_M": block_m, "BLOCK_N": block_n, "RED_M": RED_M}
-            specs.append((_tile_reduce_kernel, sig, const, {"num_warps": NUM_WARPS}))
+            specs.append((_tile_reduce_kernel, sig, const, {"num_warps": NUM_WARPS},
+                          ("out_ptr", "acc_ptr", "N", "stride_out")))
     return specs
 
 
