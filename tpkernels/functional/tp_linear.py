@@ -20,7 +20,8 @@ chunks for 16-bit inputs): computed at once, in the shadow of the communication,
 zero-bubble schedule's B (``defer_weight_grads``), queued with the tensors they need (the gathered
 input and output gradient) as one GEMM for the W action.
 
-``algo`` picks the GEMM-comm algorithm by the rule of :mod:`tpkernels.backends`; ``overlap``
+``algo`` picks the GEMM-comm algorithm by the rule of :mod:`tpkernels.backends` (collective, ring,
+or, on CUDA, the fused kernels of :mod:`tpkernels.functional.gemm_comm_fused`); ``overlap``
 is its own flag: False runs every weight-gradient GEMM after the communication it could hide
 behind (the plain serial form, for measuring what the overlap buys).
 """
