@@ -35,6 +35,14 @@ def test_matmul_reduce_scatter(world):
     check_matmul_reduce_scatter(VirtualTP(world, "cpu"), F16, ms=[19, 1], K=32, N=48)
 
 
+def test_reduce_scatter_side_work_runs_once_per_rank_in_order():
+    ran = []
+    side = [[lambda r=r, j=j: ran.append((r, j)) for j in range(2)] for r in range(3)]
+    a = [torch.randn(3 * 5, 16, dtype=F16) for _ in range(3)]
+    VirtualTP(3, "cpu").matmul_reduce_scatter(a, torch.randn(16, 16, dtype=F16), side_work=side)
+    assert ran == [(r, j) for r in range(3) for j in range(2)]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_matmul_reduce_scatter_avg(world):
     check_matmul_reduce_scatter(VirtualTP(world, "cpu"), F16, ms=[5], K=16, N=32, reduce_op="avg")

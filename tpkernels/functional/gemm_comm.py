@@ -332,10 +332,9 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
 
         rows = am.contiguous().view(-1, am.shape[-1])
         span = CommSpan("fused matmul_reduce_scatter", a.device.type, bytes=rows.shape[0] * b.shape[1] * 4)
-        out = run_rank(rs_steps(RealRank(group, a.device), rows, b, reduce_op))
+        # side work is queued behind the GEMM, while the reducer still pulls partials on its stream
+        out = run_rank(rs_steps(RealRank(group, a.device), rows, b, reduce_op, side_work))
         span.done()
-        for work in side_work:  # queued behind the GEMM; they overlap the reducer's tail
-            work()
         return out.view((m,) + tuple(am.shape[1:-1]) + (b.shape[1],)).movedim(0, sd)
     if how == "collective":
         with gemm_span("matmul", a.device.type):

@@ -220,8 +220,10 @@ def _reduce_describe(op: str, rank: int, n_tiles: int, tiles_n: int, epoch: int,
     return describe
 
 
-def rs_steps(ctx, a: torch.Tensor, b: torch.Tensor, reduce_op: str = "sum"):
-    """One rank of the fused GEMM + reduce-scatter. a: (world·m, K), b: (K, N). Returns (m, N)."""
+def rs_steps(ctx, a: torch.Tensor, b: torch.Tensor, reduce_op: str = "sum", side_work=()):
+    """One rank of the fused GEMM + reduce-scatter. a: (world·m, K), b: (K, N). Returns (m, N).
+    ``side_work`` callables are queued on the compute stream behind the GEMM, so they run while the
+    reducer (side stream) is still pulling partials: the column-parallel backward's weight gradient."""
     from tpkernels.kernels.triton.matmul_signal import matmul_signal, tiles  # noqa: PLC0415
     from tpkernels.kernels.triton.tile_reduce import tile_reduce  # noqa: PLC0415
 
@@ -254,6 +256,8 @@ def rs_steps(ctx, a: torch.Tensor, b: torch.Tensor, reduce_op: str = "sum"):
             tile_reduce(out, acc, arena.table(0), arena.table(part_bytes), arena.table(0), arena.table(0),
                         arena.err.tensor, mode="reduce_scatter", epoch=epoch, max_spins=ctx.spins, rank=rank,
                         world=world, m=m, scale=scale, config=ctx.config, programs=red_programs)
+    for work in side_work:
+        work()
     ctx.join()
     yield BARRIER, arena  # no rank's next GEMM overwrites partials a peer still reads
     return out

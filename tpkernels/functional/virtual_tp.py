@@ -148,10 +148,12 @@ class VirtualTP:
         shards = self._per_rank(shards, self.world, "shards")
         return self._run(lambda r, ctx: ag_steps(ctx, shards[r], bs, return_a, chunks))
 
-    def matmul_reduce_scatter(self, a: Sequence[torch.Tensor], b, reduce_op: str = "sum") -> list:
-        """a: per rank (world·m, K); b: per rank (K, N), or one for all. Per rank (m, N)."""
+    def matmul_reduce_scatter(self, a: Sequence[torch.Tensor], b, reduce_op: str = "sum", side_work=None) -> list:
+        """a: per rank (world·m, K); b: per rank (K, N), or one for all; side_work: per rank, callables run
+        on the rank's compute stream while its reducer runs. Per rank (m, N)."""
         a, b = self._per_rank(a, self.world, "a"), self._per_rank(b, self.world, "b")
-        return self._run(lambda r, ctx: rs_steps(ctx, a[r], b[r], reduce_op))
+        side = self._per_rank(side_work if side_work is not None else [()] * self.world, self.world, "side_work")
+        return self._run(lambda r, ctx: rs_steps(ctx, a[r], b[r], reduce_op, side[r]))
 
     def matmul_all_reduce(self, a: Sequence[torch.Tensor], b, reduce_op: str = "sum", variant: str = "auto") -> list:
         """a: per rank (M, K); b: per rank (K, N), or one for all. Per rank (M, N), identical."""
