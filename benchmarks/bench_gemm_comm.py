@@ -11,7 +11,8 @@ virtual (one GPU): --tp ranks emulated on one GPU by tpkernels.functional.virtua
   reduction, of what NVLink would carry) and cuBLAS after it ("serial"). "lost" = fused / lone − 1
   (target: within 10% while moving the traffic); "hidden" = share of the traffic's time the fused
   op hid behind its GEMMs.
-real (≥ 2 GPUs, NCCL + symmetric memory, one process per GPU): fused, ring and collective, and
+real (≥ 2 GPUs, NCCL + symmetric memory, one process per GPU): fused (and its other movers: the
+  copy kernel, push reduce-scatter, the CUDA reducer), ring and collective, and
   torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter. Target at Flux's
   shapes on 8 NVLink GPUs: fused ≥ 1.3× collective and faster than torch's symm_mem ops.
 
@@ -55,7 +56,7 @@ def _virtual_rows(args):
     from tpkernels.kernels.triton.matmul_signal import matmul_signal, tiles
 
     dev, tp, dtype = torch.device("cuda"), args.tp, torch.bfloat16
-    vtp = VirtualTP(tp, dev, copy=args.copy, reducer=args.reducer)
+    vtp = VirtualTP(tp, dev, copy=args.copy, reducer=args.reducer, rs_mode=args.rs_mode)
     cfg = kernel_config(dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rows = []
@@ -115,6 +116,8 @@ def _real_rank(rank, world, shapes, reps):
     import torch.distributed as dist
     import torch.distributed._symmetric_memory  # noqa: F401 (registers torch.ops.symm_mem)
 
+    from tpkernels._extension import extension
+    from tpkernels.functional import gemm_comm_fused
     from tpkernels.functional.gemm_comm import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 
     dev = torch.device("cuda", rank)
@@ -139,15 +142,32 @@ def _real_rank(rank, world, shapes, reps):
             elif symm_ok and op == "rs":
                 fns["torch_symm_mem"] = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0,
                                                                                                group.group_name)
+            # the other movers of the fused path, switched through the module's settings
+            variants = {"fused": {}}
+            if op == "rs":
+                variants["fused_push"] = {"RS_MODE": "push"}
+            has_cuda_movers = hasattr(extension(), "comm_pull_chunks")
+            if op == "ag" and has_cuda_movers:
+                variants["fused_copy_kernel"] = {"COPY": "kernel"}
+            if op in ("rs", "ar") and has_cuda_movers:
+                variants["fused_cuda_reducer"] = {"REDUCER": "cuda"}
             t = {}
             for key, fn in fns.items():
-                dist.barrier()
-                t[key] = time_ms(fn, dev, reps=reps)
+                for name, settings in (variants.items() if key == "fused" else [(key, {})]):
+                    saved = {k: getattr(gemm_comm_fused, k) for k in settings}
+                    for k, v in settings.items():
+                        setattr(gemm_comm_fused, k, v)
+                    dist.barrier()
+                    t[name] = time_ms(fn, dev, reps=reps)
+                    for k, v in saved.items():
+                        setattr(gemm_comm_fused, k, v)
             row = {"shape": name, "op": op, "tp": world, "m": m, "k": k, "n": n}
             row.update({f"{key}_ms": round(v, 3) for key, v in t.items()})
-            row["fused_vs_collective"] = f"{t['collective'] / t['fused']:.2f}x"
+            best = min((v, k) for k, v in t.items() if k.startswith("fused"))
+            row["best_fused"] = best[1]
+            row["fused_vs_collective"] = f"{t['collective'] / best[0]:.2f}x"
             if "torch_symm_mem" in t:
-                row["fused_vs_torch"] = f"{t['torch_symm_mem'] / t['fused']:.2f}x"
+                row["fused_vs_torch"] = f"{t['torch_symm_mem'] / best[0]:.2f}x"
             rows.append(row)
     return rows
 
@@ -159,6 +179,9 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--copy", choices=["engine", "kernel"], default="engine", help="all-gather mover (virtual)")
     ap.add_argument("--reducer", choices=["triton", "cuda"], default="triton", help="reduce kernel (virtual)")
+    ap.add_argument("--rs-mode", choices=["pull", "push"], default="pull",
+                    help="reduce-scatter partials: kept local and pulled, or pushed by the epilogue (virtual)")
+    ap.add_argument("--tag", default="", help="suffix of the CSV name (several runs with different movers)")
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -177,9 +200,11 @@ def main(argv=None):
     meta = run_metadata(dev)
     for r in rows:
         r.update(meta)
+        if mode == "virtual":
+            r.update(copy=args.copy, reducer=args.reducer, rs_mode=args.rs_mode)
     print()
     print_table(rows, [c for c in rows[0] if c not in meta])
-    path = write_csv(f"gemm_comm_{mode}_{device_slug(dev)}", rows)
+    path = write_csv(f"gemm_comm_{mode}_{device_slug(dev)}{'_' + args.tag if args.tag else ''}", rows)
     print(f"wrote {path}")
     return 0
 

@@ -65,6 +65,13 @@ timeout $(cap 60) $PY benchmarks/bench_llama_ops.py --reps 5 2>&1 | tee "$OUT/be
 # (every emulated rank's kernels at once), the real ops when >= 2 GPUs are visible
 timeout $(cap 90) $PY benchmarks/bench_gemm_comm.py --reps 5 2>&1 | tee "$OUT/bench_gemm_comm.log" | tail -12
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# the other movers at Flux's shapes: copy kernel, push reduce-scatter; CUDA reducer
+timeout $(cap 40) $PY benchmarks/bench_gemm_comm.py --reps 5 --mode virtual --shapes flux --copy kernel --rs-mode push \
+  --tag copy_kernel_push 2>&1 | tee "$OUT/bench_gemm_comm_movers.log" | tail -4
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+timeout $(cap 40) $PY benchmarks/bench_gemm_comm.py --reps 5 --mode virtual --shapes flux --reducer cuda \
+  --tag cuda_reducer 2>&1 | tee -a "$OUT/bench_gemm_comm_movers.log" | tail -4
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 # a whole training step: transformers (SDPA) vs transformers + apply_kernels vs ParallelTransformer, 2 Llama-3-8B layers
 timeout $(cap 60) $PY benchmarks/bench_models.py --reps 3 2>&1 | tee "$OUT/bench_models.log" | tail -8

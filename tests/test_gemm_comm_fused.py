@@ -30,9 +30,10 @@ def test_all_gather_matmul(world):
     check_all_gather_matmul(vtp, F16, ms=[17, 1, 33], K=32, ns=[16, 48], chunks=3 if world < 5 else 2)
 
 
+@pytest.mark.parametrize("rs_mode", ["pull", "push"])
 @pytest.mark.parametrize("world", WORLDS)
-def test_matmul_reduce_scatter(world):
-    check_matmul_reduce_scatter(VirtualTP(world, "cpu"), F16, ms=[19, 1], K=32, N=48)
+def test_matmul_reduce_scatter(world, rs_mode):
+    check_matmul_reduce_scatter(VirtualTP(world, "cpu", rs_mode=rs_mode), F16, ms=[19, 1], K=32, N=48)
 
 
 def test_reduce_scatter_side_work_runs_once_per_rank_in_order():
@@ -105,3 +106,5 @@ def test_the_cuda_movers_need_a_gpu():
         VirtualTP(2, "cpu", copy="kernel")
     with pytest.raises(ValueError, match=r"reducer \('fast', TPKERNELS_FUSED_REDUCER\) must be 'triton' or 'cuda'"):
         VirtualTP(2, "cpu", reducer="fast")
+    with pytest.raises(ValueError, match=r"rs_mode \('both', TPKERNELS_FUSED_RS\) must be 'pull' or 'push'"):
+        VirtualTP(2, "cpu", rs_mode="both")

@@ -31,9 +31,9 @@ def test_virtual_all_gather_matmul(world, dtype, copy):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("reducer", ["triton", "cuda"])
-def test_virtual_matmul_reduce_scatter(world, dtype, reducer):
-    check_matmul_reduce_scatter(VirtualTP(world, "cuda", reducer=reducer), dtype, MS, K, N)
+@pytest.mark.parametrize("reducer,rs_mode", [("triton", "pull"), ("cuda", "pull"), ("triton", "push")])
+def test_virtual_matmul_reduce_scatter(world, dtype, reducer, rs_mode):
+    check_matmul_reduce_scatter(VirtualTP(world, "cuda", reducer=reducer, rs_mode=rs_mode), dtype, MS, K, N)
 
 
 @pytest.mark.parametrize("variant,reducer", [("one_shot", "triton"), ("one_shot", "cuda"), ("two_shot", "triton")])

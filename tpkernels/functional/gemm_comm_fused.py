@@ -9,7 +9,8 @@
                            partial tiles into this rank's symmetric buffer, destination rank+1
                            first, and signals each tile; a reducer
                            (:mod:`~tpkernels.kernels.triton.tile_reduce`) on a side stream, on a
-                           few SMs, pulls this rank's rows from every peer as they are signalled.
+                           few SMs, pulls this rank's rows from every peer as they are signalled
+                           ("pull"; "push": the epilogue stores into the destination's buffer).
     matmul_all_reduce      the same GEMM over all rows; one-shot (every rank reduces every tile:
                            small outputs) or two-shot (each rank reduces 1/world of the tiles, then
                            copies the others' reduced tiles: large outputs).
@@ -54,6 +55,9 @@ REDUCER_PROGRAMS = int(os.environ.get("TPKERNELS_FUSED_REDUCER_PROGRAMS", "16"))
 # (csrc/comm/tile_reduce.cu). benchmarks/bench_gemm_comm.py measures both on a GPU.
 COPY = os.environ.get("TPKERNELS_FUSED_AG_COPY", "engine")
 REDUCER = os.environ.get("TPKERNELS_FUSED_REDUCER", "triton")
+# reduce-scatter partials: "pull" (kept local, the reducers read them over NVLink) or "push" (the
+# GEMM epilogue stores them into the destination rank's buffer; the reducer reads locally)
+RS_MODE = os.environ.get("TPKERNELS_FUSED_RS", "pull")
 # all-reduce: one-shot up to this many output elements (every rank reads all partials: cheap while
 # latency dominates), two-shot above
 ONE_SHOT_MAX_ELEMENTS = 1 << 20
@@ -108,7 +112,7 @@ class RealRank:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.config, self.spins = kernel_config(device), max_spins(device)
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.copy, self.reducer = check_movers(COPY, REDUCER, device)
+        self.copy, self.reducer, self.rs_mode = check_movers(COPY, REDUCER, device, RS_MODE)
         key = device.index
         if key not in self._side_streams:
             self._side_streams[key] = torch.cuda.Stream(device=device, priority=-1)
@@ -135,8 +139,9 @@ class RealRank:
         return False
 
 
-def check_movers(copy: str, reducer: str, device: torch.device) -> tuple[str, str]:
-    """(copy, reducer) after validation; the CUDA variants need a CUDA device and tpkernels._C built with CUDA."""
+def check_movers(copy: str, reducer: str, device: torch.device, rs_mode: str = "pull") -> tuple[str, str, str]:
+    """(copy, reducer, rs_mode) after validation; the CUDA variants need a CUDA device and tpkernels._C built
+    with CUDA."""
     if copy not in ("engine", "kernel"):
         raise ValueError(f"copy ({copy!r}, TPKERNELS_FUSED_AG_COPY) must be 'engine' or 'kernel'")
     if reducer not in ("triton", "cuda"):
@@ -146,7 +151,11 @@ def check_movers(copy: str, reducer: str, device: torch.device) -> tuple[str, st
         if device.type != "cuda" or ext is None or not hasattr(ext, "comm_pull_chunks"):
             raise ValueError(f"copy={copy!r} / reducer={reducer!r} run the CUDA kernels of csrc/comm: they need a "
                              "CUDA device and tpkernels._C built with CUDA")
-    return copy, reducer
+    if rs_mode not in ("pull", "push"):
+        raise ValueError(f"rs_mode ({rs_mode!r}, TPKERNELS_FUSED_RS) must be 'pull' or 'push'")
+    if rs_mode == "push" and reducer == "cuda":
+        raise ValueError("rs_mode='push' needs reducer='triton' (the CUDA reducer reads the pull layout only)")
+    return copy, reducer, rs_mode
 
 
 def run_rank(steps):
@@ -242,9 +251,11 @@ def rs_steps(ctx, a: torch.Tensor, b: torch.Tensor, reduce_op: str = "sum", side
     out = torch.empty((m, N), dtype=a.dtype, device=a.device)
     acc = torch.empty((m, N), dtype=torch.float32, device=a.device)
     gemm_programs, red_programs = ctx.programs(with_reducer=True)
+    push = ctx.rs_mode == "push"
     ctx.fork()  # the reducer may start as soon as the inputs are ready, not after the GEMM
     matmul_signal(a, b, partial, signals, epoch=epoch, m=m, groups=world, first_group=(rank + 1) % world,
-                  config=ctx.config, programs=gemm_programs)
+                  config=ctx.config, programs=gemm_programs, rank=rank,
+                  push_tables=(arena.table(0), arena.table(part_bytes)) if push else None)
     yield PHASE, arena  # emulated ranks: every producer is launched before any consumer
     scale = 1.0 / world if reduce_op == "avg" else 1.0
     with ctx.side():
@@ -255,7 +266,7 @@ def rs_steps(ctx, a: torch.Tensor, b: torch.Tensor, reduce_op: str = "sum", side
         else:
             tile_reduce(out, acc, arena.table(0), arena.table(part_bytes), arena.table(0), arena.table(0),
                         arena.err.tensor, mode="reduce_scatter", epoch=epoch, max_spins=ctx.spins, rank=rank,
-                        world=world, m=m, scale=scale, config=ctx.config, programs=red_programs)
+                        world=world, m=m, scale=scale, config=ctx.config, programs=red_programs, push=push)
     for work in side_work:
         work()
     ctx.join()
@@ -312,5 +323,5 @@ def ar_steps(ctx, a: torch.Tensor, b: torch.Tensor, reduce_op: str = "sum", vari
     return out
 
 
-__all__ = ["AG_CHUNKS", "BARRIER", "COPY", "REDUCER", "check_movers", "ONE_SHOT_MAX_ELEMENTS", "PHASE", "RealRank", "ag_steps", "all_reduce_variant",
+__all__ = ["AG_CHUNKS", "BARRIER", "COPY", "REDUCER", "RS_MODE", "check_movers", "ONE_SHOT_MAX_ELEMENTS", "PHASE", "RealRank", "ag_steps", "all_reduce_variant",
            "ar_steps", "kernel_config", "rs_steps", "run_rank", "signal_set"]

@@ -19,7 +19,8 @@ every world size without a GPU.
 
 ``lose_signal=(rank, src, chunk)`` drops one all-gather signal (tests of the timeout error);
 ``delay=(rank, cycles)`` holds that rank's streams back (GPU: the other ranks' kernels must wait);
-``copy="kernel"`` / ``reducer="cuda"`` use the CUDA kernels of ``csrc/comm`` (GPU only).
+``copy="kernel"`` / ``reducer="cuda"`` use the CUDA kernels of ``csrc/comm`` (GPU only);
+``rs_mode="push"``: the reduce-scatter GEMM stores into the destination's buffer.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from tpkernels.parallel.symmetric_memory import ALIGN, VirtualArena, max_spins
 class _VirtualRank:
     def __init__(self, vtp: "VirtualTP", rank: int):
         self.vtp, self.rank, self.world, self.device = vtp, rank, vtp.world, vtp.device
-        self.config, self.spins, self.copy, self.reducer = vtp.config, vtp.spins, vtp.copy, vtp.reducer
+        self.config, self.spins, self.copy, self.reducer, self.rs_mode = (vtp.config, vtp.spins, vtp.copy,
+                                                                          vtp.reducer, vtp.rs_mode)
         cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if cuda else None
         self.side_stream = torch.cuda.Stream(device=self.device) if cuda else None
@@ -79,14 +81,15 @@ class VirtualTP:
     """world_size emulated ranks on ``device`` (CUDA, or CPU with TRITON_INTERPRET=1)."""
 
     def __init__(self, world_size: int, device="cuda", lose_signal: tuple[int, int, int] | None = None,
-                 copy: str = "engine", reducer: str = "triton", delay: tuple[int, int] | None = None):
+                 copy: str = "engine", reducer: str = "triton", delay: tuple[int, int] | None = None,
+                 rs_mode: str = "pull"):
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be at least 1")
         self.world, self.device = world_size, torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.config, self.spins, self.lose_signal = kernel_config(self.device), max_spins(self.device), lose_signal
-        self.copy, self.reducer = check_movers(copy, reducer, self.device)
+        self.copy, self.reducer, self.rs_mode = check_movers(copy, reducer, self.device, rs_mode)
         self.delay = delay
         self._arenas: dict[str, list[VirtualArena]] = {}
         self.ranks = [_VirtualRank(self, r) for r in range(world_size)]

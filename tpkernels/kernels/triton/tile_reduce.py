@@ -7,7 +7,8 @@ Tables (int64 device tensors of ``world`` addresses, one per rank): ``part_ptrs`
 (groups·m, N) float32 partials), ``sig_ptrs`` (each rank's tile signals). Tiles are the GEMM's
 (BLOCK_M × BLOCK_N), read in RED_M-row slices to bound registers.
 
-MODE 0, reduce-scatter: out (m, N) = scale · Σ_s partial_s[rank·m : (rank+1)·m]. Sources are
+MODE 0, reduce-scatter: out (m, N) = scale · Σ_s partial_s[rank·m : (rank+1)·m] (``PUSH``: the
+sources stored their partials into this rank's buffer, slot s, so every read is local). Sources are
 taken in the order their GEMMs produce this rank's rows (rank−1 first, this rank last; see
 :mod:`matmul_signal`), source-major, accumulating in a float32 ``acc`` (m, N), so the reduction
 follows the GEMMs instead of waiting for the last one. Reads (world−1)·4·m·N bytes over NVLink.
@@ -42,7 +43,8 @@ def _peer(table, r, ty: tl.constexpr):
 @triton.jit
 def _tile_reduce_kernel(out_ptr, acc_ptr, part_ptrs, sig_ptrs, red_ptrs, red_sig_ptrs, err_ptr, epoch, max_spins,
                         rank, world, m, N, scale, stride_out,
-                        MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RED_M: tl.constexpr):
+                        MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RED_M: tl.constexpr,
+                        PUSH: tl.constexpr):
     tiles_m = tl.cdiv(m, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     n_tiles = tiles_m * tiles_n
@@ -53,17 +55,20 @@ def _tile_reduce_kernel(out_ptr, acc_ptr, part_ptrs, sig_ptrs, red_ptrs, red_sig
     if MODE == 0:
         for j in range(world):
             s = (rank - 1 - j + 2 * world) % world
-            part = _peer(part_ptrs, s, tl.float32)
-            sigs = _peer(sig_ptrs, s, tl.int32)
+            # pull: source s's buffer, this rank's rows; push: this rank's buffer, source s's slot
+            holder = rank if PUSH else s
+            block = s if PUSH else rank
+            part = _peer(part_ptrs, holder, tl.float32)
+            sigs = _peer(sig_ptrs, holder, tl.int32)
             for t in range(pid, n_tiles, nprog):
-                sig = rank * n_tiles + t
+                sig = block * n_tiles + t
                 arrived = wait_signal(sigs + sig, epoch, max_spins, err_ptr, 1 + s * n_sigs + sig)
                 cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
                 for r0 in range(0, BLOCK_M, RED_M):
                     rows = (t // tiles_n) * BLOCK_M + r0 + sub
                     ok = (rows < m)[:, None] & (cols < N)[None, :]
                     off = rows.to(tl.int64)[:, None] * N + cols[None, :]
-                    p = tl.load(part + (rank * m + rows).to(tl.int64)[:, None] * N + cols[None, :], mask=ok, other=0.0)
+                    p = tl.load(part + (block * m + rows).to(tl.int64)[:, None] * N + cols[None, :], mask=ok, other=0.0)
                     p = tl.where(arrived != 0, p, float("nan"))
                     if j > 0:
                         p += tl.load(acc_ptr + off, mask=ok, other=0.0)
@@ -111,7 +116,8 @@ def _tile_reduce_kernel(out_ptr, acc_ptr, part_ptrs, sig_ptrs, red_ptrs, red_sig
 
 
 def tile_reduce(out, acc, part_ptrs, sig_ptrs, red_ptrs, red_sig_ptrs, err, *, mode: str, epoch: int,
-                max_spins: int, rank: int, world: int, m: int, scale: float, config: tuple, programs: int):
+                max_spins: int, rank: int, world: int, m: int, scale: float, config: tuple, programs: int,
+                push: bool = False):
     """Launch on the current stream (a side stream in the fused ops). out: (m, N) (MODE 0) or (M, N)
     view with last-dim stride 1; acc: (m, N) float32 (MODE 0, else any tensor); tables: (world,) int64."""
     block_m, block_n = config[0], config[1]
@@ -120,7 +126,7 @@ def tile_reduce(out, acc, part_ptrs, sig_ptrs, red_ptrs, red_sig_ptrs, err, *, m
     _tile_reduce_kernel[(max(1, min(programs, n_tiles)),)](
         out, acc, part_ptrs, sig_ptrs, red_ptrs, red_sig_ptrs, err, epoch, max_spins, rank, world, m, N, scale,
         out.stride(0), MODE=MODES[mode], BLOCK_M=block_m, BLOCK_N=block_n, RED_M=min(RED_M, block_m),
-        num_warps=NUM_WARPS)
+        PUSH=push and mode == "reduce_scatter", num_warps=NUM_WARPS)
     return out
 
 
@@ -128,13 +134,13 @@ def compile_specs(arch: int, full: bool = False):
     block_m, block_n = CONFIGS.get(arch, CONFIGS[80])[:2]
     specs = []
     for dtype in ("fp16", "bf16"):
-        for mode in MODES.values():
+        for mode, push in [(v, False) for v in MODES.values()] + [(0, True)]:
             sig = {"out_ptr": f"*{dtype}", "acc_ptr": "*fp32", "part_ptrs": "*i64", "sig_ptrs": "*i64",
                    "red_ptrs": "*i64", "red_sig_ptrs": "*i64", "err_ptr": "*i32", "epoch": "i32",
                    "max_spins": "i32", "rank": "i32", "world": "i32", "m": "i32", "N": "i32", "scale": "fp32",
                    "stride_out": "i32", "MODE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                   "RED_M": "constexpr"}
-            const = {"MODE": mode, "BLOCK_M": block_m, "BLOCK_N": block_n, "RED_M": RED_M}
+                   "RED_M": "constexpr", "PUSH": "constexpr"}
+            const = {"MODE": mode, "BLOCK_M": block_m, "BLOCK_N": block_n, "RED_M": RED_M, "PUSH": push}
             specs.append((_tile_reduce_kernel, sig, const, {"num_warps": NUM_WARPS},
                           ("out_ptr", "acc_ptr", "N", "stride_out")))
     return specs
