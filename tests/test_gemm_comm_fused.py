@@ -6,6 +6,8 @@ same checks run on a GPU in test_gpu_gemm_comm.py."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -74,6 +76,7 @@ def test_a_lost_signal_is_an_error_naming_rank_and_chunk(rank, src, chunk):
 
 
 def test_a_reducer_that_times_out_poisons_its_tiles():
+    from tpkernels.functional.gemm_comm_fused import reduce_describe  # noqa: PLC0415
     from tpkernels.kernels.triton.tile_reduce import tile_reduce  # noqa: PLC0415
     from tpkernels.parallel.symmetric_memory import ErrorWord  # noqa: PLC0415
 
@@ -89,6 +92,9 @@ def test_a_reducer_that_times_out_poisons_its_tiles():
     code = int(err.tensor[0])
     src, sig = divmod(code - 1, world * 4)
     assert src == 0 and sig // 4 == 1, f"error code {code} should name rank 0 and a tile of rank 1's rows"
+    msg = reduce_describe("matmul_reduce_scatter", 1, world * 4, 2, 2, 1, 5)(code)
+    assert re.fullmatch(r"matmul_reduce_scatter on rank 1: rank 0 never signalled tile [0-3] \(row block [01], column "
+                        r"block [01]\) of the partial sums this rank reduces \(call 1; gave up after 5 reads\)", msg), msg
 
 
 @pytest.mark.parametrize("block_m", [16, 128])

@@ -220,12 +220,13 @@ def ag_steps(ctx, a: torch.Tensor, bs, return_a: bool = True, chunks: int = AG_C
     return (a_full if return_a else None), outs
 
 
-def _reduce_describe(op: str, rank: int, n_tiles: int, tiles_n: int, epoch: int, spins: int, what: str):
+def reduce_describe(op: str, rank: int, n_sigs: int, tiles_m: int, tiles_n: int, epoch: int, spins: int):
+    """The message of a reducer's timeout code 1 + src·n_sigs + signal (signal = block·tiles + tile)."""
     def describe(code: int) -> str:
-        src, t = divmod(code - 1, n_tiles)
-        t %= n_tiles
-        return (f"{op} on rank {rank}: rank {src} never signalled {what} {t} (row block {t // tiles_n}, "
-                f"column block {t % tiles_n}) (call {epoch}; gave up after {spins} reads)")
+        src, sig = divmod(code - 1, n_sigs)
+        t = sig % (tiles_m * tiles_n)
+        return (f"{op} on rank {rank}: rank {src} never signalled tile {t} (row block {t // tiles_n}, column block "
+                f"{t % tiles_n}) of the partial sums this rank reduces (call {epoch}; gave up after {spins} reads)")
     return describe
 
 
@@ -246,8 +247,7 @@ def rs_steps(ctx, a: torch.Tensor, b: torch.Tensor, reduce_op: str = "sum", side
     epoch = arena.next_epoch()
     partial = arena.local(0, (M, N), torch.float32)
     signals = arena.local(part_bytes, (world * tm * tn,), torch.int32)
-    arena.err.describe = _reduce_describe("matmul_reduce_scatter", rank, world * tm * tn, tn, epoch, ctx.spins,
-                                          f"its partial tile for rank {rank}: tile")
+    arena.err.describe = reduce_describe("matmul_reduce_scatter", rank, world * tm * tn, tm, tn, epoch, ctx.spins)
     out = torch.empty((m, N), dtype=a.dtype, device=a.device)
     acc = torch.empty((m, N), dtype=torch.float32, device=a.device)
     gemm_programs, red_programs = ctx.programs(with_reducer=True)
@@ -298,8 +298,7 @@ def ar_steps(ctx, a: torch.Tensor, b: torch.Tensor, reduce_op: str = "sum", vari
     partial = arena.local(0, (M, N), torch.float32)
     signals = arena.local(part_bytes, (tm * tn,), torch.int32)
     red_off = part_bytes + sig_bytes
-    arena.err.describe = _reduce_describe("matmul_all_reduce", rank, tm * tn, tn, epoch, ctx.spins,
-                                          "its partial tile" if mode == "one_shot" else "a partial or reduced tile")
+    arena.err.describe = reduce_describe("matmul_all_reduce", rank, tm * tn, tm, tn, epoch, ctx.spins)
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     gemm_programs, red_programs = ctx.programs(with_reducer=True)
     ctx.fork()
