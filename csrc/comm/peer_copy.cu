@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t n = (r1 - r0) * row_bytes / static_cast<int64_t>(sizeof(V));
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
          i += static_cast<int64_t>(gridDim.x) * kThreads) {
-      to[i] = from[i];
+      to[i] = __ldcg(from + i);  // L2 only: the peer rewrites this buffer between calls
     }
   }
   __syncthreads();

@@ -51,10 +51,10 @@ __global__ void __launch_bounds__(kThreads)
       for (int s = 0; s < world; ++s) {
         const float* p = reinterpret_cast<const float*>(part_ptrs[s]) + (row_offset + r) * n + c;
         if (c + 4 <= c1 && (reinterpret_cast<uintptr_t>(p) % 16) == 0) {
-          const float4 v = *reinterpret_cast<const float4*>(p);
+          const float4 v = __ldcg(reinterpret_cast<const float4*>(p));  // L2: peers wrote it
           acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
         } else {
-          for (int k = 0; k < 4 && c + k < c1; ++k) acc[k] += p[k];
+          for (int k = 0; k < 4 && c + k < c1; ++k) acc[k] += __ldcg(p + k);
         }
       }
       for (int k = 0; k < 4 && c + k < c1; ++k) {

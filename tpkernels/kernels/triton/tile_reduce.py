@@ -5,7 +5,8 @@ NVLink once its signal says it is there.
 
 Tables (int64 device tensors of ``world`` addresses, one per rank): ``part_ptrs`` (each rank's
 (groups·m, N) float32 partials), ``sig_ptrs`` (each rank's tile signals). Tiles are the GEMM's
-(BLOCK_M × BLOCK_N), read in RED_M-row slices to bound registers.
+(BLOCK_M × BLOCK_N), read in RED_M-row slices to bound registers. Data other ranks wrote is
+loaded with ``.cg`` (L2 only): a line left in this SM's L1 by an earlier call must not be read.
 
 MODE 0, reduce-scatter: out (m, N) = scale · Σ_s partial_s[rank·m : (rank+1)·m] (``PUSH``: the
 sources stored their partials into this rank's buffer, slot s, so every read is local). Sources are
@@ -68,7 +69,8 @@ def _tile_reduce_kernel(out_ptr, acc_ptr, part_ptrs, sig_ptrs, red_ptrs, red_sig
                     rows = (t // tiles_n) * BLOCK_M + r0 + sub
                     ok = (rows < m)[:, None] & (cols < N)[None, :]
                     off = rows.to(tl.int64)[:, None] * N + cols[None, :]
-                    p = tl.load(part + (block * m + rows).to(tl.int64)[:, None] * N + cols[None, :], mask=ok, other=0.0)
+                    p = tl.load(part + (block * m + rows).to(tl.int64)[:, None] * N + cols[None, :], mask=ok, other=0.0,
+                                cache_modifier=".cg")
                     p = tl.where(arrived != 0, p, float("nan"))
                     if j > 0:
                         p += tl.load(acc_ptr + off, mask=ok, other=0.0)
@@ -92,7 +94,7 @@ def _tile_reduce_kernel(out_ptr, acc_ptr, part_ptrs, sig_ptrs, red_ptrs, red_sig
                 off = rows.to(tl.int64)[:, None] * N + cols[None, :]
                 acc = tl.zeros((RED_M, BLOCK_N), dtype=tl.float32)
                 for s in range(world):
-                    acc += tl.load(_peer(part_ptrs, s, tl.float32) + off, mask=ok, other=0.0)
+                    acc += tl.load(_peer(part_ptrs, s, tl.float32) + off, mask=ok, other=0.0, cache_modifier=".cg")
                 acc = tl.where(arrived != 0, acc * scale, float("nan")).to(out_ptr.dtype.element_ty)
                 tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], acc, mask=ok)
                 if MODE == 2:
@@ -110,7 +112,8 @@ def _tile_reduce_kernel(out_ptr, acc_ptr, part_ptrs, sig_ptrs, red_ptrs, red_sig
                 for r0 in range(0, BLOCK_M, RED_M):
                     rows = (t // tiles_n) * BLOCK_M + r0 + sub
                     ok = (rows < m)[:, None] & (cols < N)[None, :]
-                    v = tl.load(red + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=ok, other=0.0)
+                    v = tl.load(red + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=ok, other=0.0,
+                            cache_modifier=".cg")
                     v = tl.where(arrived != 0, v, float("nan"))
                     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], v, mask=ok)
 
