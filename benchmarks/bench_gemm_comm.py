@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_slug, print_table, run_metadata, time_ms, write_csv  # noqa: E402
+from common import RESULTS_DIR, device_slug, print_table, pyplot, run_metadata, time_ms, write_csv  # noqa: E402
 
 # (name, op, rows M of the full GEMM, K, N) with the TP split applied by the script:
 #   ag: A (M/tp, K) per rank gathered, B (K, N/tp);  rs: A (M, K/tp), B (K/tp, N), rows scattered;
@@ -204,9 +204,31 @@ def main(argv=None):
             r.update(copy=args.copy, reducer=args.reducer, rs_mode=args.rs_mode)
     print()
     print_table(rows, [c for c in rows[0] if c not in meta])
-    path = write_csv(f"gemm_comm_{mode}_{device_slug(dev)}{'_' + args.tag if args.tag else ''}", rows)
+    name = f"gemm_comm_{mode}_{device_slug(dev)}{'_' + args.tag if args.tag else ''}"
+    path = write_csv(name, rows)
     print(f"wrote {path}")
+    _plot(rows, name, meta["device"])
     return 0
+
+
+def _plot(rows, name, device):
+    """Bars per shape: every timed column, in ms (shorter is better)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    cols = [c for c in rows[0] if c.endswith("_ms")]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
+    width = 0.8 / len(cols)
+    for i, c in enumerate(cols):
+        ax.bar([x + i * width for x in range(len(rows))], [r.get(c) or 0 for r in rows], width, label=c[:-3])
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], [r["shape"] for r in rows], rotation=20,
+                  ha="right", fontsize=8)
+    ax.set_ylabel("ms")
+    ax.set_title(f"GEMM + TP communication, bf16, {device}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS_DIR / f"{name}.png", dpi=120)
+    print(f"wrote {RESULTS_DIR / (name + '.png')}")
 
 
 if __name__ == "__main__":

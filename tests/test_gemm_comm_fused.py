@@ -38,6 +38,16 @@ def test_matmul_reduce_scatter(world, rs_mode):
     check_matmul_reduce_scatter(VirtualTP(world, "cpu", rs_mode=rs_mode), F16, ms=[19, 1], K=32, N=48)
 
 
+@pytest.mark.parametrize("programs", [(1, 1), (7, 5)])
+def test_any_number_of_persistent_programs_covers_every_tile_once(programs):
+    # one program walks every tile; more programs than tiles leave some idle
+    vtp = VirtualTP(3, "cpu", programs=programs)
+    check_all_gather_matmul(vtp, F16, ms=[21], K=16, ns=[32], chunks=2)
+    check_matmul_reduce_scatter(vtp, F16, ms=[21], K=16, N=32)
+    for variant in ("one_shot", "two_shot"):
+        check_matmul_all_reduce(vtp, F16, ms=[21], K=16, N=32, variant=variant)
+
+
 def test_reduce_scatter_side_work_runs_once_per_rank_in_order():
     ran = []
     side = [[lambda r=r, j=j: ran.append((r, j)) for j in range(2)] for r in range(3)]

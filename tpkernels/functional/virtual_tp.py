@@ -20,7 +20,8 @@ every world size without a GPU.
 ``lose_signal=(rank, src, chunk)`` drops one all-gather signal (tests of the timeout error);
 ``delay=(rank, cycles)`` holds that rank's streams back (GPU: the other ranks' kernels must wait);
 ``copy="kernel"`` / ``reducer="cuda"`` use the CUDA kernels of ``csrc/comm`` (GPU only);
-``rs_mode="push"``: the reduce-scatter GEMM stores into the destination's buffer.
+``rs_mode="push"``: the reduce-scatter GEMM stores into the destination's buffer;
+``programs=(gemm, reducer)`` fixes the persistent grids (default: by SM count; 3 and 2 on the CPU).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class _VirtualRank:
         return self.vtp.arena(use, nbytes, self.rank)
 
     def programs(self, with_reducer: bool) -> tuple[int, int]:
+        if self.vtp.programs is not None:
+            return self.vtp.programs
         if self.device.type != "cuda":
             return 3, 2  # several tiles per program: the persistent loops are exercised
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -82,7 +85,7 @@ class VirtualTP:
 
     def __init__(self, world_size: int, device="cuda", lose_signal: tuple[int, int, int] | None = None,
                  copy: str = "engine", reducer: str = "triton", delay: tuple[int, int] | None = None,
-                 rs_mode: str = "pull"):
+                 rs_mode: str = "pull", programs: tuple[int, int] | None = None):
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be at least 1")
         self.world, self.device = world_size, torch.device(device)
@@ -90,7 +93,7 @@ class VirtualTP:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.config, self.spins, self.lose_signal = kernel_config(self.device), max_spins(self.device), lose_signal
         self.copy, self.reducer, self.rs_mode = check_movers(copy, reducer, self.device, rs_mode)
-        self.delay = delay
+        self.delay, self.programs = delay, programs
         self._arenas: dict[str, list[VirtualArena]] = {}
         self.ranks = [_VirtualRank(self, r) for r in range(world_size)]
 
