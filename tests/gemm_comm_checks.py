@@ -20,6 +20,16 @@ def poison(vtp: VirtualTP) -> None:
             arena.buffers[arena.rank].fill_(255)
 
 
+def summed_references(a64, b64, dtype, reduce_op: str = "sum"):
+    """(float64, low-precision) references of Σ_r a64[r] @ b64[r] (mean for "avg"): the low-precision one
+    multiplies in ``dtype`` and sums the ranks in float32, as every algorithm does; float32."""
+    ref64 = sum(a @ b for a, b in zip(a64, b64))
+    ref_lp = sum((a.to(dtype) @ b.to(dtype)).float() for a, b in zip(a64, b64))
+    if reduce_op == "avg":
+        ref64, ref_lp = ref64 / len(a64), ref_lp / len(a64)
+    return ref64, ref_lp
+
+
 def _randn(*shape, device, generator=None):
     return torch.randn(*shape, dtype=torch.float64, generator=generator).to(device)
 
@@ -46,10 +56,8 @@ def check_matmul_reduce_scatter(vtp: VirtualTP, dtype, ms, K: int, N: int, reduc
     for m in ms:
         a64 = [_randn(world * m, K, device=dev) for _ in range(world)]
         b64 = [_randn(K, N, device=dev) for _ in range(world)]
-        ref64 = sum(a @ b for a, b in zip(a64, b64))
-        ref_lp = sum((a.to(dtype) @ b.to(dtype)).float() for a, b in zip(a64, b64)).to(dtype)
-        if reduce_op == "avg":
-            ref64, ref_lp = ref64 / world, (ref_lp.float() / world).to(dtype)
+        ref64, ref_lp = summed_references(a64, b64, dtype, reduce_op)
+        ref_lp = ref_lp.to(dtype)
         poison(vtp)
         outs = vtp.matmul_reduce_scatter([a.to(dtype) for a in a64], [b.to(dtype) for b in b64], reduce_op)
         for r, out in enumerate(outs):
@@ -62,10 +70,8 @@ def check_matmul_all_reduce(vtp: VirtualTP, dtype, ms, K: int, N: int, variant: 
     for M in ms:
         a64 = [_randn(M, K, device=dev) for _ in range(world)]
         b64 = [_randn(K, N, device=dev) for _ in range(world)]
-        ref64 = sum(a @ b for a, b in zip(a64, b64))
-        ref_lp = sum((a.to(dtype) @ b.to(dtype)).float() for a, b in zip(a64, b64)).to(dtype)
-        if reduce_op == "avg":
-            ref64, ref_lp = ref64 / world, (ref_lp.float() / world).to(dtype)
+        ref64, ref_lp = summed_references(a64, b64, dtype, reduce_op)
+        ref_lp = ref_lp.to(dtype)
         poison(vtp)
         outs = vtp.matmul_all_reduce([a.to(dtype) for a in a64], [b.to(dtype) for b in b64], reduce_op, variant)
         for r, out in enumerate(outs):

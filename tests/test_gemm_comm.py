@@ -16,6 +16,7 @@ from tpkernels.functional.gemm_comm import (
     matmul_reduce_scatter,
     poison_receive_buffers,
 )
+from gemm_comm_checks import summed_references
 from tpkernels.backends import BackendUnavailableError
 from tpkernels.parallel.trace import CommTrace
 from tpkernels.testing.errors import error_messages
@@ -69,10 +70,7 @@ def _rs_worker(rank, world, seed, algo, dtype_name, reduce_op):
         shape = [world * m, 3] if scatter_dim == 0 else [2, world * m]
         parts = [torch.randn(*shape, 11, generator=g, dtype=torch.float64) for _ in range(world)]
         bs = [torch.randn(11, 6, generator=g, dtype=torch.float64) for _ in range(world)]
-        ref64 = sum(p @ b for p, b in zip(parts, bs))
-        ref_lp = sum((p.to(dtype) @ b.to(dtype)).float() for p, b in zip(parts, bs))
-        if reduce_op == "avg":
-            ref64, ref_lp = ref64 / world, ref_lp / world
+        ref64, ref_lp = summed_references(parts, bs, dtype, reduce_op)
         ran = []
         with poison_receive_buffers():
             out = matmul_reduce_scatter(parts[rank].to(dtype), bs[rank].to(dtype), None, scatter_dim, reduce_op,
@@ -105,10 +103,7 @@ def _ar_worker(rank, world, seed, algo, dtype_name, reduce_op):
     for lead in [(1,), (2, 17), (5,)]:  # rows 1, 34, 5: never a multiple of every group size
         parts = [torch.randn(*lead, 11, generator=g, dtype=torch.float64) for _ in range(world)]
         bs = [torch.randn(11, 6, generator=g, dtype=torch.float64) for _ in range(world)]
-        ref64 = sum(p @ b for p, b in zip(parts, bs))
-        ref_lp = sum((p.to(dtype) @ b.to(dtype)).float() for p, b in zip(parts, bs))
-        if reduce_op == "avg":
-            ref64, ref_lp = ref64 / world, ref_lp / world
+        ref64, ref_lp = summed_references(parts, bs, dtype, reduce_op)
         with poison_receive_buffers():
             out = matmul_all_reduce(parts[rank].to(dtype), bs[rank].to(dtype), None, reduce_op, algo)
         assert out.dtype == dtype and out.shape == lead + (6,)

@@ -306,10 +306,10 @@ def ar_steps(ctx, a: torch.Tensor, b: torch.Tensor, reduce_op: str = "sum", vari
                   programs=gemm_programs)
     yield PHASE, arena
     tables = (arena.table(0), arena.table(part_bytes), arena.table(red_off), arena.table(red_off + red_bytes))
+    scale = 1.0 / world if reduce_op == "avg" else 1.0
     for launch in (("one_shot",) if mode == "one_shot" else ("two_shot_reduce", "two_shot_gather")):
         if launch == "two_shot_gather":
             yield PHASE, arena  # emulated ranks: every owner publishes its tiles before anyone copies them
-        scale = 1.0 / world if reduce_op == "avg" else 1.0
         with ctx.side():
             if launch == "one_shot" and ctx.reducer == "cuda":
                 extension().comm_reduce_tiles(out, tables[0], tables[1], world, 0, 0, tm * tn, ctx.config[0],

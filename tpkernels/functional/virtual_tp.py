@@ -33,7 +33,7 @@ import torch
 
 from tpkernels.functional.gemm_comm_fused import (AG_CHUNKS, BARRIER, REDUCER_PROGRAMS, ag_steps, ar_steps,
                                                   check_movers, kernel_config, rs_steps)
-from tpkernels.parallel.symmetric_memory import ALIGN, VirtualArena, max_spins
+from tpkernels.parallel.symmetric_memory import VirtualArena, align, max_spins
 
 
 class _VirtualRank:
@@ -100,8 +100,7 @@ class VirtualTP:
     def arena(self, use: str, nbytes: int, rank: int) -> VirtualArena:
         group = self._arenas.get(use)
         if group is None or group[0].nbytes < nbytes:  # rank 0 asks first in every phase
-            size = -(-nbytes // ALIGN) * ALIGN
-            bufs = [torch.zeros(size, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
+            bufs = [torch.zeros(align(nbytes), dtype=torch.uint8, device=self.device) for _ in range(self.world)]
             group = self._arenas[use] = [VirtualArena(r, bufs) for r in range(self.world)]
         return group[rank]
 
