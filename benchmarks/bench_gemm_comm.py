@@ -117,8 +117,8 @@ def _real_rank(rank, world, shapes, reps):
     import torch.distributed._symmetric_memory  # noqa: F401 (registers torch.ops.symm_mem)
 
     from tpkernels._extension import extension
-    from tpkernels.functional import gemm_comm_fused
     from tpkernels.functional.gemm_comm import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+    from tpkernels.functional.gemm_comm_fused import FusedOptions
 
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD
@@ -130,37 +130,35 @@ def _real_rank(rank, world, shapes, reps):
             b = torch.randn(k, n, device=dev, dtype=torch.bfloat16) / k ** 0.5
             a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             fns = {}
-            for algo in ("fused", "ring", "collective"):
+
+            def call(algo, opts=None):
                 if op == "ag":
-                    fns[algo] = lambda algo=algo: all_gather_matmul(a, [b], algo=algo, return_a=False)
-                elif op == "rs":
-                    fns[algo] = lambda algo=algo: matmul_reduce_scatter(a, b, algo=algo)
-                elif algo != "ring":
-                    fns[algo] = lambda algo=algo: matmul_all_reduce(a, b, algo=algo)
+                    return lambda: all_gather_matmul(a, [b], algo=algo, return_a=False, options=opts)
+                if op == "rs":
+                    return lambda: matmul_reduce_scatter(a, b, algo=algo, options=opts)
+                return lambda: matmul_all_reduce(a, b, algo=algo, options=opts)
+
+            # the fused path with each of its movers (explicit options: the call's own settings)
+            has_cuda_movers = hasattr(extension(), "comm_pull_chunks")
+            fns["fused"] = call("fused")
+            if op == "rs":
+                fns["fused_push"] = call("fused", FusedOptions(rs_mode="push"))
+            if op == "ag" and has_cuda_movers:
+                fns["fused_copy_kernel"] = call("fused", FusedOptions(copy="kernel"))
+            if op in ("rs", "ar") and has_cuda_movers:
+                fns["fused_cuda_reducer"] = call("fused", FusedOptions(reducer="cuda"))
+            for algo in ("ring", "collective"):
+                if not (op == "ar" and algo == "ring"):
+                    fns[algo] = call(algo)
             if symm_ok and op == "ag":
                 fns["torch_symm_mem"] = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group.group_name)
             elif symm_ok and op == "rs":
                 fns["torch_symm_mem"] = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0,
                                                                                                group.group_name)
-            # the other movers of the fused path, switched through the module's settings
-            variants = {"fused": {}}
-            if op == "rs":
-                variants["fused_push"] = {"RS_MODE": "push"}
-            has_cuda_movers = hasattr(extension(), "comm_pull_chunks")
-            if op == "ag" and has_cuda_movers:
-                variants["fused_copy_kernel"] = {"COPY": "kernel"}
-            if op in ("rs", "ar") and has_cuda_movers:
-                variants["fused_cuda_reducer"] = {"REDUCER": "cuda"}
             t = {}
             for key, fn in fns.items():
-                for name, settings in (variants.items() if key == "fused" else [(key, {})]):
-                    saved = {k: getattr(gemm_comm_fused, k) for k in settings}
-                    for k, v in settings.items():
-                        setattr(gemm_comm_fused, k, v)
-                    dist.barrier()
-                    t[name] = time_ms(fn, dev, reps=reps)
-                    for k, v in saved.items():
-                        setattr(gemm_comm_fused, k, v)
+                dist.barrier()
+                t[key] = time_ms(fn, dev, reps=reps)
             row = {"shape": name, "op": op, "tp": world, "m": m, "k": k, "n": n}
             row.update({f"{key}_ms": round(v, 3) for key, v in t.items()})
             best = min((v, k) for k, v in t.items() if k.startswith("fused"))

@@ -4,7 +4,7 @@
 
 A100: Narayanan et al. 2021, Table 1 (Megatron-LM, GPT 1.7B–1T on 32–3072 A100s).
 H100: NVIDIA NeMo 24.12 pre-training (GPT-3, Llama 2, Nemotron on 8–512 DGX-H100 GPUs, FP8).
-(tables and their sources: benchmarks/data/; how each row is read: tpkernels/planner/calibration.py)
+(tables and their sources: tpkernels/planner/data/; how each row is read: tpkernels/planner/calibration.py)
 
 For each row: the published step time and throughput, the planner's prediction for the published
 layout, the error (+ = the planner predicts a faster step than was measured), predicted memory and

@@ -4,6 +4,8 @@ raises, naming the op, where the choice came from and why."""
 
 from __future__ import annotations
 
+import os
+
 import subprocess
 import sys
 
@@ -118,8 +120,53 @@ def test_info_shows_the_rule(monkeypatch):
     monkeypatch.setenv(backends.ENV_VAR, "flash_attn=reference")
     r = subprocess.run([sys.executable, "-m", "tpkernels.cli", "info"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "dispatch rule   explicit argument (backend=/algo=) > TPKERNELS_BACKEND op=name entry" in r.stdout
+    assert "dispatch rule   explicit argument (backend=/algo=, options=) > TPKERNELS_BACKEND op=name entry" in r.stdout
     assert "TPKERNELS_BACKEND flash_attn=reference" in r.stdout
+    from tpkernels import env_vars
+
+    for var in env_vars.TABLE:  # the one table of every variable, with what it is now
+        row = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith(var.name + " ") and " now " in ln)
+        assert f"now {os.environ.get(var.name) or 'unset'} " in row, row
     line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("flash_attn"))
     assert line.split()[1] == "reference"
     assert "auto: ring from" in next(ln for ln in r.stdout.splitlines() if "all_gather_matmul" in ln)
+
+
+def test_fused_options_are_read_at_call_time_and_explicit_ones_win(monkeypatch):
+    """The fused path's knobs: an explicit option beats the environment, which is read when the call
+    resolves them (changing it after import takes effect), and a bad value is named."""
+    import torch
+
+    from tpkernels.functional.gemm_comm_fused import FusedOptions
+
+    cpu = torch.device("cpu")
+    assert FusedOptions().resolved(cpu).ag_chunks == 4
+    monkeypatch.setenv("TPKERNELS_FUSED_AG_CHUNKS", "7")
+    monkeypatch.setenv("TPKERNELS_FUSED_RS", "push")
+    monkeypatch.setenv("TPKERNELS_SIGNAL_SPINS", "123")
+    got = FusedOptions().resolved(cpu)
+    assert (got.ag_chunks, got.rs_mode, got.signal_spins) == (7, "push", 123)
+    assert FusedOptions(ag_chunks=2, rs_mode="pull").resolved(cpu).ag_chunks == 2
+    monkeypatch.setenv("TPKERNELS_FUSED_AG_CHUNKS", "zero")
+    with pytest.raises(ValueError, match=r"TPKERNELS_FUSED_AG_CHUNKS \('zero'\) must be an integer"):
+        FusedOptions().resolved(cpu)
+    monkeypatch.setenv("TPKERNELS_FUSED_AG_CHUNKS", "4")
+    monkeypatch.setenv("TPKERNELS_FUSED_RS", "sideways")
+    with pytest.raises(ValueError, match=r"TPKERNELS_FUSED_RS \('sideways'\) must be one of pull, push"):
+        FusedOptions().resolved(cpu)
+
+
+def test_every_tpkernels_variable_is_in_the_one_table():
+    """Each TPKERNELS_* name the package, setup.py or the GPU check reads is in tpkernels.env_vars."""
+    import re
+    from pathlib import Path
+
+    from tpkernels import env_vars
+
+    root = Path(__file__).resolve().parent.parent
+    macros = {"TPKERNELS_VERSION", "TPKERNELS_WITH_CUDA"}  # C preprocessor macros of csrc/, not variables
+    files = [f for f in root.joinpath("tpkernels").rglob("*.py") if f.name != "env_vars.py"]
+    files += [root / "setup.py", *root.joinpath("benchmarks").glob("*.sh"), root / "Makefile"]
+    found = {m for f in files for m in re.findall(r"TPKERNELS_[A-Z0-9_]+", f.read_text())} - macros
+    assert found <= set(env_vars.BY_NAME), found - set(env_vars.BY_NAME)  # nothing read that the table lacks
+    assert set(env_vars.BY_NAME) <= found, set(env_vars.BY_NAME) - found  # nothing listed that nobody reads

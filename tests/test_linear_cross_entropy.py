@@ -194,7 +194,7 @@ def test_bad_input_gets_a_clear_error(call, exc, message):
 def test_opcheck_and_torch_compile_over_a_head():
     h, w, t = torch.randn(10, 8), torch.randn(23, 8), torch.randint(0, 19, (10,))
     torch.library.opcheck(torch.ops.tpkernels.linear_cross_entropy_forward.default,
-                          (h, w, t, "", 3, -100, 0.1, 1e-3, "mean", True, "reference", 19, True))
+                          (h, w, t, "", 3, -100, 0.1, 1e-3, "mean", True, "reference", 19, True, True))
     torch._dynamo.reset()
     norm_w = torch.randn(8)
 

@@ -1,5 +1,6 @@
-"""ModelConfig: from transformers configs, config.json files and the planner's presets; the
-errors for what the models do not implement; the padding rule."""
+"""ModelConfig, the one model description: from transformers configs, config.json files and the one
+preset list; the errors for what the models do not implement; the padding rule; the planner and the
+model agree on every preset and every config file."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import json
 import pytest
 
 from model_checks import hf_config
-from tpkernels.models import ModelConfig
-from tpkernels.planner.models import MODEL_PRESETS
+from tpkernels.description import MODEL_PRESETS
+from tpkernels.models import ModelConfig, ParallelTransformer
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,13 +77,60 @@ def test_gpt2_dropout_is_an_error_unless_dropped():
     assert ModelConfig.from_hf(cfg, drop_dropout=True).model_type == "gpt2"
 
 
-@pytest.mark.parametrize("name", ["Llama-3-8B", "Qwen2.5-7B", "GPT-1.7B", "Llama-2-13B"])
-def test_presets_are_the_planners(name):
-    """One preset list: the runnable config of a planner preset counts the planner's parameters."""
+def _built_params(mc: ModelConfig) -> int:
+    """Parameters of the model tpkernels.models builds for ``mc`` (on the meta device: no memory), less the
+    vocabulary padding rows, which hold nothing."""
+    import torch
+
+    model = ParallelTransformer(mc, device=torch.device("meta"), init=None)
+    padding = (mc.padded_vocab(1) - mc.vocab_size) * mc.hidden_size
+    return sum(p.numel() for p in model.parameters()) - padding * (1 if mc.tied_embeddings else 2)
+
+
+@pytest.mark.parametrize("name", list(MODEL_PRESETS))
+def test_planner_and_model_count_every_preset_alike(name):
+    """One preset list, one type: the planner's parameter count is what the model holds."""
     mc = ModelConfig.from_preset(name)
-    spec = MODEL_PRESETS[name]
-    assert mc.to_spec().num_params() == spec.num_params()
-    assert mc.rope_theta == spec.rope_theta and mc.norm_eps == spec.norm_eps
+    assert mc is MODEL_PRESETS[name]
+    assert _built_params(mc) == mc.num_params()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "mistral"])
+def test_planner_and_model_agree_on_config_files(family, tmp_path):
+    """The test suite's config files: plan reads what train builds, and counts it alike."""
+    cfg = hf_config(family)
+    cfg.save_pretrained(str(tmp_path))
+    planned, built = ModelConfig.read_hf(tmp_path), ModelConfig.from_hf(tmp_path)
+    assert planned == built and _built_params(built) == planned.num_params()
+
+
+def test_what_the_model_cannot_build_is_planned_and_refused_alike(tmp_path, capsys):
+    """Qwen3 (per-head q/k norms) and dropout: read by the one reader; plan notes it, train refuses it,
+    with the same message; a family neither knows is refused by both alike."""
+    from tpkernels.cli import main
+
+    qwen3 = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    qwen3.save_pretrained(str(tmp_path / "q3"))
+    mc = ModelConfig.read_hf(tmp_path / "q3")
+    assert mc.model_type == "qwen3" and mc.qk_norm
+    assert mc.num_params() - mc.replace(qk_norm=False).num_params() == 2 * 2 * 8  # q and k norms, 2 layers
+    reason = mc.build_errors()[0]
+    assert "q_norm, k_norm" in reason
+    with pytest.raises(ValueError, match="q_norm, k_norm"):
+        ModelConfig.from_hf(tmp_path / "q3")
+    with pytest.raises(ValueError, match="q_norm, k_norm"):
+        ParallelTransformer(mc)
+    rc = main(["plan", "--model", str(tmp_path / "q3"), "--gpu", "H100-SXM", "--global-batch", "8", "--top", "1"])
+    out = capsys.readouterr()
+    assert rc == 0 and f"cannot build this model yet: {reason}" in out.out
+    rc = main(["train", "--model", str(tmp_path / "q3"), "--dry-run"])
+    assert rc == 2 and reason in capsys.readouterr().err
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps({"model_type": "mixtral", "hidden_size": 8}))
+    for cmd in (["plan", "--gpu", "H100-SXM"], ["train", "--dry-run"]):
+        assert main([cmd[0], "--model", str(tmp_path / "moe"), *cmd[1:]]) == 2
+        assert "model_type ('mixtral') is not supported; supported: gpt2, llama" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("vocab, tp, padded", [(97, 1, 128), (97, 2, 256), (128256, 8, 129024), (50257, 3, 50304)])

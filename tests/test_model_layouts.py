@@ -60,12 +60,12 @@ def _invalid_worker(rank, world, layout, model_kw, differ):
 
 
 @pytest.mark.parametrize("layout, model_kw, differ, message", [
-    (dict(tp=3), None, False, r"world_size \(2\) must equal tensor_parallel_size \(3\)"),
+    (dict(tp=3), None, False, r"world_size \(2\) must equal tp \(3\)"),
     (dict(tp=2, sequence_parallel=False, virtual_stages=2), None, False, r"virtual_stages \(2\) > 1 requires"),
     (dict(tp=2), dict(num_layers=2, hidden_size=24, num_attention_heads=3, ffn_hidden_size=16, vocab_size=50),
-     False, r"num_attention_heads \(3\) must be divisible by tensor_parallel_size \(2\)"),
+     False, r"num_attention_heads \(3\) must be divisible by tp \(2\)"),
     (dict(pp=2), dict(num_layers=3, hidden_size=16, num_attention_heads=2, ffn_hidden_size=16, vocab_size=50),
-     False, r"num_layers \(3\) must be divisible by pipeline_parallel_size \(2\)"),
+     False, r"num_layers \(3\) must be divisible by pp \(2\)"),
     (dict(tp=2), None, True, r"ranks disagree on the layout"),
 ])
 def test_invalid_layouts_raise_on_every_rank(rank_pool, layout, model_kw, differ, message):

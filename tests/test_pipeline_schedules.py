@@ -82,13 +82,13 @@ def test_errors_are_parallel_configs_rules():
     # one rule, one message: the schedules raise exactly what ParallelConfig says for the same layout
     cases = [
         (lambda: interleaved_1f1b(4, 6, 2), dict(pp=4, virtual_stages=2, num_microbatches=6),
-         "num_microbatches (6) must be a multiple of pipeline_parallel_size (4) with the interleaved schedule "
+         "num_microbatches (6) must be a multiple of pp (4) with the interleaved schedule "
          "(virtual_stages=2), as in Megatron-LM"),
         (lambda: interleaved_1f1b(1, 4, 2), dict(pp=1, virtual_stages=2, num_microbatches=4),
-         "virtual_stages (2) > 1 requires pipeline_parallel_size > 1 (interleaving splits each pipeline rank's "
+         "virtual_stages (2) > 1 requires pp > 1 (interleaving splits each pipeline rank's "
          "layers into chunks)"),
         (lambda: one_f_one_b(2, 0), dict(pp=2, num_microbatches=0), "num_microbatches (0) must be a positive integer"),
-        (lambda: zb_h1(-1, 3), dict(pp=-1, num_microbatches=3), "pipeline_parallel_size (-1) must be a positive integer"),
+        (lambda: zb_h1(-1, 3), dict(pp=-1, num_microbatches=3), "pp (-1) must be a positive integer"),
     ]
     for call, layout, message in cases:
         with pytest.raises(ScheduleError) as e:
@@ -102,7 +102,7 @@ def test_errors_are_parallel_configs_rules():
     with pytest.warns(PipelineFillWarning) as w:
         make_schedule("1f1b", 8, 3)
     assert [str(x.message) for x in w] == ParallelConfig(pp=8, num_microbatches=3).warnings() == [
-        "pipeline cannot fill: num_microbatches (3) < pipeline_parallel_size (8); bubble is 70% of the step"]
+        "pipeline cannot fill: num_microbatches (3) < pp (8); bubble is 70% of the step"]
 
 
 def test_simulator_costs_must_be_non_negative_and_not_all_zero():

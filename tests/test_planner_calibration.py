@@ -40,7 +40,7 @@ def test_published_layout_is_in_top_five(row):
 
 
 def test_h100_rows_reproduce_the_tables_flops_per_token():
-    # the model shapes in benchmarks/data were chosen to match the table's own TFLOP/s ÷ tokens/s
+    # the model shapes in tpkernels/planner/data were chosen to match the table's own TFLOP/s ÷ tokens/s
     for row in H100_ROWS:
         m = row.spec
         per_token = m.model_flops_per_step(1, row.training.seq_length) / row.training.seq_length

@@ -58,19 +58,23 @@ def test_explain_valid_layout(capsys):
 def test_explain_invalid_layout_lists_every_rule(capsys):
     rc, out, _ = run(capsys, *BASE, "--explain", "TP=3,PP=5")
     assert rc == 2
-    assert "world_size (16) must be divisible by tensor_parallel_size (3) × pipeline_parallel_size (5) = 15" in out
-    assert "num_attention_heads (32) must be divisible by tensor_parallel_size (3)" in out
-    assert "num_layers (32) must be divisible by pipeline_parallel_size (5)" in out
+    assert "world_size (16) must be divisible by tp (3) × pp (5) = 15" in out
+    assert "num_attention_heads (32) must be divisible by tp (3)" in out
+    assert "num_layers (32) must be divisible by pp (5)" in out
     assert "The best valid layout is" in out
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["plan", "--model", "GPT-5"], "model ('GPT-5') is not a known preset"),
+    (["plan", "--model", "GPT-5"], "model.name ('GPT-5') is not a known preset"),
     (["plan", "--model", "Llama-3-8B", "--gpu", "B300"], "gpu ('B300') is not a known preset"),
-    (["plan", "--layers", "4", "--hidden", "512"], "missing --heads, --ffn, --vocab"),
+    (["plan", "--layers", "4", "--hidden", "512"], "model.name is not set: give --model"),
+    (["plan", "--model", "Llama-3-8B", "--layers", "four"], "model.layers ('four') must be an integer or none"),
+    (["plan", "--model", "Llama-3-8B", "--json", "maybe"], "json ('maybe') must be true or false"),
+    (["plan", "--model", "Llama-3-8B", "--precision", "fp4"], "training.precision ('fp4') must be one of bf16"),
+    (["plan", "--model", "Llama-3-8B", "--model.lora_rank", "0"], "model.lora_rank (0) must be a positive integer"),
     (["plan", "--model", "Llama-3-8B", "--explain", "TP4"], "layout item ('TP4') must look like KEY=VALUE"),
     (["plan", "--model", "Llama-3-8B", "--fix", "XP=2"], "layout key ('XP') must be one of"),
-    (["plan", "--model", "Llama-3-8B", "--global-batch", "0"], "--global-batch (0) must be a positive integer"),
+    (["plan", "--model", "Llama-3-8B", "--global-batch", "0"], "training.global_batch (0) must be a positive integer"),
     (["plan", "--model", "Llama-3-8B", "--gpu", "A10-24GB", "--intra-link", "nvlink"],
      "intra_link ('nvlink') is not available on A10-24GB"),
 ])
@@ -80,20 +84,20 @@ def test_bad_input_is_one_clear_line(capsys, argv, message):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--fix", "TP=0"], "--fix ('TP=0'): TP (0) must be a positive integer"),
-    (["--explain", "TP=0"], "--explain ('TP=0'): TP (0) must be a positive integer"),
-    (["--explain", "mbs=0"], "--explain ('mbs=0'): mbs (0) must be a positive integer"),
-    (["--fix", "TP=-2"], "--fix ('TP=-2'): TP (-2) must be a positive integer"),
-    (["--fix", "TP=8,TP=2"], "--fix ('TP=8,TP=2'): TP is given twice (TP=8 and TP=2): give each layout field once"),
+    (["--fix", "TP=0"], "fix ('TP=0'): TP (0) must be a positive integer"),
+    (["--explain", "TP=0"], "explain ('TP=0'): TP (0) must be a positive integer"),
+    (["--explain", "mbs=0"], "explain ('mbs=0'): mbs (0) must be a positive integer"),
+    (["--fix", "TP=-2"], "fix ('TP=-2'): TP (-2) must be a positive integer"),
+    (["--fix", "TP=8,TP=2"], "fix ('TP=8,TP=2'): TP is given twice (TP=8 and TP=2): give each layout field once"),
     (["--fix", "recompute=most"], "recompute ('most') must be one of none, selective, full"),
-    (["--intra-node-gbs", "0"], "--intra-node-gbs (0.0) must be a finite number > 0"),
-    (["--inter-node-gbs", "-1"], "--inter-node-gbs (-1.0) must be a finite number > 0"),
-    (["--gpu-tflops", "0"], "--gpu-tflops (0.0) must be a finite number > 0"),
-    (["--gpu-memory-gib", "-1"], "--gpu-memory-gib (-1.0) must be a finite number > 0"),
-    (["--seq-len", "0"], "--seq-len (0) must be a positive integer"),
-    (["--top", "-1"], "--top (-1) must be a positive integer"),
-    (["--memory-margin", "1.5"], "--memory-margin (1.5) must be a fraction in [0, 1)"),
-    (["--nodes", "0"], "--nodes (0) must be a positive integer"),
+    (["--intra-node-gbs", "0"], "cluster.intra_node_gbs (0.0) must be a finite number > 0"),
+    (["--inter-node-gbs", "-1"], "cluster.inter_node_gbs (-1.0) must be a finite number > 0"),
+    (["--gpu-tflops", "0"], "cluster.gpu_tflops (0.0) must be a finite number > 0"),
+    (["--gpu-memory-gib", "-1"], "cluster.gpu_memory_gib (-1.0) must be a finite number > 0"),
+    (["--seq-len", "0"], "training.seq_length (0) must be a positive integer"),
+    (["--top", "-1"], "top (-1) must be a positive integer"),
+    (["--memory-margin", "1.5"], "memory_margin (1.5) must be a fraction in [0, 1)"),
+    (["--nodes", "0"], "cluster.nodes (0) must be a positive integer"),
 ])
 def test_bad_numbers_and_layouts_are_one_line_naming_the_flag(capsys, extra, message):
     rc, out, err = run(capsys, *BASE, *extra)
@@ -112,7 +116,7 @@ def test_bad_hf_configs_are_one_line(capsys, tmp_path):
              (tmp_path / "broken.json", "is not a readable JSON file")]
     for path, message in cases:
         rc, out, err = run(capsys, "plan", "--hf-config", str(path), "--gpu", "H100-SXM")
-        assert rc == 2 and len(err.strip().splitlines()) == 1 and f"--hf-config ('{path}')" in err and message in err
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and f"model.name ('{path}')" in err and message in err
     # a checkpoint folder holding config.json is read like the file
     ckpt = tmp_path / "my-llama"
     ckpt.mkdir()

@@ -9,15 +9,16 @@ import pytest
 from tpkernels.parallel import ParallelConfig
 from tpkernels.planner.activations import layer_activations
 from tpkernels.planner.memory import inflight_layers, stage_memory, stage_params_per_rank
-from tpkernels.planner.models import ModelSpec, model_preset
+from tpkernels.description import ModelConfig, model_preset
 from tpkernels.planner.workload import TrainingSetup
 
 
-def random_gpt(rng) -> ModelSpec:
+def random_gpt(rng) -> ModelConfig:
     heads = rng.choice([8, 16, 32, 40])
     h = heads * rng.choice([64, 128])
-    return ModelSpec("gpt", rng.choice([4, 24, 48]), h, heads, 4 * h, 51200, mlp="gelu", norm="layernorm",
-                     qkv_bias=True, linear_bias=True, tied_embeddings=True, learned_positions=2048, dropout=True)
+    return ModelConfig("gpt2", rng.choice([4, 24, 48]), h, heads, 4 * h, 51200, activation="gelu_tanh",
+                       norm="layernorm", positions="learned", max_position_embeddings=2048, qkv_bias=True,
+                       out_bias=True, mlp_bias=True, tied_embeddings=True, dropout=0.1)
 
 
 def acts(m, s, b, t, sp, rc, flash=False):

@@ -1,4 +1,4 @@
-"""Model presets, Hugging Face import, parameter and FLOP counts."""
+"""Model presets, Hugging Face import, parameter and FLOP counts (of the one model description)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ import random
 
 import pytest
 
-from tpkernels.planner.models import MODEL_PRESETS, NARAYANAN_2021_GPT, ModelSpec, from_hf_config, model_preset
+from tpkernels.description import MODEL_PRESETS, NARAYANAN_2021_GPT, ModelConfig, model_preset
+
+
+def gpt(layers, hidden, heads, ffn, vocab, **kw) -> ModelConfig:
+    """A GPT shape without biases or learned positions (Narayanan et al.'s FLOP formula counts neither)."""
+    return ModelConfig("gpt2", layers, hidden, heads, ffn, vocab, activation="gelu_tanh", norm="layernorm", **kw)
 
 # Published totals (model cards / papers).
 EXACT = {
@@ -44,11 +49,11 @@ def test_gpt_flops_match_narayanan_formula(fresh_seed):
         heads = rng.choice([8, 12, 16, 24])
         h, l, V, s, B = heads * rng.choice([64, 128]), rng.randint(1, 48), rng.randint(1000, 60000), \
             rng.choice([1, 17, 512, 2048]), rng.randint(1, 64)
-        m = ModelSpec("gpt", l, h, heads, 4 * h, V, mlp="gelu", norm="layernorm")
+        m = gpt(l, h, heads, 4 * h, V, max_position_embeddings=s)
         expected = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
         assert m.model_flops_per_step(B, s) == pytest.approx(expected, rel=1e-12)
         # and the parameter approximation 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)) for GPT with positions
-        g = m.replace(qkv_bias=True, linear_bias=True, tied_embeddings=True, learned_positions=s)
+        g = m.replace(qkv_bias=True, out_bias=True, mlp_bias=True, tied_embeddings=True, positions="learned")
         # = 12·l·h² + 13·l·h + (V+s)·h, plus the final LayerNorm (2h)
         assert g.num_params() == 12 * l * h * h + 13 * l * h + (V + s) * h + 2 * h
 
@@ -60,29 +65,31 @@ def test_from_hf_config_llama_matches_preset(tmp_path):
     path = tmp_path / "Meta-Llama-3-8B" / "config.json"
     path.parent.mkdir()
     path.write_text(json.dumps(cfg))
-    m = from_hf_config(path)
-    assert m.name == "Meta-Llama-3-8B"
+    m = ModelConfig.read_hf(path)
+    assert m.name == "Meta-Llama-3-8B" and m == ModelConfig.from_hf(path)
     assert m.num_params() == 8_030_261_248
 
 
 def test_from_hf_config_gpt2_and_qwen_v1():
-    gpt2 = from_hf_config({"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
-                           "n_positions": 1024, "n_ctx": 1024})
+    gpt2 = ModelConfig.read_hf({"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
+                                "n_positions": 1024, "n_ctx": 1024})
     assert gpt2.num_params() == 124_439_808  # GPT-2 small
-    qwen = from_hf_config({"model_type": "qwen", "num_hidden_layers": 40, "hidden_size": 5120,
-                           "num_attention_heads": 40, "intermediate_size": 27392, "vocab_size": 152064})
+    assert gpt2.dropout == 0.1 and gpt2.build_errors()  # transformers' default dropout: planned, not built
+    qwen = ModelConfig.read_hf({"model_type": "qwen", "num_hidden_layers": 40, "hidden_size": 5120,
+                                "num_attention_heads": 40, "intermediate_size": 27392, "vocab_size": 152064})
     assert qwen.ffn_hidden_size == 13696 and qwen.num_params() == MODEL_PRESETS["Qwen-14B"].num_params()
+    assert "Qwen (v1)" in qwen.build_errors()[0]
 
 
 def test_bad_model_inputs_are_named():
     with pytest.raises(ValueError, match=r"model \('Llama-9'\) is not a known preset"):
         model_preset("Llama-9")
     with pytest.raises(ValueError, match=r"num_attention_heads \(12\) must be divisible by num_kv_heads \(5\)"):
-        ModelSpec("x", 2, 768, 12, 3072, 1000, num_kv_heads=5)
+        ModelConfig("llama", 2, 768, 12, 3072, 1000, num_kv_heads=5)
     with pytest.raises(ValueError, match=r"num_layers \(0\) must be a positive integer"):
-        ModelSpec("x", 0, 768, 12, 3072, 1000)
-    with pytest.raises(ValueError, match="lacks num_hidden_layers"):
-        from_hf_config({"model_type": "mystery", "hidden_size": 8})
+        ModelConfig("llama", 0, 768, 12, 3072, 1000)
+    with pytest.raises(ValueError, match=r"model_type \('mystery'\) is not supported; supported: gpt2, llama"):
+        ModelConfig.read_hf({"model_type": "mystery", "hidden_size": 8})
 
 
 def test_bad_training_and_cluster_inputs_are_named():

@@ -103,4 +103,4 @@ def test_fp8_needs_fp8_tensor_cores():
 def test_tp_must_stay_in_a_node():
     errs = layout_errors(MODEL, TrainingSetup(8, 2048), ClusterSpec(gpu_preset("H100-SXM"), 4, 4),
                          ParallelConfig(tp=8, dp=2, num_microbatches=4))
-    assert "tensor_parallel_size (8) must divide gpus_per_node (4)" in errs[0]
+    assert "tp (8) must divide gpus_per_node (4)" in errs[0]

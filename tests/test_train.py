@@ -14,10 +14,18 @@ import pytest
 import torch
 
 from tpkernels.train import TrainConfig, Trainer
+from tpkernels.parallel import ParallelConfig
+from tpkernels.train.config import ALIASES
 from tpkernels.train.data import EOD, PackedText, RandomTokens, restart_per_document
 
-SMALL = dict(model="Llama-2-7B", layers=4, hidden=32, heads=4, kv_heads=2, ffn=48, vocab=97, seq_length=16,
-             steps=10, lr=3e-3, min_lr=3e-4, warmup_steps=2, clip_grad=0.05, progress=False)
+SMALL = {"model.name": "Llama-2-7B", "model.layers": 4, "model.hidden": 32, "model.heads": 4, "model.kv_heads": 2,
+         "model.ffn": 48, "model.vocab": 97, "data.seq_length": 16, "training.steps": 10, "optimizer.lr": 3e-3,
+         "optimizer.min_lr": 3e-4, "optimizer.warmup_steps": 2, "optimizer.clip_grad": 0.05, "logging.progress": False}
+
+
+def small(**kw) -> TrainConfig:
+    """SMALL with ``kw`` on top: short aliases (tp=2, steps=8) or dotted keys (given as a dict)."""
+    return TrainConfig.from_values({**SMALL, **{ALIASES.get(k, k): v for k, v in kw.items()}})
 
 
 def _run(cfg: TrainConfig):
@@ -30,13 +38,13 @@ def _run(cfg: TrainConfig):
 
 
 def _worker(rank, world, kw):
-    return _run(TrainConfig(**{**SMALL, **kw}))
+    return _run(small(**kw))
 
 
 def _reference(kw):
     base = {k: v for k, v in kw.items() if k not in ("tp", "pp", "dp", "sequence_parallel", "schedule",
                                                      "virtual_stages", "zero1", "overlap_dp", "bucket_mb")}
-    return _run(TrainConfig(**{**SMALL, **base}))
+    return _run(small(**base))
 
 
 CASES = {
@@ -60,7 +68,7 @@ def test_ten_steps_equal_the_single_process_run(rank_pool, case):
         ref_kw = kw
     want_loss, want_norm, want_w = _reference(ref_kw)
     world = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("dp", 1)
-    assert min(want_norm) > SMALL["clip_grad"]  # clipping acts on every step
+    assert min(want_norm) > SMALL["optimizer.clip_grad"]  # clipping acts on every step
     for loss, norm, weights in rank_pool(world).run(_worker, kw, timeout=300):
         torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(norm), torch.tensor(want_norm), rtol=1e-4, atol=1e-6)
@@ -72,9 +80,9 @@ def test_ten_steps_equal_the_single_process_run(rank_pool, case):
 
 def test_gpt2_tied_embeddings_across_stages(rank_pool):
     kw = dict(model="GPT-1.7B", tp=2, pp=2, sequence_parallel=True, num_microbatches=2)
-    small = dict(layers=4, hidden=32, heads=4, kv_heads=None, ffn=48, vocab=97)
-    want_loss, _, want_w = _reference({**kw, **small})
-    for loss, _, weights in rank_pool(4).run(_worker, {**kw, **small}, timeout=300):
+    shape = dict(layers=4, hidden=32, heads=4, kv_heads=None, ffn=48, vocab=97)
+    want_loss, _, want_w = _reference({**kw, **shape})
+    for loss, _, weights in rank_pool(4).run(_worker, {**kw, **shape}, timeout=300):
         torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=1e-5, atol=1e-6)
         for k in want_w:
             torch.testing.assert_close(weights[k], want_w[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
@@ -82,23 +90,67 @@ def test_gpt2_tied_embeddings_across_stages(rank_pool):
 
 # ---- config ----
 
-def test_config_from_yaml_and_toml_with_flags_on_top(tmp_path):
-    (tmp_path / "a.yaml").write_text("tp: 2\nsteps: 7\nlr: 0.001\nsequence-parallel: true\n")
-    (tmp_path / "a.toml").write_text('tp = 2\nsteps = 7\nlr = 0.001\nsequence_parallel = true\n')
+def _view(cfg: TrainConfig) -> tuple:
+    return cfg.parallel.tp, cfg.training.steps, cfg.optimizer.lr, cfg.parallel.sequence_parallel, cfg.parallel.pp
+
+
+def test_config_sections_from_yaml_and_toml_with_flags_on_top(tmp_path):
+    (tmp_path / "a.yaml").write_text("parallel:\n  tp: 2\n  sequence-parallel: true\ntraining.steps: 7\n"
+                                     "optimizer: {lr: 0.001}\n")
+    (tmp_path / "a.toml").write_text('[parallel]\ntp = 2\nsequence_parallel = true\n[training]\nsteps = 7\n'
+                                     '[optimizer]\nlr = 0.001\n')
     for f in ("a.yaml", "a.toml"):
-        cfg = TrainConfig.load(tmp_path / f, {"steps": 9, "pp": None})
-        assert (cfg.tp, cfg.steps, cfg.lr, cfg.sequence_parallel, cfg.pp) == (2, 9, 0.001, True, 1)
+        cfg = TrainConfig.load(tmp_path / f, {"training.steps": 9, "parallel.pp": None})
+        assert _view(cfg) == (2, 9, 0.001, True, 1)
+        assert isinstance(cfg.parallel, ParallelConfig) and cfg.parallel.dp is None  # the layout itself, nested
+    flags = TrainConfig.load(tmp_path / "a.yaml", {"parallel.pp": "2", "steps": "3", "parallel.sequence_parallel":
+                                                   "false"}, text_overrides=True)
+    assert _view(flags) == (2, 3, 0.001, False, 2)
+
+
+def test_old_flat_config_files_keep_working_with_a_note_naming_the_key(tmp_path):
+    (tmp_path / "old.yaml").write_text("model: Llama-3-8B\nlayers: 2\ntp: 2\nsteps: 7\nlr: 0.001\n"
+                                       "sequence_parallel: true\ndata: random\nsave_dir: ck\n")
+    with pytest.warns(FutureWarning, match=r"config key 'tp' is the old flat spelling of 'parallel.tp'"):
+        cfg = TrainConfig.load(tmp_path / "old.yaml")
+    assert _view(cfg) == (2, 7, 0.001, True, 1)
+    assert (cfg.model.name, cfg.model.layers, cfg.data.source, cfg.checkpoint.save_dir) == ("Llama-3-8B", 2, "random",
+                                                                                              "ck")
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"stepz": 3}, r"unknown config keys \['stepz'\]"),
-    ({"steps": 0}, r"steps \(0\) must be a positive integer"),
-    ({"schedule": "zb-v"}, r"schedule \('zb-v'\) must be one of"),
-    ({"min_lr": 1.0, "lr": 0.1}, r"min_lr \(1.0\) must be <= lr \(0.1\)"),
+    ({"stepz": 3}, r"unknown config key 'stepz' \(did you mean 'training.steps'\?\)"),
+    ({"training.steps": 0}, r"training.steps \(0\) must be a positive integer"),
+    ({"parallel.schedule": "zb-v"}, r"parallel.schedule \('zb-v'\) must be one of"),
+    ({"optimizer.min_lr": 1.0, "optimizer.lr": 0.1}, r"optimizer.min_lr \(1.0\) must be <= optimizer.lr \(0.1\)"),
+    ({"parallel.sequence_parallel": "no"}, r"parallel.sequence_parallel \(the string 'no'\) must be true or false"),
+    ({"training.steps": 2.5}, r"training.steps \(2.5\) must be an integer"),
+    ({"parallel.tp": True}, r"parallel.tp \(True\) must be an integer"),
+    ({"parallel.bucket_mb": 0}, r"parallel.bucket_mb \(0.0\) must be a finite number > 0"),
+    ({"model.layers": "4"}, r"model.layers \(the string '4'\) must be an integer or none"),
+    ({"tp": 2, "parallel.tp": 3}, r"config key 'parallel.tp' is given twice"),
 ])
 def test_bad_config_names_the_key(values, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig.load(None, values)
+
+
+def test_a_yaml_key_given_twice_is_refused(tmp_path):
+    (tmp_path / "twice.yaml").write_text("training:\n  steps: 2\n  steps: 7\n")
+    with pytest.raises(ValueError, match=r"key 'steps' is given twice \(lines 2 and 3\)"):
+        TrainConfig.load(tmp_path / "twice.yaml")
+
+
+def test_flags_of_both_clis_come_from_the_same_sections(capsys):
+    """``--parallel.tp`` and its alias ``--tp``; the model section's flags are plan's too."""
+    from tpkernels.cli import main
+
+    for argv in (["--parallel.tp", "3"], ["--tp", "3"], ["--parallel.micro-batch-size", "1", "--tp", "3"]):
+        assert main(["train", *argv, "--dry-run"]) == 2
+        assert "num_attention_heads (32) must be divisible by parallel.tp (3)" in capsys.readouterr().err
+    for cmd in (["train", "--dry-run"], ["plan", "--gpu", "H100-SXM"]):
+        assert main([cmd[0], "--model", "Llama-3-8B", "--model.heads", "0", *cmd[1:]]) == 2
+        assert "model.heads (0) must be a positive integer" in capsys.readouterr().err
 
 
 # ---- data ----
@@ -147,13 +199,13 @@ def test_cli_trains_on_spawned_ranks_and_dry_run_explains_a_bad_layout(tmp_path)
     assert spans == {(r, t) for r in (0, 1) for t in (0, 1, 2)}  # GEMMs, TP transfers, pipeline, per rank
     r = subprocess.run([sys.executable, "-m", "tpkernels.cli", "train", "--tp", "3", "--nproc", "3", "--dry-run"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "num_attention_heads (32) must be divisible by tensor_parallel_size (3)" in r.stderr
+    assert r.returncode == 2 and "num_attention_heads (32) must be divisible by parallel.tp (3)" in r.stderr
 
 
 # ---- checkpoints ----
 
 def _ckpt_worker(rank, world, kw):
-    trainer = Trainer(TrainConfig(**{**SMALL, **kw}))
+    trainer = Trainer(small(**kw))
     history = trainer.train()
     return [h["loss"] for h in history], trainer.step_index, str(trainer.resumed_from)
 
@@ -205,7 +257,7 @@ def test_export_hf_of_a_checkpoint_loads_in_transformers(rank_pool, tmp_path):
 # ---- mixed precision ----
 
 def _prec_worker(rank, world, kw):
-    trainer = Trainer(TrainConfig(**{**SMALL, **kw}))
+    trainer = Trainer(small(**kw))
     history = trainer.train()
     dtypes = {str(p.dtype) for p in trainer.model.parameters()}
     main = {str(p.main_grad.dtype) for p in trainer.model.parameters()} if trainer.mp else set()
@@ -289,7 +341,7 @@ def test_zero1_checkpoint_resumes_exactly(rank_pool, tmp_path):
 
 
 def _overlap_worker(rank, world, kw):
-    trainer = Trainer(TrainConfig(**{**SMALL, **kw}))
+    trainer = Trainer(small(**kw))
     trainer.train()
     return trainer.dp_reduce.launched_in_backward
 
@@ -314,9 +366,11 @@ def test_bf16_with_overlapped_dp_matches_one_replica(rank_pool):
 def _lora_worker(rank, world, kw, folder):
     from model_checks import all_stages
 
-    trainer = Trainer(TrainConfig(**{**SMALL, "init_from": folder, "model": folder, "finetune": "lora",
-                                     "lora_rank": 4, "clip_grad": 0.0, **kw,
-                                     **{k: None for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")}}))
+    base = {k: v for k, v in SMALL.items() if k.split(".")[-1] not in ("layers", "hidden", "heads", "kv_heads", "ffn",
+                                                                          "vocab")}
+    trainer = Trainer(TrainConfig.from_values({**base, "model.init_from": folder, "model.name": folder,
+                                               "model.finetune": "lora", "model.lora_rank": 4,
+                                               "optimizer.clip_grad": 0.0, **{ALIASES[k]: v for k, v in kw.items()}}))
     trainable = sorted({n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] for n, p in trainer.model.named_parameters()
                         if p.requires_grad})
     history = trainer.train()
@@ -399,7 +453,7 @@ def test_text_through_a_local_tokenizer(tmp_path):
 
 
 def _nan_worker(rank, world, kw):
-    trainer = Trainer(TrainConfig(**{**SMALL, **kw}))
+    trainer = Trainer(small(**kw))
     with torch.no_grad():
         next(trainer.model.parameters()).fill_(float("nan"))
     try:
@@ -419,9 +473,9 @@ def _kill_worker(rank, world, kw, folder, victim, at_step):
 
     from tpkernels.train.failures import RankLostError
 
-    trainer = Trainer(TrainConfig(**{**SMALL, **kw, "save_dir": folder, "save_every": 2}))
+    trainer = Trainer(small(**kw, save_dir=folder, save_every=2))
     try:
-        while trainer.step_index < trainer.cfg.steps:
+        while trainer.step_index < trainer.cfg.training.steps:
             if rank == victim and trainer.step_index == at_step:
                 os._exit(3)  # the process dies mid-run
             trainer._guarded_step()
@@ -448,7 +502,7 @@ def test_a_killed_rank_is_named_everywhere_and_the_restart_resumes(rank_pool, tm
 
 
 def test_out_of_memory_says_where_and_what_to_change(monkeypatch):
-    trainer = Trainer(TrainConfig(**{**SMALL, "micro_batch_size": 2}))
+    trainer = Trainer(small(micro_batch_size=2))
 
     def oom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")

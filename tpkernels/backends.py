@@ -13,6 +13,11 @@ algorithms alike:
 3. else the op's default: the first implementation of its default order that can run the call
    (kernels: by device, then dtype; GEMM-comm: by the size of the GEMM).
 
+The same rule sets how an implementation runs: the fused GEMM-comm path's movers, chunks and
+timeouts come from the call's ``options`` (:class:`~tpkernels.functional.gemm_comm_fused.FusedOptions`),
+else from their ``TPKERNELS_*`` variables, read at that call (:mod:`tpkernels.env_vars` lists them
+all), else their defaults; nothing is read once at import.
+
 A chosen implementation (1 or 2) that cannot run the call raises
 :class:`BackendUnavailableError` naming the op, where the choice came from and why it cannot run;
 nothing falls back silently. :func:`why_not` gives the reason for any implementation.
@@ -42,14 +47,16 @@ from typing import Callable
 
 import torch
 
+from tpkernels import env_vars
 from tpkernels._extension import build_info, extension, extension_error
 
 KERNELS = ("cuda", "triton", "cpp", "reference")
 ALGORITHMS = ("collective", "ring", "fused")
 DEFAULT_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpp", "reference")}
 ENV_VAR = "TPKERNELS_BACKEND"
-RULE = ("explicit argument (backend=/algo=) > TPKERNELS_BACKEND op=name entry > TPKERNELS_BACKEND bare name "
-        "(every op of its kind) > the op's default; a chosen implementation that cannot run raises")
+RULE = ("explicit argument (backend=/algo=, options=) > TPKERNELS_BACKEND op=name entry > TPKERNELS_BACKEND bare "
+        "name (every op of its kind) > the op's default; a chosen implementation that cannot run raises; every "
+        "TPKERNELS_* knob is read when a call needs it (tpkernels.env_vars)")
 
 
 class BackendUnavailableError(RuntimeError):
@@ -162,7 +169,7 @@ def why_not(backend: str, op: str, device: torch.device, dtype: torch.dtype | No
 
 def parse_env(value: str | None = None) -> tuple[str | None, dict[str, str]]:
     """``TPKERNELS_BACKEND`` as (bare name or None, {op or family: name})."""
-    value = os.environ.get(ENV_VAR, "") if value is None else value
+    value = env_vars.read(ENV_VAR) if value is None else value
     bare, per_op = None, {}
     for item in filter(None, (s.strip().lower() for s in value.split(","))):
         if "=" in item:

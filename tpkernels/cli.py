@@ -45,14 +45,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tpkernels export-hf: error: {e}", file=sys.stderr)
             return 2
     elif args.command == "train":
-        from tpkernels.parallel.config import ParallelConfigError  # noqa: PLC0415
-        from tpkernels.train.cli import run as run_train  # noqa: PLC0415
+        from tpkernels.train.cli import run_reporting_errors  # noqa: PLC0415
 
-        try:
-            return run_train(args)
-        except (ValueError, ParallelConfigError) as e:  # bad config or layout: the rule, no traceback
-            print(f"tpkernels train: error: {e}", file=sys.stderr)
-            return 2
+        return run_reporting_errors(args)
     return 0
 
 

@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from tpkernels import backends
+from tpkernels import backends, env_vars
 from tpkernels._extension import build_info, extension_error
 from tpkernels._version import __version__
 
@@ -42,6 +42,8 @@ def collect() -> dict:
         "dispatch_rule": backends.RULE,
         "TPKERNELS_BACKEND": os.environ.get(backends.ENV_VAR, "") or "unset",
         "backends": backends.default_backends(),
+        "environment": [{"name": n, "default": d, "read": w, "now": os.environ.get(n, "") or "unset", "meaning": m}
+                        for n, d, w, m in env_vars.table_rows()],
     }
 
 
@@ -57,4 +59,8 @@ def format_report(info: dict) -> str:
     cpu_width = max(len(row["cpu"]) for row in info["backends"].values())
     for op, row in info["backends"].items():
         lines.append(f"    {op:{width}} {row['cpu']:{cpu_width}} | {row['cuda']}")
+    lines.append("  environment variables (tpkernels.env_vars; an explicit argument beats them):")
+    nw = max(len(v["name"]) for v in info["environment"])
+    for v in info["environment"]:
+        lines.append(f"    {v['name']:{nw}} now {v['now']!s:8} default {v['default']!s:8} read {v['read']:9} {v['meaning']}")
     return "\n".join(lines)

@@ -201,8 +201,10 @@ def _check_b(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
 
 def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=None, gather_dim: int = 0,
                       algo: str = "auto", return_a: bool = True,
-                      on_chunk: Callable[[int, torch.Tensor], None] | None = None):
+                      on_chunk: Callable[[int, torch.Tensor], None] | None = None, options=None):
     """All-gather ``a_shard`` along ``gather_dim`` over ``group`` and multiply by each ``b`` in ``bs``.
+    ``options``: a :class:`~tpkernels.functional.gemm_comm_fused.FusedOptions` for ``algo="fused"``
+    (None: the fused variables of :mod:`tpkernels.env_vars` as they are at this call).
 
     a_shard: (..., m, ..., K), the same shape on every rank; bs: list of (K, N_j).
     Returns ``(a_full or None, [a_full @ b for b in bs])``; a_full has P·m rows along gather_dim,
@@ -239,7 +241,8 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
 
         rows = a.reshape(-1, a.shape[-1])
         span = CommSpan("fused all_gather_matmul", a.device.type, bytes=a.numel() * a.element_size() * world)
-        a_full, outs = run_rank(ag_steps(RealRank(group, a.device), rows, bs, return_a=True))
+        ctx = RealRank(group, a.device, options)
+        a_full, outs = run_rank(ctx, ag_steps(ctx, rows, bs, return_a=True))
         span.done()
         a_full = a_full.view(full_shape)
         outs = [o.view(full_shape[:-1] + (o.shape[1],)) for o in outs]
@@ -290,8 +293,10 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_dim: int = 0,
                           reduce_op: str = "sum", algo: str = "auto",
-                          side_work: Sequence[Callable[[], None]] = (), overlap: bool = True) -> torch.Tensor:
-    """This rank's shard of ``reduce_scatter(a @ b)`` along ``scatter_dim``.
+                          side_work: Sequence[Callable[[], None]] = (), overlap: bool = True,
+                          options=None) -> torch.Tensor:
+    """This rank's shard of ``reduce_scatter(a @ b)`` along ``scatter_dim`` (``options``: as
+    :func:`all_gather_matmul`'s).
 
     a: (..., M, ..., K) with M divisible by the group size P; b: (K, N). Returns (..., M/P, ..., N):
     rank r gets rows [r·M/P, (r+1)·M/P) of the sum (or mean, ``reduce_op="avg"``) over ranks.
@@ -333,7 +338,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
         rows = am.contiguous().view(-1, am.shape[-1])
         span = CommSpan("fused matmul_reduce_scatter", a.device.type, bytes=rows.shape[0] * b.shape[1] * 4)
         # side work is queued behind the GEMM, while the reducer still pulls partials on its stream
-        out = run_rank(rs_steps(RealRank(group, a.device), rows, b, reduce_op, side_work))
+        ctx = RealRank(group, a.device, options)
+        out = run_rank(ctx, rs_steps(ctx, rows, b, reduce_op, side_work))
         span.done()
         return out.view((m,) + tuple(am.shape[1:-1]) + (b.shape[1],)).movedim(0, sd)
     if how == "collective":
@@ -372,8 +378,9 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
 
 
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, reduce_op: str = "sum", algo: str = "auto",
-                      variant: str = "auto") -> torch.Tensor:
-    """``all_reduce(a @ b)`` over ``group``: the row-parallel layer without sequence parallelism.
+                      variant: str = "auto", options=None) -> torch.Tensor:
+    """``all_reduce(a @ b)`` over ``group``: the row-parallel layer without sequence parallelism
+    (``options``: as :func:`all_gather_matmul`'s).
 
     a: (..., K), b: (K, N). Returns (..., N), the same on every rank: the sum (or mean,
     ``reduce_op="avg"``) over ranks, accumulated in float32 for 16-bit inputs. ``algo``:
@@ -404,7 +411,8 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, reduce_op: s
 
         rows = a.contiguous().view(-1, a.shape[-1])
         span = CommSpan("fused matmul_all_reduce", a.device.type, bytes=rows.shape[0] * b.shape[1] * 4)
-        out = run_rank(ar_steps(RealRank(group, a.device), rows, b, reduce_op, variant))
+        ctx = RealRank(group, a.device, options)
+        out = run_rank(ctx, ar_steps(ctx, rows, b, reduce_op, variant))
         span.done()
         return out.view(out_shape)
     if how == "ring":

@@ -34,33 +34,67 @@ K, N (multiples of 16) before they come here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import os
+from dataclasses import dataclass
 
 import torch
 
+from tpkernels import env_vars
 from tpkernels._extension import extension
 from tpkernels.parallel.symmetric_memory import align, max_spins, symmetric_arena
 
 BARRIER, PHASE = "barrier", "phase"
-# chunks per source shard of the all-gather: finer chunks let the GEMM start sooner, each costs
-# one copy launch and one signal
-AG_CHUNKS = int(os.environ.get("TPKERNELS_FUSED_AG_CHUNKS", "4"))
-# SMs left to the reducers of reduce-scatter / all-reduce (the GEMM gets the rest): ~16 SMs of
-# loads saturate one H100's NVLink (450 GB/s at roughly 30 GB/s per SM)
-REDUCER_PROGRAMS = int(os.environ.get("TPKERNELS_FUSED_REDUCER_PROGRAMS", "16"))
-# who moves the all-gather's chunks: "engine" (cudaMemcpyAsync on a side stream: no SM taken from
-# the GEMM; torch's and Kraken's choice) or "kernel" (csrc/comm/peer_copy.cu on a few SMs, one
-# launch for every chunk); who reduces: "triton" (kernels/triton/tile_reduce.py) or "cuda"
-# (csrc/comm/tile_reduce.cu). benchmarks/bench_gemm_comm.py measures both on a GPU.
-COPY = os.environ.get("TPKERNELS_FUSED_AG_COPY", "engine")
-REDUCER = os.environ.get("TPKERNELS_FUSED_REDUCER", "triton")
-# reduce-scatter partials: "pull" (kept local, the reducers read them over NVLink) or "push" (the
-# GEMM epilogue stores them into the destination rank's buffer; the reducer reads locally)
-RS_MODE = os.environ.get("TPKERNELS_FUSED_RS", "pull")
 # all-reduce: one-shot up to this many output elements (every rank reads all partials: cheap while
 # latency dominates), two-shot above
 ONE_SHOT_MAX_ELEMENTS = 1 << 20
+
+
+@dataclass(frozen=True)
+class FusedOptions:
+    """How the fused path runs; each field left None takes its ``TPKERNELS_*`` variable, read when the
+    call resolves it (:meth:`resolved`), else its default (:mod:`tpkernels.env_vars`).
+
+    ag_chunks: chunks per source shard of the all-gather: finer chunks let the GEMM start sooner,
+        each costs one copy launch and one signal (default 4).
+    reducer_programs: SMs left to the reducers of reduce-scatter / all-reduce, the GEMM gets the
+        rest: ~16 SMs of loads saturate one H100's NVLink (450 GB/s at roughly 30 GB/s per SM).
+    copy: who moves the all-gather's chunks: "engine" (cudaMemcpyAsync on a side stream: no SM taken
+        from the GEMM; torch's and Kraken's choice) or "kernel" (csrc/comm/peer_copy.cu on a few
+        SMs, one launch for every chunk).
+    reducer: "triton" (kernels/triton/tile_reduce.py) or "cuda" (csrc/comm/tile_reduce.cu);
+        benchmarks/bench_gemm_comm.py measures both movers on a GPU.
+    rs_mode: reduce-scatter partials "pull" (kept local, the reducers read them over NVLink) or
+        "push" (the GEMM epilogue stores them into the destination rank's buffer).
+    signal_spins: reads a signal wait makes before it gives up (default ~30 s of polling on a GPU).
+    barrier_timeout_s: seconds a symmetric-memory barrier waits for its peers."""
+
+    ag_chunks: int | None = None
+    reducer_programs: int | None = None
+    copy: str | None = None
+    reducer: str | None = None
+    rs_mode: str | None = None
+    signal_spins: int | None = None
+    barrier_timeout_s: float | None = None
+
+    def resolved(self, device: torch.device) -> "FusedOptions":
+        """Every field set: the call's value, else the environment's now, else the default; checked."""
+        env = {"ag_chunks": "TPKERNELS_FUSED_AG_CHUNKS", "reducer_programs": "TPKERNELS_FUSED_REDUCER_PROGRAMS",
+               "copy": "TPKERNELS_FUSED_AG_COPY", "reducer": "TPKERNELS_FUSED_REDUCER", "rs_mode": "TPKERNELS_FUSED_RS",
+               "barrier_timeout_s": "TPKERNELS_BARRIER_TIMEOUT_S"}
+        values = {f: getattr(self, f) if getattr(self, f) is not None else env_vars.read(var) for f, var in env.items()}
+        values["signal_spins"] = self.signal_spins if self.signal_spins is not None else max_spins(device)
+        for f in ("ag_chunks", "reducer_programs", "signal_spins"):
+            if not isinstance(values[f], int) or isinstance(values[f], bool) or values[f] < 1:
+                raise ValueError(f"{f} ({values[f]!r}) must be a positive integer")
+        if not values["barrier_timeout_s"] > 0:
+            raise ValueError(f"barrier_timeout_s ({values['barrier_timeout_s']!r}) must be > 0")
+        values["copy"], values["reducer"], values["rs_mode"] = check_movers(values["copy"], values["reducer"], device,
+                                                                            values["rs_mode"])
+        return FusedOptions(**values)
+
+    def replace(self, **changes) -> "FusedOptions":
+        return dataclasses.replace(self, **changes)
 
 
 def kernel_config(device: torch.device) -> tuple:
@@ -101,18 +135,20 @@ def signal_needs_sms() -> bool:
 
 
 class RealRank:
-    """One real rank of ``group``: torch symmetric memory, the current CUDA stream and a side stream."""
+    """One real rank of ``group``: torch symmetric memory, the current CUDA stream and a side stream;
+    ``options`` (:class:`FusedOptions`) resolved for this call."""
 
     _side_streams: dict = {}
 
-    def __init__(self, group, device: torch.device):
+    def __init__(self, group, device: torch.device, options: FusedOptions | None = None):
         import torch.distributed as dist  # noqa: PLC0415
 
         self.group, self.device = group, device
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.config, self.spins = kernel_config(device), max_spins(device)
+        self.options = (options or FusedOptions()).resolved(device)
+        self.config, self.spins = kernel_config(device), self.options.signal_spins
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.copy, self.reducer, self.rs_mode = check_movers(COPY, REDUCER, device, RS_MODE)
+        self.copy, self.reducer, self.rs_mode = self.options.copy, self.options.reducer, self.options.rs_mode
         key = device.index
         if key not in self._side_streams:
             self._side_streams[key] = torch.cuda.Stream(device=device, priority=-1)
@@ -123,7 +159,7 @@ class RealRank:
 
     def programs(self, with_reducer: bool) -> tuple[int, int]:
         """(GEMM programs, reducer programs): the GEMM leaves the reducer its SMs, so both run at once."""
-        red = min(REDUCER_PROGRAMS, max(1, self.sms // 4))
+        red = min(self.options.reducer_programs, max(1, self.sms // 4))
         return (self.sms - red, red) if with_reducer else (self.sms, 0)
 
     def fork(self) -> None:
@@ -158,27 +194,29 @@ def check_movers(copy: str, reducer: str, device: torch.device, rs_mode: str = "
     return copy, reducer, rs_mode
 
 
-def run_rank(steps):
-    """Drive one real rank's steps: BARRIER is the arena's barrier, PHASE nothing. Returns the result,
-    after raising any signal timeout the kernels recorded (those already finished)."""
+def run_rank(ctx: RealRank, steps):
+    """Drive one real rank's steps: BARRIER is the arena's barrier (with the call's timeout), PHASE
+    nothing. Returns the result, after raising any signal timeout the kernels recorded (those
+    already finished)."""
     arena = None
     try:
         while True:
             kind, arena = next(steps)
             if kind == BARRIER:
-                arena.barrier()
+                arena.barrier(ctx.options.barrier_timeout_s)
     except StopIteration as stop:
         if arena is not None:
             arena.err.check()
         return stop.value
 
 
-def ag_steps(ctx, a: torch.Tensor, bs, return_a: bool = True, chunks: int = AG_CHUNKS):
+def ag_steps(ctx, a: torch.Tensor, bs, return_a: bool = True, chunks: int | None = None):
     """One rank of the fused all-gather + GEMM. a: (m, K), bs: [(K, N_j)]. Returns (a_full (world·m, K)
     or None, [(world·m, N_j)])."""
     from tpkernels.kernels.triton.ag_matmul import ag_matmul, rows_per_chunk  # noqa: PLC0415
 
     rank, world, (m, K) = ctx.rank, ctx.world, a.shape
+    chunks = chunks or ctx.options.ag_chunks
     shard_bytes, sig_bytes = align(m * K * a.element_size()), align(4 * world * chunks)
     arena = ctx.arena("all_gather_matmul", shard_bytes + 2 * sig_bytes)
     arena.err.check()
@@ -196,7 +234,7 @@ def ag_steps(ctx, a: torch.Tensor, bs, return_a: bool = True, chunks: int = AG_C
     with ctx.side():
         if ctx.copy == "kernel":  # one launch; the last block of each chunk raises its signal
             counters = arena.local(shard_bytes + sig_bytes, (world * chunks,), torch.int32)
-            per_chunk = max(1, 2 * REDUCER_PROGRAMS // max(1, (world - 1) * -(-m // chunk_rows)))
+            per_chunk = max(1, 2 * ctx.options.reducer_programs // max(1, (world - 1) * -(-m // chunk_rows)))
             extension().comm_pull_chunks(a_full, arena.table(0), rank, world, m, chunk_rows, chunks, signals,
                                          counters, epoch, per_chunk)
         else:
@@ -322,5 +360,6 @@ def ar_steps(ctx, a: torch.Tensor, b: torch.Tensor, reduce_op: str = "sum", vari
     return out
 
 
-__all__ = ["AG_CHUNKS", "BARRIER", "COPY", "REDUCER", "RS_MODE", "check_movers", "ONE_SHOT_MAX_ELEMENTS", "PHASE", "RealRank", "ag_steps", "all_reduce_variant",
+__all__ = ["BARRIER", "FusedOptions", "check_movers", "ONE_SHOT_MAX_ELEMENTS", "PHASE", "RealRank", "ag_steps",
+           "all_reduce_variant",
            "ar_steps", "kernel_config", "rs_steps", "run_rank", "signal_set"]

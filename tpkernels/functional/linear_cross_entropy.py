@@ -155,9 +155,11 @@ def _check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
 @torch.library.custom_op("tpkernels::linear_cross_entropy_forward", mutates_args=())
 def _forward_op(hidden: Tensor, weight: Tensor, target: Tensor, group_name: str, chunk: int, ignore_index: int,
                 smoothing: float, z_loss: float, reduction: str, want_grads: bool,
-                backend: str, vocab_size: int, reduce_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                backend: str, vocab_size: int, reduce_grad: bool, check_targets: bool) -> tuple[Tensor, Tensor, Tensor,
+                                                                                                 Tensor]:
     group = _group(group_name)
-    _check_targets(target, real_vocab(vocab_size, weight.shape[0], group_rank_size(group)[1]), ignore_index)
+    if check_targets:
+        _check_targets(target, real_vocab(vocab_size, weight.shape[0], group_rank_size(group)[1]), ignore_index)
     eager = want_grads and reduction != "none"
     losses, dh, dw = _chunk_pass(hidden, weight, target, group, chunk, ignore_index, smoothing, z_loss, None, eager,
                                  backend, vocab_size, reduce_grad)
@@ -169,7 +171,7 @@ def _forward_op(hidden: Tensor, weight: Tensor, target: Tensor, group_name: str,
 
 @_forward_op.register_fake
 def _(hidden, weight, target, group_name, chunk, ignore_index, smoothing, z_loss, reduction, want_grads, backend,
-      vocab_size, reduce_grad):
+      vocab_size, reduce_grad, check_targets):
     stat = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=stat)
     eager = want_grads and reduction != "none"
@@ -194,7 +196,7 @@ def _(hidden, weight, target, row_weights, group_name, chunk, ignore_index, smoo
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, target, group_name, chunk, ignore_index, smoothing, z_loss, reduction, want_grads, backend,
-     vocab_size, reduce_grad) = inputs
+     vocab_size, reduce_grad, _check) = inputs
     _, dh, dw, count = output
     ctx.reduction = reduction
     if reduction != "none":
@@ -213,7 +215,7 @@ def _backward(ctx, g, *_):
         hidden, weight, target = ctx.saved_tensors
         dh, dw = _backward_op(hidden, weight, target, g.contiguous(), *ctx.args)
     need = ctx.needs_input_grad
-    return (dh if need[0] else None, dw if need[1] else None) + (None,) * 11
+    return (dh if need[0] else None, dw if need[1] else None) + (None,) * 12
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -222,7 +224,8 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, tp_group=None,
                          chunk_size: int | None = None, ignore_index: int = -100, label_smoothing: float = 0.0,
                          reduction: str = "mean", z_loss: float = 0.0, vocab_size: int | None = None,
-                         reduce_input_grad: bool = True, backend: str | None = None) -> Tensor:
+                         reduce_input_grad: bool = True, backend: str | None = None,
+                         check_targets: bool = True) -> Tensor:
     """Cross-entropy of ``hidden @ weight.T`` without the logits (see the module docstring).
 
     Args:
@@ -242,6 +245,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, tp_g
            reduces it: under sequence parallelism the all-gather of the hidden state before the head
            reduce-scatters it in backward, half the bytes of an all-reduce followed by a split).
         backend: "triton" or "reference" for the per-chunk loss kernels.
+        check_targets: check that every target is in range (one host read of the device's verdict);
+           False when the caller checked them already (the models check a step's targets once, on
+           the host, before any micro-batch runs).
 
     Returns:
         The loss (a scalar, or (...) per token with ``reduction="none"``), fp32 (fp64 for fp64 inputs).
@@ -274,7 +280,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, tp_g
     want_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss, _, _, _ = _forward_op(h2, weight, t1, "" if tp_group is None else tp_group.group_name, chunk_size,
                                 ignore_index, float(label_smoothing), float(z_loss), reduction, want_grads, name,
-                                vocab_size or 0, bool(reduce_input_grad))
+                                vocab_size or 0, bool(reduce_input_grad), bool(check_targets))
     return loss.view(target.shape) if reduction == "none" else loss
 
 

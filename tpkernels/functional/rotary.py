@@ -127,9 +127,9 @@ def _check(x: Tensor, name: str, dims: int, head_dim: int | None = None) -> None
         raise ValueError(f"head_dim of {name} ({x.shape[-1]}) must equal head_dim of q ({head_dim})")
 
 
-def _positions(q: Tensor, cos: Tensor, position_ids, cu_seqlens) -> Tensor:
+def _positions(q: Tensor, cos: Tensor, position_ids, cu_seqlens, check: bool = True) -> Tensor:
     """(tokens,) int64 positions on q's device; out-of-range positions are an error (a host read of
-    the positions' maximum when they are not 0..seqlen-1)."""
+    the positions' range when they are not 0..seqlen-1, unless ``check`` is False)."""
     max_positions = cos.shape[0]
     if position_ids is not None and cu_seqlens is not None:
         raise ValueError("give position_ids or cu_seqlens, not both")
@@ -161,9 +161,10 @@ def _positions(q: Tensor, cos: Tensor, position_ids, cu_seqlens) -> Tensor:
     pos = position_ids.to(q.device, torch.int64)
     if pos.shape not in ((seqlen,), (batch, seqlen)):
         raise ValueError(f"position_ids shape {tuple(pos.shape)} must be ({seqlen},) or ({batch}, {seqlen})")
-    lo, hi = torch.stack([pos.min(), pos.max()]).tolist()
-    if lo < 0 or hi >= max_positions:
-        raise ValueError(f"position_ids must be in [0, {max_positions}) (the cos/sin cache), got {lo}..{hi}")
+    if check:
+        lo, hi = torch.stack([pos.min(), pos.max()]).tolist()
+        if lo < 0 or hi >= max_positions:
+            raise ValueError(f"position_ids must be in [0, {max_positions}) (the cos/sin cache), got {lo}..{hi}")
     return pos.expand(batch, seqlen).reshape(-1)
 
 
@@ -253,7 +254,7 @@ class _RotaryInPlace(torch.autograd.Function):
 
 def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position_ids: Tensor | None = None,
                  cu_seqlens: Tensor | None = None, interleaved: bool = False, inplace: bool = False,
-                 backend: str | None = None) -> tuple[Tensor, Tensor]:
+                 backend: str | None = None, check_positions: bool = True) -> tuple[Tensor, Tensor]:
     """Rotate q and k by the angles of their tokens' positions (see the module docstring).
 
     Args:
@@ -266,6 +267,8 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position_ids
         interleaved: GPT-J pairs (2i, 2i+1) instead of the halves (i, i + rotary_dim/2).
         inplace: write the result into q and k (autograd permitting; eager only).
         backend: "triton" or "reference" for this call (beats ``TPKERNELS_BACKEND``).
+        check_positions: check position_ids against the cache (one host read); False when the caller
+           checked them already (the models check a step's positions once, on the host).
 
     Returns:
         (q_rotated, k_rotated), shaped like q and k, their dtypes; fp32 math.
@@ -285,7 +288,7 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position_ids
         raise ValueError(f"rotary_dim (2 × {cos.shape[1]}) must be <= head_dim ({q.shape[-1]})")
     if not isinstance(interleaved, bool) or not isinstance(inplace, bool):
         raise TypeError("interleaved and inplace must be bools")
-    positions = _positions(q, cos, position_ids, cu_seqlens)
+    positions = _positions(q, cos, position_ids, cu_seqlens, check_positions)
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     if inplace:
         return _RotaryInPlace.apply(q, k, cos, sin, positions, interleaved, backend)

@@ -31,16 +31,15 @@ from typing import Sequence
 
 import torch
 
-from tpkernels.functional.gemm_comm_fused import (AG_CHUNKS, BARRIER, REDUCER_PROGRAMS, ag_steps, ar_steps,
-                                                  check_movers, kernel_config, rs_steps)
-from tpkernels.parallel.symmetric_memory import VirtualArena, align, max_spins
+from tpkernels.functional.gemm_comm_fused import BARRIER, FusedOptions, ag_steps, ar_steps, kernel_config, rs_steps
+from tpkernels.parallel.symmetric_memory import VirtualArena, align
 
 
 class _VirtualRank:
     def __init__(self, vtp: "VirtualTP", rank: int):
         self.vtp, self.rank, self.world, self.device = vtp, rank, vtp.world, vtp.device
-        self.config, self.spins, self.copy, self.reducer, self.rs_mode = (vtp.config, vtp.spins, vtp.copy,
-                                                                          vtp.reducer, vtp.rs_mode)
+        self.options, self.config, self.spins = vtp.options, vtp.config, vtp.spins
+        self.copy, self.reducer, self.rs_mode = vtp.copy, vtp.reducer, vtp.rs_mode
         cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if cuda else None
         self.side_stream = torch.cuda.Stream(device=self.device) if cuda else None
@@ -55,7 +54,7 @@ class _VirtualRank:
             return 3, 2  # several tiles per program: the persistent loops are exercised
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # all emulated reducers together keep SMs free for the GEMMs (their spinning programs never yield)
-        red = max(1, min(REDUCER_PROGRAMS, sms // (4 * self.world)))
+        red = max(1, min(self.vtp.options.reducer_programs, sms // (4 * self.world)))
         return (sms - red, red) if with_reducer else (sms, 0)
 
     def fork(self):
@@ -84,15 +83,18 @@ class VirtualTP:
     """world_size emulated ranks on ``device`` (CUDA, or CPU with TRITON_INTERPRET=1)."""
 
     def __init__(self, world_size: int, device="cuda", lose_signal: tuple[int, int, int] | None = None,
-                 copy: str = "engine", reducer: str = "triton", delay: tuple[int, int] | None = None,
-                 rs_mode: str = "pull", programs: tuple[int, int] | None = None):
+                 copy: str | None = None, reducer: str | None = None, delay: tuple[int, int] | None = None,
+                 rs_mode: str | None = None, programs: tuple[int, int] | None = None,
+                 options: FusedOptions | None = None):
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be at least 1")
         self.world, self.device = world_size, torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.config, self.spins, self.lose_signal = kernel_config(self.device), max_spins(self.device), lose_signal
-        self.copy, self.reducer, self.rs_mode = check_movers(copy, reducer, self.device, rs_mode)
+        given = {k: v for k, v in dict(copy=copy, reducer=reducer, rs_mode=rs_mode).items() if v is not None}
+        self.options = (options or FusedOptions()).replace(**given).resolved(self.device)
+        self.config, self.spins, self.lose_signal = kernel_config(self.device), self.options.signal_spins, lose_signal
+        self.copy, self.reducer, self.rs_mode = self.options.copy, self.options.reducer, self.options.rs_mode
         self.delay, self.programs = delay, programs
         self._arenas: dict[str, list[VirtualArena]] = {}
         self.ranks = [_VirtualRank(self, r) for r in range(world_size)]
@@ -148,7 +150,7 @@ class VirtualTP:
         return xs
 
     def all_gather_matmul(self, shards: Sequence[torch.Tensor], bs: Sequence[torch.Tensor], return_a: bool = True,
-                          chunks: int = AG_CHUNKS) -> list:
+                          chunks: int | None = None) -> list:
         """shards: per rank (m, K); bs: [(K, N_j)] shared by every rank. Per rank (a_full, [outs])."""
         shards = self._per_rank(shards, self.world, "shards")
         return self._run(lambda r, ctx: ag_steps(ctx, shards[r], bs, return_a, chunks))

@@ -1,6 +1,6 @@
 """Whole models: GPT-2 and Llama-family Transformers at any TP × PP × DP layout, Hugging Face in and out."""
 
-from tpkernels.models.config import ModelConfig
+from tpkernels.description import ModelConfig
 from tpkernels.models.sequence import next_token_targets, positions_from_cu_seqlens
 from tpkernels.models.transformer import ParallelTransformer, TransformerChunk, stage_layers
 

@@ -6,7 +6,7 @@ the one KV head its query heads use (replicated over TP/nkv ranks, as vLLM and T
 do). Rank r's slice of the fused q/k/v output is [q heads of r | k heads of r | v heads of r], so
 one column-parallel GEMM (one all-gather under SP) serves all three. Replicated KV rows get
 partial gradients (from this rank's query heads only); the model sums them over the ranks that
-share the head at the end of the step (``kv_replica_rows``).
+share the head at the end of the step (the weight's tag: ``kv_replica_rows``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tpkernels.models.hf_checkpoint import Part
 from tpkernels.models.recompute import recomputed
 from tpkernels.models.sequence import SequenceInfo
 from tpkernels.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from tpkernels.parallel.param_tags import retag
 
 
 def kv_layout(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -54,11 +55,11 @@ class SelfAttention(nn.Module):
         self.out = RowParallelLinear(mc.num_attention_heads * self.hd, mc.hidden_size, bias=mc.out_bias, **kw)
         self.window = mc.window(layer)
         self.selective_recompute = ctx.recompute == "selective"
-        if mc.kv_heads < ctx.tp_size:
-            rows = (self.nq * self.hd, width)
-            self.qkv.weight.kv_replica_rows = rows
-            if self.qkv.bias is not None:
-                self.qkv.bias.kv_replica_rows = rows
+        if mc.kv_heads < ctx.tp_size:  # this rank's KV rows are shared with tp / kv_heads - 1 other ranks
+            rows, replicas = (self.nq * self.hd, width), ctx.tp_size // mc.kv_heads
+            for p in (self.qkv.weight, self.qkv.bias):
+                if p is not None:
+                    retag(p, kv_replica_rows=rows, kv_replicas=replicas)
 
     def forward(self, x: torch.Tensor, info: SequenceInfo, rope) -> torch.Tensor:
         y = self.qkv(x)
@@ -73,7 +74,8 @@ class SelfAttention(nn.Module):
         b, s = y.shape[:2]
         q, k, v = y.view(b, s, self.nq + 2 * self.nkv, self.hd).split([self.nq, self.nkv, self.nkv], dim=2)
         if rope is not None:
-            q, k = apply_rotary(q, k, rope[0], rope[1], position_ids=info.position_ids)
+            # positions were checked once for the step, on the host (ParallelTransformer)
+            q, k = apply_rotary(q, k, rope[0], rope[1], position_ids=info.position_ids, check_positions=False)
         if info.cu_seqlens is None:
             o = flash_attn_func(q, k, v, causal=True, window_size=self.window)
         else:

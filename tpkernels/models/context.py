@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tpkernels.models.config import ModelConfig
+from tpkernels.description import ModelConfig
 from tpkernels.models.hf_names import HF_NAMES, TRANSPOSED
+from tpkernels.parallel.param_tags import tag
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,7 @@ class LayerContext:
         return dict(device=self.device, dtype=self.dtype)
 
 
-def mark_tp_partial(param: torch.nn.Parameter, ctx: LayerContext) -> torch.nn.Parameter:
-    """A parameter replicated over TP that sees only this rank's slice of the sequence under SP: its
+def replicated(param: torch.nn.Parameter, ctx: LayerContext) -> torch.nn.Parameter:
+    """Tag a parameter replicated over TP; under SP it sees only this rank's slice of the sequence, so its
     gradient is a partial sum, completed over the TP group at the end of the step."""
-    param.tp_partial_grad = ctx.sequence_parallel and ctx.tp_size > 1
-    return param
+    return tag(param, partial_grad=ctx.sequence_parallel and ctx.tp_size > 1)

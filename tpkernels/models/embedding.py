@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpkernels.models.context import LayerContext, mark_tp_partial
+from tpkernels.models.context import LayerContext, replicated
 from tpkernels.models.hf_checkpoint import Part
 from tpkernels.nn.vocab_parallel import VocabParallelEmbedding
+from tpkernels.parallel.param_tags import retag
 
 
 def vocab_rows(ctx: LayerContext, role: str, tp_rank: int) -> list[Part]:
@@ -35,20 +36,18 @@ class Embedding(nn.Module):
         super().__init__()
         mc = ctx.mc
         self.ctx = ctx
+        # the ids were checked once for the step, on the host (ParallelTransformer): no check per micro-batch
         self.tokens = VocabParallelEmbedding(mc.padded_vocab(ctx.tp_size), mc.hidden_size, ctx.tp_group,
                                              sequence_parallel=ctx.sequence_parallel, sequence_dim=1,
-                                             **ctx.factory())
-        self.tokens.weight.tied_embedding = mc.tied_embeddings  # summed with the head's copy (other stage)
+                                             check_ids=False, **ctx.factory())
+        if mc.tied_embeddings:  # summed with the head's copy (another stage)
+            retag(self.tokens.weight, tied="embedding")
         self.positions = None
         if mc.positions == "learned":
             self.positions = nn.Embedding(mc.max_position_embeddings, mc.hidden_size, **ctx.factory())
-            mark_tp_partial(self.positions.weight, ctx)
+            replicated(self.positions.weight, ctx)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        mc = self.ctx.mc
-        if bool(((input_ids < 0) | (input_ids >= mc.vocab_size)).any()):
-            bad = input_ids[(input_ids < 0) | (input_ids >= mc.vocab_size)][0]
-            raise IndexError(f"input_ids ({int(bad)}) must be in [0, vocab_size ({mc.vocab_size}))")
         x = self.tokens(input_ids)
         if self.positions is not None:
             if self.ctx.sequence_parallel and self.ctx.tp_size > 1:

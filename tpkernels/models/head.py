@@ -18,6 +18,7 @@ from tpkernels.models.context import LayerContext
 from tpkernels.models.embedding import vocab_rows
 from tpkernels.models.hf_checkpoint import Part
 from tpkernels.models.norm import ResidualNorm
+from tpkernels.parallel.param_tags import tag
 from tpkernels.parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_sequence_parallel,
@@ -30,7 +31,7 @@ class LMHead(nn.Module):
 
     weight: (padded_vocab / TP, hidden). ``tied_weight``: the embedding table of the same chunk
     (tied embeddings, one pipeline stage); on another stage a tied head keeps its own copy
-    (``tied_embedding`` marks it for the embedding-group gradient sum)."""
+    (tagged ``tied="copy"``: summed with the embedding over the embedding group, not counted twice)."""
 
     def __init__(self, ctx: LayerContext, tied_weight: nn.Parameter | None = None):
         super().__init__()
@@ -41,9 +42,9 @@ class LMHead(nn.Module):
         if tied_weight is not None:
             self.weight = tied_weight
         else:
-            self.weight = nn.Parameter(torch.zeros(mc.padded_vocab(ctx.tp_size) // ctx.tp_size, mc.hidden_size,
-                                                   **ctx.factory()))
-            self.weight.tied_embedding = self.weight.tied_copy = mc.tied_embeddings
+            self.weight = tag(nn.Parameter(torch.zeros(mc.padded_vocab(ctx.tp_size) // ctx.tp_size, mc.hidden_size,
+                                                       **ctx.factory())), split_dim=0,
+                              tied="copy" if mc.tied_embeddings else None)
 
     def forward(self, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.norm(delta, residual)[0]
@@ -58,7 +59,7 @@ class LMHead(nn.Module):
             y = gather_from_sequence_parallel(y, self.ctx.tp_group, dim=1, reduce_grad=True)
         return linear_cross_entropy(y, self.weight, target, tp_group=self.ctx.tp_group,
                                     vocab_size=self.ctx.mc.vocab_size, ignore_index=ignore_index,
-                                    reduce_input_grad=not self._sp)
+                                    reduce_input_grad=not self._sp, check_targets=False)  # checked per step
 
     def logits(self, y: torch.Tensor) -> torch.Tensor:
         # each vocabulary shard's logits give a partial input gradient: summed over TP in backward

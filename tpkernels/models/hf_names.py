@@ -44,8 +44,4 @@ TRANSPOSED = {"gpt2": True, "llama": False}  # Conv1D stores (in, out)
 OPTIONAL_PREFIXES = ("transformer.", "model.")
 
 
-def hf_name(family: str, role: str, layer: int | None = None, param: str = "weight") -> str:
-    return HF_NAMES[family][role].format(i=layer) + "." + param
-
-
-__all__ = ["HF_NAMES", "OPTIONAL_PREFIXES", "TRANSPOSED", "hf_name"]
+__all__ = ["HF_NAMES", "OPTIONAL_PREFIXES", "TRANSPOSED"]

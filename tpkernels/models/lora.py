@@ -11,9 +11,11 @@ so every rank's shard of the merged weight is its own B·A and nothing is gather
 | column-parallel, W (out/P, in) | replicated | rows split like W | no SP: the gradient of A·x summed over TP; SP: A·x of this rank's tokens all-gathered (backward: reduce-scatter) |
 | row-parallel, W (out, in/P) | columns split like W | replicated | no SP: A·x summed over TP; SP: reduce-scattered along the sequence |
 
-The collectives carry r numbers per token, not hidden-size ones. Under SP the replicated factor
-(A of a column layer, B of a row layer) sees this rank's tokens only: its gradient is marked
-TP-partial and summed over TP by ``finish_grad_sync``, like the norms. Checkpoints store the
+The collectives carry r numbers per token, not hidden-size ones. Which split applies is read from
+the base weight's TP tag (:mod:`tpkernels.parallel.param_tags`), and the factors are tagged in
+turn: under SP the replicated factor (A of a column layer, B of a row layer) sees this rank's
+tokens only, so its gradient is tagged TP-partial and summed over TP by ``finish_grad_sync``,
+like the norms; B of a column layer inherits the base's replicated KV rows. Checkpoints store the
 adapters under the base tensor's Hugging Face rows and columns ("lora_A.…", "lora_B.…"), so
 they reshard with it.
 """
@@ -29,6 +31,7 @@ from torch import nn
 
 from tpkernels.models.hf_checkpoint import Part
 from tpkernels.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from tpkernels.parallel.param_tags import tag, tag_of
 from tpkernels.parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_sequence_parallel,
@@ -45,19 +48,21 @@ class LoRA(nn.Module):
 
     def __init__(self, base: nn.Module, rank: int, alpha: float):
         super().__init__()
-        self.column = isinstance(base, ColumnParallelLinear)
+        w = base.weight
+        wt = tag_of(w, required=True, name=f"{type(base).__name__}.weight")
+        self.column = wt.split_dim == 0  # output rows split (column-parallel); 1: input columns (row-parallel)
         self.group, self.tp, self.sp = base.tp_group, base.tp_size, base.sequence_parallel and base.tp_size > 1
         self.seq_dim, self.rank, self.scale = base.sequence_dim, rank, alpha / rank
-        w = base.weight
         kw = dict(device=w.device, dtype=w.dtype)
         in_local, out_local = w.shape[1], w.shape[0]
         self.A = nn.Parameter(torch.empty(rank, in_local, **kw))
         self.B = nn.Parameter(torch.zeros(out_local, rank, **kw))  # zero: training starts at the base model
-        replicated = self.A if self.column else self.B
-        replicated.tp_partial_grad = self.sp
-        if hasattr(w, "kv_replica_rows"):  # B's rows of replicated KV heads: summed over the replicas
-            self.B.kv_replica_rows = w.kv_replica_rows
-        self.A.lora, self.B.lora = "A", "B"
+        if self.column:  # B's rows follow W's, replicated KV rows included
+            tag(self.A, partial_grad=self.sp)
+            tag(self.B, split_dim=0, kv_replica_rows=wt.kv_replica_rows, kv_replicas=wt.kv_replicas)
+        else:
+            tag(self.A, split_dim=1)
+            tag(self.B, partial_grad=self.sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = x @ self.A.t()  # (..., r)

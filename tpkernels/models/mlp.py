@@ -17,6 +17,7 @@ from tpkernels.functional.swiglu import swiglu
 from tpkernels.models.context import LayerContext
 from tpkernels.models.hf_checkpoint import Part
 from tpkernels.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from tpkernels.parallel.param_tags import tag
 
 
 class MLP(nn.Module):
@@ -32,7 +33,7 @@ class MLP(nn.Module):
             self.gate_up = ColumnParallelLinear(mc.hidden_size, 2 * mc.ffn_hidden_size, bias=mc.mlp_bias, **kw)
         else:
             self.up = ColumnParallelLinear(mc.hidden_size, mc.ffn_hidden_size, bias=False, **kw)
-            self.up_bias = nn.Parameter(torch.zeros(self.f, **ctx.factory())) if mc.mlp_bias else None
+            self.up_bias = tag(nn.Parameter(torch.zeros(self.f, **ctx.factory())), split_dim=0) if mc.mlp_bias else None
         self.down = RowParallelLinear(mc.ffn_hidden_size, mc.hidden_size, bias=mc.mlp_bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

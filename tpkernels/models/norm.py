@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpkernels.functional.norms import rms_norm
-from tpkernels.models.context import LayerContext, mark_tp_partial
+from tpkernels.models.context import LayerContext, replicated
 from tpkernels.models.hf_checkpoint import Part
 
 
@@ -27,10 +27,10 @@ class ResidualNorm(nn.Module):
         super().__init__()
         mc = ctx.mc
         self.kind, self.eps, self.role, self.layer = mc.norm, mc.norm_eps, role, layer
-        self.weight = mark_tp_partial(nn.Parameter(torch.ones(mc.hidden_size, **ctx.factory())), ctx)
+        self.weight = replicated(nn.Parameter(torch.ones(mc.hidden_size, **ctx.factory())), ctx)
         self.bias = None
         if mc.norm == "layernorm":
-            self.bias = mark_tp_partial(nn.Parameter(torch.zeros(mc.hidden_size, **ctx.factory())), ctx)
+            self.bias = replicated(nn.Parameter(torch.zeros(mc.hidden_size, **ctx.factory())), ctx)
         self._names = {p: ctx.hf(role, layer, p) for p in ("weight", "bias")}
         self._hidden = mc.hidden_size
 

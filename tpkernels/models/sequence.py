@@ -5,9 +5,10 @@ Documents packed into one row are marked the Hugging Face way: their ``position_
 ``cu_seqlens`` of varlen attention, so no attention crosses a document, and rotary positions
 restart with each document. Rows without restarts keep the dense (batch, seq) attention.
 
-Host reads: none for a batch with default positions; for packed batches one on the first stage
-(finding the boundaries) and one per later stage (the longest document, from the boundaries it
-receives with the activations).
+Host reads: none for a batch with default positions. For packed batches the first stage finds
+the boundaries on the host, from the step's host copy of the positions (no device sync); each
+later pipeline stage reads the longest document from the boundaries it receives with the
+activations (one read per micro-batch, beside the P2P header it reads anyway).
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ class SequenceInfo:
         if cu_seqlens.numel() == 0:
             return cls.dense(position_ids)
         return cls(position_ids, cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+
+    def on(self, position_ids: torch.Tensor) -> "SequenceInfo":
+        """This info (found on the host) for ``position_ids`` on their device: the boundaries follow
+        them there (an asynchronous copy, no sync)."""
+        cu = None if self.cu_seqlens is None else self.cu_seqlens.to(position_ids.device, non_blocking=True)
+        return SequenceInfo(position_ids, cu, self.max_seqlen)
 
     def boundaries(self) -> torch.Tensor:
         """cu_seqlens, or an empty int32 tensor for dense rows: what the next pipeline stage receives."""

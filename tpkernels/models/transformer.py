@@ -28,25 +28,27 @@ from torch import nn
 from tpkernels.functional.rotary import rotary_cache
 from tpkernels.models.attention import kv_replica_groups
 from tpkernels.models.block import TransformerBlock
-from tpkernels.models.config import ModelConfig
+from tpkernels.description import ModelConfig
 from tpkernels.models.context import LayerContext
 from tpkernels.models.embedding import Embedding
-from tpkernels.models.grad_sync import finish_grad_sync
+from tpkernels.models.grad_sync import DataParallelGradReduce, finish_grad_sync
 from tpkernels.models.head import LMHead
 from tpkernels.models.hf_checkpoint import Part, RandomInit, TensorSource, assemble, open_source
+from tpkernels.functional.vocab_parallel import out_of_range_targets, target_range_error
 from tpkernels.models.sequence import SequenceInfo, default_positions, positions_from_cu_seqlens
 from tpkernels.parallel.config import ParallelConfig
 from tpkernels.parallel.mappings import all_gather_dim
+from tpkernels.parallel.param_tags import tag_of
 from tpkernels.parallel.state import ParallelState
 from tpkernels.pipeline.runtime import PipelineRuntime
 from tpkernels.pipeline.schedules import forward_only, stage_owner
-from tpkernels.pipeline.stages import split_layers
+from tpkernels.pipeline.stages import stage_sizes
 
 
 class TransformerChunk(nn.Module):
     """One virtual pipeline stage: [embedding] + consecutive layers + [final norm and head].
 
-    forward(x): x is {"input_ids", "position_ids"[, "packed"]} on the first stage, else the previous
+    forward(x): x is {"input_ids", "position_ids"[, "host_positions"]} on the first stage, else the previous
     stage's (delta, residual, position_ids, cu_seqlens or empty). Returns the same four, or on the
     last stage the normed hidden state (batch, seq[/TP], hidden) that ``head.loss`` takes."""
 
@@ -68,7 +70,7 @@ class TransformerChunk(nn.Module):
     def forward(self, x):
         if self.embedding is not None:
             ids, pos = x["input_ids"], x["position_ids"]
-            info = SequenceInfo.of(pos) if "packed" in x else SequenceInfo.dense(pos)
+            info = SequenceInfo.of(x["host_positions"]).on(pos) if "host_positions" in x else SequenceInfo.dense(pos)
             delta, residual = self.embedding(ids, pos), None
         else:
             delta, residual, pos, cu = x
@@ -100,10 +102,10 @@ class TransformerChunk(nn.Module):
 
 def stage_layers(num_layers: int, pp: int, v: int, layer_counts=None) -> list[list[int]]:
     """The layer indices of each virtual stage, in pipeline order (``split_layers``'s split)."""
-    marks = [nn.Identity() for _ in range(num_layers)]
-    ids = {id(m): i for i, m in enumerate(marks)}
-    stages = split_layers(marks, pp, v, layer_counts=layer_counts)
-    return [[ids[id(m)] for m in s] for s in stages]
+    bounds = [0]
+    for n in stage_sizes(num_layers, pp, v, layer_counts=layer_counts):
+        bounds.append(bounds[-1] + n)
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
 
 
 class ParallelTransformer(nn.Module):
@@ -120,6 +122,7 @@ class ParallelTransformer(nn.Module):
                  dtype: torch.dtype = torch.float32, device=None, overlap_comm: bool = True, algo: str = "auto",
                  layer_counts=None, init: str | None = "random"):
         super().__init__()
+        config.require_buildable()
         state = state or ParallelState.create(ParallelConfig())
         pc = state.config
         pc.validate(world_size=pc.world_size, **config.layout_rules(), layer_counts=layer_counts)
@@ -159,10 +162,6 @@ class ParallelTransformer(nn.Module):
     @property
     def head(self) -> LMHead | None:
         return self.chunks[-1].head
-
-    @property
-    def first_chunk(self) -> TransformerChunk:
-        return self.chunks[0]
 
     def param_parts(self, tp_rank: int | None = None) -> dict[str, list[Part]]:
         """Our parameter name → the HF parts it is made of, for TP rank ``tp_rank`` (default: this rank)."""
@@ -206,7 +205,8 @@ class ParallelTransformer(nn.Module):
         all_parts = [self.param_parts(r) for r in range(tp)]
         pieces = []
         for name, p in self.named_parameters():
-            if getattr(p, "tied_copy", False) or name not in all_parts[0]:  # LoRA adapters: merge_lora_ first
+            t = tag_of(p)
+            if (t is not None and t.tied == "copy") or name not in all_parts[0]:  # LoRA adapters: merge_lora_ first
                 continue
             t = p.detach() if which == "data" else (p.grad if p.grad is not None else torch.zeros_like(p))
             shards = [t] if tp == 1 else list(all_gather_dim(t.contiguous(), 0, self.ctx.tp_group).chunk(tp, dim=0))
@@ -250,9 +250,18 @@ class ParallelTransformer(nn.Module):
         return folder
 
     # ---- running ----
+    def _device(self) -> torch.device:
+        return self.ctx.device or next(self.parameters()).device
+
     def _batch(self, input_ids, position_ids=None, cu_seqlens=None) -> dict:
+        """The first stage's inputs of a step, checked once for the whole step (ids in the vocabulary,
+        positions in the position table, where documents start) and moved to the model's device. The
+        checks read the tensors where they are: free for host tensors (the trainer's), one device→host
+        sync per step otherwise; the layers then check nothing per micro-batch."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids dtype ({input_ids.dtype}) must be an integer type")
         packed = cu_seqlens is not None
         if cu_seqlens is not None:
             if position_ids is not None:
@@ -260,22 +269,38 @@ class ParallelTransformer(nn.Module):
             position_ids = positions_from_cu_seqlens(cu_seqlens, *input_ids.shape)
         elif position_ids is None:
             position_ids = default_positions(input_ids)
-        else:  # the user's positions: packed when they restart inside a row (one host read)
+        else:  # the user's positions: packed when they restart inside a row
             packed = bool((position_ids[:, 1:] == 0).any())
         if position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids shape {tuple(position_ids.shape)} must equal input_ids shape "
                              f"{tuple(input_ids.shape)}")
-        if bool(((position_ids < 0) | (position_ids >= self.config.max_position_embeddings)).any()):
-            raise ValueError(f"position_ids must be in [0, max_position_embeddings ({self.config.max_position_embeddings}))")
-        batch = {"input_ids": input_ids, "position_ids": position_ids.contiguous()}
-        if packed:  # a key, not a value: later stages learn it from the shape of what they receive
-            batch["packed"] = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        vocab, positions = self.config.vocab_size, self.config.max_position_embeddings
+        bad_ids, bad_pos = torch.stack([((input_ids < 0) | (input_ids >= vocab)).any(),
+                                        ((position_ids < 0) | (position_ids >= positions)).any()]).tolist()
+        if bad_ids:
+            bad = input_ids[(input_ids < 0) | (input_ids >= vocab)][0]
+            raise IndexError(f"input_ids ({int(bad)}) must be in [0, vocab_size ({vocab}))")
+        if bad_pos:
+            raise ValueError(f"position_ids must be in [0, max_position_embeddings ({positions}))")
+        device = self._device()
+        batch = {"input_ids": input_ids.to(device, non_blocking=True),
+                 "position_ids": position_ids.to(device, non_blocking=True).contiguous()}
+        if packed:  # where documents start, found on the host: no device sync per micro-batch
+            batch["host_positions"] = position_ids.cpu()
         return batch
+
+    def _target(self, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """The last stage's targets of a step, checked once (ids in the vocabulary or ignore_index) where
+        they are, and moved to the model's device."""
+        bad = out_of_range_targets(target, self.config.vocab_size, ignore_index)
+        if bool(bad.any()):
+            raise target_range_error(target, bad, self.config.vocab_size, ignore_index)
+        return target.to(self._device(), non_blocking=True)
 
     def _single_stage(self) -> None:
         if self.num_virtual > 1:
             raise RuntimeError("forward() runs a model without pipeline parallelism; with "
-                               f"pipeline_parallel_size ({self.state.pp_size}) use step()")
+                               f"pp ({self.state.pp_size}) use step()")
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -284,7 +309,7 @@ class ParallelTransformer(nn.Module):
         input_ids (batch, seq); packed documents: position_ids restarting at 0, or cu_seqlens."""
         self._single_stage()
         y = self.chunks[0](self._batch(input_ids, position_ids, cu_seqlens))
-        return self.head.logits(y) if target is None else self.head.loss(y, target)
+        return self.head.logits(y) if target is None else self.head.loss(y, self._target(target))
 
     def pipeline(self, schedule: str = "1f1b", num_microbatches: int | None = None,
                  timeout_s: float = 300.0, loss_fn=None, seq_length: int | None = None) -> PipelineRuntime:
@@ -299,10 +324,8 @@ class ParallelTransformer(nn.Module):
         loss_fn = loss_fn or (self.head.loss if self.head else None)
         costs = None
         if schedule == "zb-h1":
-            from tpkernels.planner.step_time import weight_split_costs  # noqa: PLC0415
-
             seq = seq_length or min(self.config.max_position_embeddings, 8192)
-            costs = weight_split_costs(self.config.to_spec(seq), seq, pc.micro_batch_size, pc.tp)
+            costs = self.config.weight_split_flops(seq, pc.micro_batch_size, pc.tp)
         return PipelineRuntime(list(self.chunks), schedule, m, loss_fn=loss_fn if self.head else None,
                                group=self.state.pp_group, device=device,
                                timeout_s=timeout_s, schedule_costs=costs)
@@ -312,11 +335,12 @@ class ParallelTransformer(nn.Module):
              ) -> float:
         """Forward and backward of one step over micro-batches (gradients accumulate in .grad); returns
         the mean loss on every rank of the pipeline. input_ids are needed on the first stage, target on
-        the last (None elsewhere). Call :meth:`finish_grad_sync` before the optimizer step."""
+        the last (None elsewhere), on the host or the device (host tensors are checked for free).
+        Call :meth:`finish_grad_sync` before the optimizer step."""
         rt = runtime or self.pipeline(schedule, num_microbatches)
         batch = self._batch(input_ids, position_ids, cu_seqlens) if self.state.is_first_stage else None
-        return rt.step(batch, target if stage_owner(self.num_virtual - 1, self.state.pp_size)[0] ==
-                       self.state.pp_rank else None)
+        last = stage_owner(self.num_virtual - 1, self.state.pp_size)[0] == self.state.pp_rank
+        return rt.step(batch, self._target(target) if last and target is not None else None)
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor | None, target: torch.Tensor | None, position_ids=None,
@@ -330,14 +354,17 @@ class ParallelTransformer(nn.Module):
                              timeout_s=timeout_s)
         return self.step(input_ids, target, position_ids, cu_seqlens, runtime=rt)
 
-    def finish_grad_sync(self, average_dp: bool = True, reduce_dp: bool = True) -> None:
+    def finish_grad_sync(self, reduce_dp: bool = True) -> None:
         """The reductions of :mod:`tpkernels.models.grad_sync` (collective over every group involved);
-        ``reduce_dp=False`` when the DP reduction was done already (overlapped with the backward)."""
+        ``reduce_dp=False`` when a :class:`~tpkernels.models.grad_sync.DataParallelGradReduce` of the
+        caller's did the DP average already (the trainer's, overlapped with the backward)."""
         st = self.state
         tied = self.config.tied_embeddings and st.pp_size > 1 and (st.is_first_stage or st.is_last_stage)
-        finish_grad_sync(list(self.parameters()), tp_group=st.tp_group, kv_group=self.kv_group,
-                         embedding_group=st.embedding_group if tied else None,
-                         dp_group=st.dp_group if st.dp_size > 1 and reduce_dp else None, average_dp=average_dp)
+        params = list(self.parameters())
+        finish_grad_sync(params, tp_group=st.tp_group, kv_group=self.kv_group,
+                         embedding_group=st.embedding_group if tied else None)
+        if reduce_dp and st.dp_size > 1:
+            DataParallelGradReduce(params, st.dp_group, overlap=False).finish()
 
     def extra_repr(self) -> str:
         st = self.state

@@ -27,6 +27,7 @@ from torch import nn
 from tpkernels.functional.gemm_comm import check_algo
 from tpkernels.functional.tp_linear import column_parallel_linear, row_parallel_linear
 from tpkernels.parallel.groups import group_rank_size
+from tpkernels.parallel.param_tags import tag
 from tpkernels.parallel.mappings import (
     all_gather_dim,
     check_divisible,
@@ -84,8 +85,8 @@ class ColumnParallelLinear(_TPLinear):
         self.gather_output, self.regather_input = gather_output, regather_input
         self.out_per_rank = out_features // self.tp_size
         kw = dict(device=device, dtype=dtype)
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw))
-        self.bias = nn.Parameter(torch.empty(self.out_per_rank, **kw)) if bias else None
+        self.weight = tag(nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw)), split_dim=0)
+        self.bias = tag(nn.Parameter(torch.empty(self.out_per_rank, **kw)), split_dim=0) if bias else None
         _init_like_linear(self.weight, self.bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,8 +140,9 @@ class RowParallelLinear(_TPLinear):
         self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, input_is_parallel
         self.in_per_rank = in_features // self.tp_size
         kw = dict(device=device, dtype=dtype)
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, **kw))
-        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        self.weight = tag(nn.Parameter(torch.empty(out_features, self.in_per_rank, **kw)), split_dim=1)
+        # replicated, added after the reduction; under SP its gradient is summed inside the op
+        self.bias = tag(nn.Parameter(torch.empty(out_features, **kw))) if bias else None
         _init_like_linear(self.weight, self.bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

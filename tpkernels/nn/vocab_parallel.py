@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tpkernels.parallel.groups import group_rank_size
+from tpkernels.parallel.param_tags import tag
 from tpkernels.parallel.mappings import (
     all_gather_dim,
     check_divisible,
@@ -24,28 +25,31 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_group=None, sequence_parallel: bool = False, *,
-                 sequence_dim: int = 0, device=None, dtype=None):
+                 sequence_dim: int = 0, device=None, dtype=None, check_ids: bool = True):
         super().__init__()
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = group_rank_size(tp_group)
         check_divisible(num_embeddings, self.tp_size, "num_embeddings")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        self.sequence_parallel, self.sequence_dim, self.check_ids = sequence_parallel, sequence_dim, check_ids
         self.per_rank = num_embeddings // self.tp_size
         self.vocab_start = self.tp_rank * self.per_rank
-        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, device=device, dtype=dtype))
+        self.weight = tag(nn.Parameter(torch.empty(self.per_rank, embedding_dim, device=device, dtype=dtype)),
+                          split_dim=0)
         nn.init.normal_(self.weight)  # nn.Embedding's init
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: (...) int64 in [0, num_embeddings), the same on every rank of the group. Returns
         (..., embedding_dim); with SP the ``sequence_dim`` of the result holds this rank's 1/P of the
-        sequence. An id out of range raises IndexError, as in ``nn.Embedding`` (one host read)."""
+        sequence. An id out of range raises IndexError, as in ``nn.Embedding`` (one host read; none with
+        ``check_ids=False``, for callers that checked the ids on the host already, as the models do)."""
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids dtype ({ids.dtype}) must be an integer type")
-        out_of_range = (ids < 0) | (ids >= self.num_embeddings)
-        if bool(out_of_range.any()):
-            raise IndexError(f"ids ({int(ids[out_of_range][0])}) must be in [0, num_embeddings "
-                             f"({self.num_embeddings}))")
+        if self.check_ids:
+            out_of_range = (ids < 0) | (ids >= self.num_embeddings)
+            if bool(out_of_range.any()):
+                raise IndexError(f"ids ({int(ids[out_of_range][0])}) must be in [0, num_embeddings "
+                                 f"({self.num_embeddings}))")
         if self.sequence_parallel:
             if ids.dim() <= self.sequence_dim:
                 raise ValueError(f"ids shape {tuple(ids.shape)} has no sequence_dim ({self.sequence_dim})")

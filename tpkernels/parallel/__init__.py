@@ -1,5 +1,5 @@
 """Parallel layouts: ParallelConfig and its validation rules."""
 
-from tpkernels.parallel.config import RECOMPUTE_CHOICES, ParallelConfig, ParallelConfigError
+from tpkernels.parallel.config import RECOMPUTE_CHOICES, SCHEDULES, ParallelConfig, ParallelConfigError
 
-__all__ = ["RECOMPUTE_CHOICES", "ParallelConfig", "ParallelConfigError"]
+__all__ = ["RECOMPUTE_CHOICES", "SCHEDULES", "ParallelConfig", "ParallelConfigError"]

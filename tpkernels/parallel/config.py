@@ -1,7 +1,10 @@
 """ParallelConfig: how one training job is laid out over GPUs, and the rules a layout must obey.
 
-The planner searches over these; the model-building and pipeline code reuse the same object and
-the same checks, so a layout that the planner recommends is one the runtime accepts.
+The planner searches over these; the model-building, pipeline and training code reuse the same
+object and the same checks, so a layout that the planner recommends is one the runtime accepts.
+It is also the ``parallel`` section of the training config, as is: the keys of a config file, the
+``--parallel.<key>`` flags and the names in these messages are its field names (the trainer adds
+the ``parallel.`` prefix through ``key_prefix``).
 
 Rank order (Megatron's default): tensor-parallel ranks vary fastest, then data-parallel, then
 pipeline stages, so a TP group is ``tp`` consecutive ranks (inside one node) and a DP group
@@ -11,9 +14,11 @@ strides by ``tp``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 # ---- the rules, one message each; ParallelConfig and the pipeline schedules both use these ----
@@ -24,18 +29,19 @@ def positive_int_errors(**values) -> list[str]:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1]
 
 
-def pipeline_errors(pp: int, virtual_stages: int, num_microbatches: int) -> list[str]:
+def pipeline_errors(pp: int, virtual_stages: int, num_microbatches: int, key_prefix: str = "") -> list[str]:
     """Rules of the pipeline schedules (sizes already positive integers)."""
+    k = key_prefix
     errs = []
     if virtual_stages > 1 and pp == 1:
         errs.append(
-            f"virtual_stages ({virtual_stages}) > 1 requires pipeline_parallel_size > 1 "
+            f"{k}virtual_stages ({virtual_stages}) > 1 requires {k}pp > 1 "
             "(interleaving splits each pipeline rank's layers into chunks)"
         )
     elif virtual_stages > 1 and num_microbatches % pp != 0:
         errs.append(
-            f"num_microbatches ({num_microbatches}) must be a multiple of pipeline_parallel_size ({pp}) "
-            f"with the interleaved schedule (virtual_stages={virtual_stages}), as in Megatron-LM"
+            f"{k}num_microbatches ({num_microbatches}) must be a multiple of {k}pp ({pp}) "
+            f"with the interleaved schedule ({k}virtual_stages={virtual_stages}), as in Megatron-LM"
         )
     return errs
 
@@ -44,7 +50,7 @@ def fill_warning(pp: int, num_microbatches: int) -> str | None:
     """The warning for a pipeline that cannot fill (legal, but mostly bubble)."""
     if pp > 1 and num_microbatches < pp:
         bubble = (pp - 1) / (num_microbatches + pp - 1)
-        return (f"pipeline cannot fill: num_microbatches ({num_microbatches}) < pipeline_parallel_size ({pp}); "
+        return (f"pipeline cannot fill: num_microbatches ({num_microbatches}) < pp ({pp}); "
                 f"bubble is {100 * bubble:.0f}% of the step")
     return None
 
@@ -59,47 +65,60 @@ class ParallelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """One training layout.
+    """One training layout (world size = tp · pp · dp). Each field's ``help`` says what it is."""
 
-    tp: tensor-parallel size (heads and FFN columns split over ``tp`` GPUs of one node).
-    pp: pipeline stages.  dp: data-parallel replicas.  world size = tp * pp * dp.
-    virtual_stages: model chunks per pipeline rank (> 1 = interleaved 1F1B, Megatron's
-        virtual pipeline).
-    micro_batch_size: sequences per micro-batch.  num_microbatches: micro-batches per step per
-        DP replica, so global batch = micro_batch_size * num_microbatches * dp.
-    sequence_parallel: shard the norm/dropout activations along the sequence over the TP group
-        (all-gather/reduce-scatter instead of all-reduce).
-    recompute: "none", "selective" (attention core recomputed, Korthikanti et al. 2022) or
-        "full" (only each layer's input is kept; the layer is recomputed in backward).
-    zero1: shard optimizer states over DP (Megatron's distributed optimizer / ZeRO stage 1).
-    """
+    tp: int = field(default=1, metadata={"help": "tensor-parallel size: heads and FFN columns split over tp GPUs "
+                                                 "of one node"})
+    pp: int = field(default=1, metadata={"help": "pipeline stages"})
+    dp: int | None = field(default=1, metadata={"help": "data-parallel replicas; none: world size / (tp · pp)"})
+    virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline rank (> 1: the interleaved "
+                                                             "schedule, Megatron's virtual pipeline)"})
+    micro_batch_size: int = field(default=1, metadata={"help": "sequences per micro-batch"})
+    num_microbatches: int = field(default=1, metadata={"help": "micro-batches per step per DP replica (global "
+                                                               "batch = micro_batch_size · num_microbatches · dp)"})
+    sequence_parallel: bool = field(default=False, metadata={"help": "shard the norm activations along the "
+                                                                     "sequence over the TP group"})
+    recompute: str = field(default="none", metadata={"help": "activation recompute: none, selective (attention "
+                                                             "core) or full (whole layer)", "choices": RECOMPUTE_CHOICES})
+    zero1: bool = field(default=False, metadata={"help": "shard the optimizer states over DP (ZeRO stage 1)"})
+    schedule: str | None = field(default=None, metadata={
+        "help": "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1; none: interleaved with virtual stages, "
+                "else 1f1b", "choices": SCHEDULES})
+    overlap_comm: bool = field(default=True, metadata={"help": "overlap the TP communication with the GEMMs"})
+    overlap_dp: bool = field(default=True, metadata={"help": "DP gradient all-reduce in buckets during the "
+                                                             "backward"})
+    bucket_mb: float = field(default=25.0, metadata={"help": "DP gradient bucket size, MiB"})
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    virtual_stages: int = 1
-    micro_batch_size: int = 1
-    num_microbatches: int = 1
-    sequence_parallel: bool = False
-    recompute: str = "none"
-    zero1: bool = False
-
+    # ------------------------------------------------------------------ derived
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self._dp
 
     @property
     def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.num_microbatches * self.dp
+        return self.micro_batch_size * self.num_microbatches * self._dp
 
     @property
-    def schedule(self) -> str:
-        if self.pp == 1:
-            return "none"
-        return "interleaved-1f1b" if self.virtual_stages > 1 else "1f1b"
+    def _dp(self) -> int:
+        if self.dp is None:
+            raise ValueError("dp is not set: ParallelConfig.for_world(world_size) derives it from the world size")
+        return self.dp
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """The schedule that runs: ``schedule``, or by default interleaved with virtual stages, else 1F1B."""
+        if self.schedule is not None:
+            return self.schedule
+        return "interleaved" if self.virtual_stages > 1 else "1f1b"
 
     def replace(self, **changes) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)
+
+    def for_world(self, world_size: int) -> "ParallelConfig":
+        """This layout with ``dp`` derived from the world size when it is None (world / (tp · pp))."""
+        if self.dp is not None:
+            return self
+        return self.replace(dp=max(1, world_size // (self.tp * self.pp)) if not self.layout_errors() else 1)
 
     def short(self) -> str:
         """Compact label, e.g. ``TP4 PP2 DP8 v2 mbs1 SP rc=selective ZeRO1``."""
@@ -116,67 +135,96 @@ class ParallelConfig:
         return " ".join(parts)
 
     # ------------------------------------------------------------------ validation
-    def layout_errors(self) -> list[str]:
-        """Rules that involve only the layout itself."""
-        errs = positive_int_errors(tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
-                                   data_parallel_size=self.dp, virtual_stages=self.virtual_stages,
-                                   micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches)
+    def layout_errors(self, key_prefix: str = "") -> list[str]:
+        """Rules that involve only the layout itself. Messages name the keys with ``key_prefix``
+        (e.g. "parallel.")."""
+        k = key_prefix
+        sizes = dict(tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages,
+                     micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches)
+        if self.dp is not None:
+            sizes["dp"] = self.dp
+        errs = positive_int_errors(**{k + name: v for name, v in sizes.items()})
+        if not (isinstance(self.bucket_mb, (int, float)) and not isinstance(self.bucket_mb, bool)
+                and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            errs.append(f"{k}bucket_mb ({self.bucket_mb!r}) must be a finite number > 0")
         if errs:
             return errs
         if self.recompute not in RECOMPUTE_CHOICES:
-            errs.append(f"recompute ({self.recompute!r}) must be one of {', '.join(RECOMPUTE_CHOICES)}")
+            errs.append(f"{k}recompute ({self.recompute!r}) must be one of {', '.join(RECOMPUTE_CHOICES)}")
         if self.sequence_parallel and self.tp == 1:
             errs.append(
-                "sequence_parallel=True requires tensor_parallel_size > 1 "
-                "(sequence parallelism shards activations over the TP group; with tensor_parallel_size (1) there is none)"
+                f"{k}sequence_parallel=True requires {k}tp > 1 "
+                f"(sequence parallelism shards activations over the TP group; with {k}tp (1) there is none)"
             )
-        errs += pipeline_errors(self.pp, self.virtual_stages, self.num_microbatches)
+        errs += pipeline_errors(self.pp, self.virtual_stages, self.num_microbatches, k)
+        errs += self.schedule_errors(k)
         return errs
+
+    def schedule_errors(self, key_prefix: str = "") -> list[str]:
+        k = key_prefix
+        s = self.schedule
+        if s is None:
+            return []
+        if s not in SCHEDULES:
+            return [f"{k}schedule ({s!r}) must be one of {', '.join(SCHEDULES)}"]
+        if self.virtual_stages > 1 and s != "interleaved":
+            return [f"{k}schedule ({s!r}) cannot run {k}virtual_stages ({self.virtual_stages}) > 1; only "
+                    "'interleaved' does"]
+        if self.virtual_stages == 1 and s == "interleaved" and self.pp > 1:
+            return [f"{k}schedule ('interleaved') needs {k}virtual_stages > 1"]
+        return []
 
     def model_errors(self, *, num_layers: int, num_attention_heads: int, num_kv_heads: int | None = None,
                      ffn_hidden_size: int | None = None, seq_length: int | None = None,
-                     layer_counts=None) -> list[str]:
+                     layer_counts=None, key_prefix: str = "") -> list[str]:
         """Rules that tie the layout to a model's shape. ``layer_counts`` (layers per virtual stage, in
         pipeline order) replaces the even-split rule for uneven pipelines."""
+        k = key_prefix
         errs = []
         tp, pp, v = self.tp, self.pp, self.virtual_stages
         if num_attention_heads % tp:
-            errs.append(f"num_attention_heads ({num_attention_heads}) must be divisible by tensor_parallel_size ({tp})")
+            errs.append(f"num_attention_heads ({num_attention_heads}) must be divisible by {k}tp ({tp})")
         kv = num_kv_heads or num_attention_heads
         if kv % tp and tp % kv:
             errs.append(
-                f"num_kv_heads ({kv}) and tensor_parallel_size ({tp}) must divide one another "
-                "(KV heads are split over TP ranks, or replicated when tensor_parallel_size > num_kv_heads)"
+                f"num_kv_heads ({kv}) and {k}tp ({tp}) must divide one another "
+                f"(KV heads are split over TP ranks, or replicated when {k}tp > num_kv_heads)"
             )
         if ffn_hidden_size is not None and ffn_hidden_size % tp:
-            errs.append(f"ffn_hidden_size ({ffn_hidden_size}) must be divisible by tensor_parallel_size ({tp})")
+            errs.append(f"ffn_hidden_size ({ffn_hidden_size}) must be divisible by {k}tp ({tp})")
         if layer_counts is not None:
             counts = list(layer_counts)
             if len(counts) != pp * v or sum(counts) != num_layers or min(counts, default=0) < 1:
-                errs.append(f"layer_counts ({counts}) must be pipeline_parallel_size × virtual_stages ({pp} × {v} = "
+                errs.append(f"layer_counts ({counts}) must be {k}pp × {k}virtual_stages ({pp} × {v} = "
                             f"{pp * v}) positive numbers summing to num_layers ({num_layers})")
         elif num_layers % (pp * v):
-            what = f"pipeline_parallel_size ({pp})" if v == 1 else \
-                f"pipeline_parallel_size ({pp}) × virtual_stages ({v}) = {pp * v}"
+            what = f"{k}pp ({pp})" if v == 1 else f"{k}pp ({pp}) × {k}virtual_stages ({v}) = {pp * v}"
             errs.append(f"num_layers ({num_layers}) must be divisible by {what}")
         if seq_length is not None and self.sequence_parallel and seq_length % tp:
             errs.append(
-                f"sequence length ({seq_length}) must be divisible by tensor_parallel_size ({tp}) "
-                "when sequence_parallel=True"
+                f"sequence length ({seq_length}) must be divisible by {k}tp ({tp}) "
+                f"when {k}sequence_parallel=True"
             )
         return errs
 
-    def job_errors(self, *, world_size: int | None = None, global_batch_size: int | None = None) -> list[str]:
+    def job_errors(self, *, world_size: int | None = None, global_batch_size: int | None = None,
+                   key_prefix: str = "") -> list[str]:
+        k = key_prefix
         errs = []
+        if self.dp is None:
+            if world_size is not None and world_size % (self.tp * self.pp):
+                errs.append(f"world_size ({world_size}) must be divisible by {k}tp ({self.tp}) × {k}pp ({self.pp}) "
+                            f"= {self.tp * self.pp}")
+            return errs
         if world_size is not None and world_size != self.world_size:
             errs.append(
-                f"world_size ({world_size}) must equal tensor_parallel_size ({self.tp}) × "
-                f"pipeline_parallel_size ({self.pp}) × data_parallel_size ({self.dp}) = {self.world_size}"
+                f"world_size ({world_size}) must equal {k}tp ({self.tp}) × "
+                f"{k}pp ({self.pp}) × {k}dp ({self.dp}) = {self.world_size}"
             )
         if global_batch_size is not None and global_batch_size != self.global_batch_size:
             errs.append(
-                f"global_batch_size ({global_batch_size}) must equal micro_batch_size ({self.micro_batch_size}) × "
-                f"num_microbatches ({self.num_microbatches}) × data_parallel_size ({self.dp}) = {self.global_batch_size}"
+                f"global_batch_size ({global_batch_size}) must equal {k}micro_batch_size ({self.micro_batch_size}) × "
+                f"{k}num_microbatches ({self.num_microbatches}) × {k}dp ({self.dp}) = {self.global_batch_size}"
             )
         return errs
 
@@ -188,15 +236,15 @@ class ParallelConfig:
     def validate(self, *, world_size: int | None = None, global_batch_size: int | None = None,
                  num_layers: int | None = None, num_attention_heads: int | None = None,
                  num_kv_heads: int | None = None, ffn_hidden_size: int | None = None,
-                 seq_length: int | None = None, layer_counts=None) -> "ParallelConfig":
+                 seq_length: int | None = None, layer_counts=None, key_prefix: str = "") -> "ParallelConfig":
         """Raise ParallelConfigError listing every broken rule; return self when all hold."""
-        errs = self.layout_errors()
+        errs = self.layout_errors(key_prefix)
         if not errs:
-            errs += self.job_errors(world_size=world_size, global_batch_size=global_batch_size)
+            errs += self.job_errors(world_size=world_size, global_batch_size=global_batch_size, key_prefix=key_prefix)
             if num_layers is not None and num_attention_heads is not None:
                 errs += self.model_errors(num_layers=num_layers, num_attention_heads=num_attention_heads,
                                           num_kv_heads=num_kv_heads, ffn_hidden_size=ffn_hidden_size,
-                                          seq_length=seq_length, layer_counts=layer_counts)
+                                          seq_length=seq_length, layer_counts=layer_counts, key_prefix=key_prefix)
         if errs:
             raise ParallelConfigError(errs)
         return self

@@ -19,7 +19,6 @@ check covers both.
 
 from __future__ import annotations
 
-import os
 import threading
 import zlib
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tpkernels import env_vars
 from tpkernels._state import setting
 
 ENV_VAR = "TPKERNELS_CHECK_RANKS"
@@ -42,7 +42,7 @@ def enabled() -> bool:
     forced = getattr(_STATE, "on", None)
     if forced is not None:
         return forced
-    return os.environ.get(ENV_VAR, "0") not in ("", "0")
+    return env_vars.read(ENV_VAR)
 
 
 def check_ranks(on: bool = True):

@@ -82,17 +82,22 @@ class ParallelState:
     _mesh: object = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, config: ParallelConfig, *, backend: str | None = None, **model_rules) -> "ParallelState":
+    def create(cls, config: ParallelConfig, *, backend: str | None = None, key_prefix: str = "",
+               **model_rules) -> "ParallelState":
         """Build the groups of ``config`` on an initialised world (collective: every rank calls it).
 
         backend: the groups' backend (default: the world's). model_rules: keyword arguments of
         :meth:`ParallelConfig.validate` about the model (num_layers, num_attention_heads, …), checked
-        with the layout. Raises ParallelConfigError on every rank when a rule is broken."""
+        with the layout. A ``dp`` of None becomes what the world size leaves. Raises
+        ParallelConfigError on every rank when a rule is broken (``key_prefix``: how the messages
+        name the keys, e.g. "parallel.")."""
         if not isinstance(config, ParallelConfig):
             raise TypeError(f"config must be a ParallelConfig, not {type(config).__name__}")
         world = dist.get_world_size() if _initialised() else 1
         _agree_on_config(config, model_rules)
-        config.validate(world_size=world, **model_rules)  # the same verdict on every rank: no group yet
+        # the same verdict on every rank: no group yet
+        config.validate(world_size=world, key_prefix=key_prefix, **model_rules)
+        config = config.for_world(world)
         state = cls(config, rank=dist.get_rank() if _initialised() else 0, backend=backend)
         state._ranks = layout_ranks(config)
         if not _initialised():

@@ -18,10 +18,11 @@ e (``next_epoch``), so they are never reset between calls.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
+
+from tpkernels import env_vars
 
 ALIGN = 256  # bytes: every region of an arena starts on a 256-byte boundary (vector and TMA loads)
 
@@ -54,9 +55,9 @@ class ErrorWord:
 def max_spins(device: torch.device) -> int:
     """Reads a wait makes before it gives up: TPKERNELS_SIGNAL_SPINS, else ~30 s of polling on a GPU
     and 1000 reads under the interpreter (whose producers finished before the consumer started)."""
-    env = os.environ.get("TPKERNELS_SIGNAL_SPINS")
-    if env:
-        return int(env)
+    spins = env_vars.read("TPKERNELS_SIGNAL_SPINS")
+    if spins is not None:
+        return spins
     return (1 << 26) if device.type == "cuda" else 1000
 
 
@@ -137,10 +138,11 @@ class SymmetricArena(_Arena):
         self._check_region(offset, shape, dtype)
         return self.handle.get_buffer(r, tuple(shape), dtype, offset // torch.empty((), dtype=dtype).element_size())
 
-    def barrier(self) -> None:
-        """Stream-ordered barrier of the group (on the current stream), with torch's timeout."""
-        self.handle.barrier(channel=0, timeout_ms=int(float(os.environ.get("TPKERNELS_BARRIER_TIMEOUT_S", "600"))
-                                                      * 1000))
+    def barrier(self, timeout_s: float | None = None) -> None:
+        """Stream-ordered barrier of the group (on the current stream), with torch's timeout: ``timeout_s``,
+        else TPKERNELS_BARRIER_TIMEOUT_S."""
+        timeout_s = timeout_s if timeout_s is not None else env_vars.read("TPKERNELS_BARRIER_TIMEOUT_S")
+        self.handle.barrier(channel=0, timeout_ms=int(timeout_s * 1000))
 
 
 _ARENAS: dict[tuple, SymmetricArena] = {}

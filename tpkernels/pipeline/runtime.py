@@ -42,7 +42,8 @@ from tpkernels.pipeline.p2p import (
     PipelinePeerLostError,
     flatten,
 )
-from tpkernels.pipeline.schedules import Action, Schedule, ScheduleError, communication, make_schedule, stage_owner
+from tpkernels.pipeline.actions import Action, Schedule, ScheduleError, communication, stage_owner
+from tpkernels.pipeline.schedules import make_schedule
 from tpkernels.pipeline.weight_grad import enable_weight_grad_split
 
 _UP, _DOWN = 0, 1  # the two legs of the end-of-step status chain (sent as the message's chunk)

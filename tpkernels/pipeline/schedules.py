@@ -17,37 +17,19 @@ flow rank 0 → 1 → … → p−1 → 0 (next chunk) → …. The sends and re
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from tpkernels.parallel.config import SCHEDULES, fill_warning, pipeline_errors, positive_int_errors
+from tpkernels.pipeline.actions import Action, Schedule, ScheduleError, communication, stage_owner, virtual_stage
+from tpkernels.pipeline.simulator import Costs, simulate
 
-from tpkernels.parallel.config import fill_warning, pipeline_errors, positive_int_errors
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 class PipelineFillWarning(UserWarning):
     """Fewer micro-batches than stages: most of the step is bubble."""
 
 
-class ScheduleError(ValueError):
-    """A schedule that cannot run (bad sizes, missing or misordered actions, deadlock)."""
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    kind: str  # "F", "B" or "W"
-    mb: int
-    chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
-
-
-Schedule = list[list[Action]]  # per rank
-
-
 def _check(p: int, m: int, v: int = 1) -> None:
-    """ParallelConfig's rules, with its messages (p is the pipeline_parallel_size)."""
-    errs = positive_int_errors(pipeline_parallel_size=p, num_microbatches=m, virtual_stages=v)
+    """ParallelConfig's rules, with its messages (p is the pp)."""
+    errs = positive_int_errors(pp=p, num_microbatches=m, virtual_stages=v)
     errs = errs or pipeline_errors(p, v, m)
     if errs:
         raise ScheduleError(errs[0])
@@ -112,8 +94,6 @@ def zb_h1(p: int, m: int, costs: tuple[float, float, float] | None = None) -> Sc
     if costs is not None:
         # the greedy order built for the costs, unless the F = B = W order happens to run faster
         # at these costs (possible when W is dearer than F): keep the faster of the two
-        from tpkernels.pipeline.simulator import Costs, simulate  # noqa: PLC0415  (imports this module)
-
         timed, unit = _zb_h1_timed(p, m, costs), zb_h1(p, m)
         c = Costs(*costs)
         return min((timed, unit), key=lambda s: simulate(s, m, 1, c, check=False).makespan)
@@ -186,7 +166,7 @@ def _zb_h1_timed(p: int, m: int, costs: tuple[float, float, float]) -> Schedule:
 def forward_only(p: int, m: int, v: int = 1) -> Schedule:
     """Evaluation: every rank runs its forwards only, chunk by chunk, micro-batches in order (no
     backward, so no activations are kept for one; nothing to interleave)."""
-    errs = positive_int_errors(pipeline_parallel_size=p, num_microbatches=m, virtual_stages=v)
+    errs = positive_int_errors(pp=p, num_microbatches=m, virtual_stages=v)
     if errs:
         raise ScheduleError(errs[0])
     return [[Action("F", mb, c) for c in range(v) for mb in range(m)] for _ in range(p)]
@@ -213,35 +193,6 @@ def make_schedule(name: str, p: int, m: int, v: int = 1,
     return sched
 
 
-def virtual_stage(rank: int, chunk: int, p: int) -> int:
-    return chunk * p + rank
-
-
-def stage_owner(vs: int, p: int) -> tuple[int, int]:
-    """(rank, chunk) of virtual stage ``vs``."""
-    return vs % p, vs // p
-
-
-def communication(sched: Schedule, v: int = 1) -> list[list[tuple[str, Action, int]]]:
-    """Per rank, the transfers in the order its actions produce or need them:
-    ("recv_act"/"send_act"/"recv_grad"/"send_grad", action, peer rank)."""
-    p = len(sched)
-    last = p * v - 1
-    out = []
-    for r, acts in enumerate(sched):
-        ops = []
-        for a in acts:
-            vs = virtual_stage(r, a.chunk, p)
-            if a.kind == "F":
-                if vs > 0:
-                    ops.append(("recv_act", a, stage_owner(vs - 1, p)[0]))
-                if vs < last:
-                    ops.append(("send_act", a, stage_owner(vs + 1, p)[0]))
-            elif a.kind == "B":
-                if vs < last:
-                    ops.append(("recv_grad", a, stage_owner(vs + 1, p)[0]))
-                if vs > 0:
-                    ops.append(("send_grad", a, stage_owner(vs - 1, p)[0]))
-        out.append(ops)
-    return out
-
+__all__ = ["SCHEDULES", "Action", "PipelineFillWarning", "Schedule", "ScheduleError", "communication",
+           "forward_only", "gpipe", "interleaved_1f1b", "make_schedule", "one_f_one_b", "stage_owner", "virtual_stage",
+           "zb_h1"]

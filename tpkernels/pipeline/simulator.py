@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tpkernels.pipeline.schedules import Action, Schedule, ScheduleError, communication, stage_owner, virtual_stage
+from tpkernels.pipeline.actions import Action, Schedule, ScheduleError, communication, stage_owner, virtual_stage
 
 
 @dataclass(frozen=True)

@@ -40,17 +40,14 @@ def _balanced_counts(sizes: list[int], stages: int, first_extra: int, last_extra
     return counts[::-1]
 
 
-def split_layers(layers: Sequence[nn.Module], num_stages: int, virtual_stages: int = 1, *,
-                 layer_counts: Sequence[int] | None = None, balance: str = "even",
-                 first: nn.Module | None = None, last: nn.Module | None = None) -> list[nn.Sequential]:
-    """One ``nn.Sequential`` per virtual stage (num_stages × virtual_stages of them, in pipeline
-    order). ``first`` (e.g. the embedding) opens the first, ``last`` (e.g. the final norm and head)
-    closes the last. Layers per stage: ``layer_counts`` if given, else ``balance="even"`` (the
-    first L mod S stages get one more) or ``"params"`` (contiguous split minimising the largest
-    stage's parameter count, embedding and head included). Virtual stage s runs on rank s mod
-    num_stages as its chunk s // num_stages (``chunks_of_rank``)."""
-    S = num_stages * virtual_stages
-    L = len(layers)
+def stage_sizes(num_layers: int, num_stages: int, virtual_stages: int = 1, *, layer_counts: Sequence[int] | None = None,
+                balance: str = "even", layer_params: Sequence[int] | None = None, first_params: int = 0,
+                last_params: int = 0) -> list[int]:
+    """Layers per virtual stage (num_stages × virtual_stages numbers, in pipeline order): ``layer_counts``
+    if given, else ``balance="even"`` (the first L mod S stages get one more) or ``"params"``
+    (contiguous split minimising the largest stage's parameter count: ``layer_params`` per layer,
+    ``first_params`` / ``last_params`` on the first / last stage)."""
+    S, L = num_stages * virtual_stages, num_layers
     errs = positive_int_errors(num_stages=num_stages, virtual_stages=virtual_stages)
     if errs:
         raise ValueError(errs[0])
@@ -62,12 +59,26 @@ def split_layers(layers: Sequence[nn.Module], num_stages: int, virtual_stages: i
         if len(counts) != S or sum(counts) != L or min(counts) < 1:
             raise ValueError(f"layer_counts ({counts}) must be {S} positive numbers summing to the number of "
                              f"layers ({L})")
-    elif balance == "even":
-        counts = [L // S + (1 if s < L % S else 0) for s in range(S)]
-    elif balance == "params":
-        counts = _balanced_counts([_param_count(m) for m in layers], S, _param_count(first), _param_count(last))
-    else:
-        raise ValueError(f"balance ({balance!r}) must be 'even' or 'params'")
+        return counts
+    if balance == "even":
+        return [L // S + (1 if s < L % S else 0) for s in range(S)]
+    if balance == "params":
+        return _balanced_counts(list(layer_params), S, first_params, last_params)
+    raise ValueError(f"balance ({balance!r}) must be 'even' or 'params'")
+
+
+def split_layers(layers: Sequence[nn.Module], num_stages: int, virtual_stages: int = 1, *,
+                 layer_counts: Sequence[int] | None = None, balance: str = "even",
+                 first: nn.Module | None = None, last: nn.Module | None = None) -> list[nn.Sequential]:
+    """One ``nn.Sequential`` per virtual stage (num_stages × virtual_stages of them, in pipeline
+    order), of :func:`stage_sizes` layers each. ``first`` (e.g. the embedding) opens the first,
+    ``last`` (e.g. the final norm and head) closes the last; with ``balance="params"`` they count
+    in the split. Virtual stage s runs on rank s mod num_stages as its chunk s // num_stages
+    (``chunks_of_rank``)."""
+    counts = stage_sizes(len(layers), num_stages, virtual_stages, layer_counts=layer_counts, balance=balance,
+                         layer_params=[_param_count(m) for m in layers] if balance == "params" else None,
+                         first_params=_param_count(first), last_params=_param_count(last))
+    S = len(counts)
     stages, i = [], 0
     for s, c in enumerate(counts):
         mods = list(layers[i:i + c])

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from tpkernels.pipeline.schedules import Action
+from tpkernels.pipeline.actions import Action
 
 Timeline = list[list[tuple[Action, float, float]]]  # per rank: (action, start, end)
 

@@ -6,15 +6,15 @@
     p.best.config        # ParallelConfig(tp=8, pp=2, dp=4, ...)
 """
 
+from tpkernels.description import MODEL_PRESETS, ModelConfig, model_preset
 from tpkernels.planner.efficiency import A100_CALIBRATED, H100_CALIBRATED, Efficiency, calibrated_for
 from tpkernels.planner.estimate import Estimate, estimate, layout_errors
 from tpkernels.planner.hardware import GPU_PRESETS, ClusterSpec, GPUSpec, gpu_preset
-from tpkernels.planner.models import MODEL_PRESETS, ModelSpec, from_hf_config, model_preset
 from tpkernels.planner.search import Plan, explain, parse_layout, plan
 from tpkernels.planner.workload import TrainingSetup
 
 __all__ = [
     "A100_CALIBRATED", "GPU_PRESETS", "H100_CALIBRATED", "calibrated_for", "MODEL_PRESETS", "ClusterSpec", "Efficiency", "Estimate", "GPUSpec",
-    "ModelSpec", "Plan", "TrainingSetup", "estimate", "explain", "from_hf_config", "gpu_preset", "layout_errors",
+    "ModelConfig", "Plan", "TrainingSetup", "estimate", "explain", "gpu_preset", "layout_errors",
     "model_preset", "parse_layout", "plan",
 ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpkernels.planner.models import ModelSpec
+from tpkernels.description import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,13 @@ class LayerActivations:
     recompute_peak: float
 
 
-def layer_activation_terms(model: ModelSpec, *, dropout: bool, flash_attention: bool) -> dict[str, float]:
+def layer_activation_terms(model: ModelConfig, *, dropout: bool, flash_attention: bool) -> dict[str, float]:
     """The coefficients of s·b·h, per GPU before TP division: {"replicated", "split", "scores"},
     with "scores" multiplying a·s/h."""
     h = model.hidden_size
     replicated = 4.0 + 2.0 + 2.0 + (2.0 if dropout else 0.0)
     attn = 2.0 * model.q_dim / h + 2.0 * 2.0 * model.kv_dim / h + 2.0 * model.q_dim / h
-    tensors_of_ffn_width = 3 if model.mlp == "swiglu" else 2  # gate, up, product | GeLU in, GeLU out
+    tensors_of_ffn_width = 3 if model.gated_mlp else 2  # gate, up, product | GeLU in, GeLU out
     mlp = 2.0 * tensors_of_ffn_width * model.ffn_hidden_size / h
     if flash_attention:
         scores = 0.0  # only the log-sum-exp (4·a·s·b bytes) is kept: negligible
@@ -52,9 +52,9 @@ def layer_activation_terms(model: ModelSpec, *, dropout: bool, flash_attention: 
     return {"replicated": replicated, "split": attn + mlp, "scores": scores}
 
 
-def layer_activations(model: ModelSpec, *, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
+def layer_activations(model: ModelConfig, *, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
                       recompute: str, flash_attention: bool) -> LayerActivations:
-    terms = layer_activation_terms(model, dropout=model.dropout, flash_attention=flash_attention)
+    terms = layer_activation_terms(model, dropout=model.dropout > 0, flash_attention=flash_attention)
     sbh = float(seq) * micro_batch * model.hidden_size
     a_s_over_h = model.num_attention_heads * seq / model.hidden_size
     replicated = terms["replicated"] / (tp if sequence_parallel else 1)

@@ -1,7 +1,7 @@
 """Published training runs that state their layout and throughput: what the planner's constants are
 fitted on, and how each row is turned into a planner question.
 
-Tables live in ``benchmarks/data/`` of the repository (with their sources in each file's header):
+Tables are package data, ``tpkernels/planner/data/`` (with their sources in each file's header):
   A100  ``megatron_narayanan2021_table1.csv``: Narayanan et al. 2021, Table 1 (Megatron-LM GPT runs
         on A100-80GB): fp16, attention without FlashAttention, full activation recompute, no
         sequence parallelism (it came a year later), no distributed optimizer, DP gradient
@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import csv
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from tpkernels.parallel import ParallelConfig
 from tpkernels.planner.efficiency import Efficiency, calibrated_for
 from tpkernels.planner.estimate import Estimate, estimate, layout_errors
 from tpkernels.planner.hardware import ClusterSpec, gpu_preset
-from tpkernels.planner.models import ModelSpec, model_preset
+from tpkernels.description import ModelConfig, model_preset
 from tpkernels.planner.search import Plan, plan
 from tpkernels.planner.workload import TrainingSetup
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
 A100_TABLE = "megatron_narayanan2021_table1.csv"
 H100_TABLE = "nemo_24.12_h100_pretrain.csv"
 PAPER_FIXED = dict(sequence_parallel=False, recompute="full", zero1=False)  # Narayanan et al. 2021
@@ -42,7 +42,7 @@ class Row:
 
     source: str  # table file
     label: str
-    spec: ModelSpec
+    spec: ModelConfig
     gpu: str
     gpus: int
     config: ParallelConfig
@@ -74,18 +74,18 @@ class Row:
 
 
 def _read(name: str, data_dir: Path | None = None) -> list[dict]:
-    path = (data_dir or DATA_DIR) / name
-    if not path.exists():
-        raise FileNotFoundError(f"calibration table {path} not found: the tables ship with the repository's "
-                                "benchmarks/data/, not with an installed package")
-    lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
+    """A table's rows: from ``data_dir`` if given, else the package's own copy (installed with it)."""
+    text = (data_dir / name).read_text() if data_dir is not None else \
+        resources.files("tpkernels.planner").joinpath("data", name).read_text()
+    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
     return list(csv.DictReader(lines))
 
 
 def a100_rows(data_dir: Path | None = None) -> list[Row]:
     rows = []
     for r in _read(A100_TABLE, data_dir):
-        spec = model_preset(f"GPT-{r['model']}")
+        # the published runs trained with dropout 0.1: its masks are part of their activation memory
+        spec = model_preset(f"GPT-{r['model']}").replace(dropout=0.1, dropout_source="hidden_dropout")
         tp, pp, v, gpus = int(r["tp"]), int(r["pp"]), int(r["virtual_stages"]), int(r["gpus"])
         gbs, mbs = int(r["global_batch"]), int(r["micro_batch"])
         dp = gpus // (tp * pp)
@@ -105,8 +105,11 @@ def h100_rows(data_dir: Path | None = None) -> list[Row]:
     for r in _read(H100_TABLE, data_dir):
         n = {k: int(r[k]) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "gpus", "global_batch",
                                     "micro_batch", "seq_length", "tp", "pp", "cp", "virtual_stages")}
-        spec = ModelSpec(r["model"], n["layers"], n["hidden"], n["heads"], n["ffn"], n["vocab"],
-                         num_kv_heads=n["kv_heads"], mlp=r["mlp"], seq_length=n["seq_length"])
+        # NeMo's shapes as the table's FLOPs count them: no biases, rotary, RMSNorm-sized norms
+        spec = ModelConfig("llama" if r["mlp"] == "swiglu" else "gpt2", n["layers"], n["hidden"], n["heads"],
+                           n["ffn"], n["vocab"], num_kv_heads=n["kv_heads"],
+                           activation="swiglu" if r["mlp"] == "swiglu" else "gelu_tanh",
+                           max_position_embeddings=n["seq_length"], name=r["model"])
         dp = n["gpus"] // (n["tp"] * n["pp"] * n["cp"])
         cfg = ParallelConfig(n["tp"], n["pp"], dp, n["virtual_stages"], n["micro_batch"],
                              n["global_batch"] // (n["micro_batch"] * dp), sequence_parallel=n["tp"] > 1,

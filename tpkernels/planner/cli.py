@@ -1,148 +1,189 @@
-"""`tpkernels plan`: arguments → Plan → table / JSON / --explain."""
+"""`tpkernels plan`: a PlanConfig (flags, or a YAML/TOML file) → Plan → table / JSON / --explain.
+
+The flags come from the same mechanism as ``tpkernels train``'s (:mod:`tpkernels.options`), and the
+``model`` section is the trainer's (:class:`~tpkernels.description.source.ModelSection`): both
+commands read ``--model X`` and its overrides alike, and accept and refuse the same models with
+the same messages (what the models cannot build yet is planned, with the reason printed).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 
+from tpkernels import options
+from tpkernels.description import ModelConfig
+from tpkernels.description.source import ModelSection
+from tpkernels.options import Alias, opt, section
 from tpkernels.planner.efficiency import calibrated_for
 from tpkernels.planner.hardware import GPU_PRESETS, ClusterSpec, gpu_preset
 from tpkernels.planner.memory import DEFAULT_MEMORY_MARGIN
-from tpkernels.planner.models import MODEL_PRESETS, ModelSpec, from_hf_config, model_preset
 from tpkernels.planner.report import format_explanation, format_plan, plan_as_dict
 from tpkernels.planner.search import explain, parse_layout, plan
-from tpkernels.planner.workload import FINETUNE, OPTIMIZERS, PRECISIONS, TrainingSetup
+from tpkernels.planner.workload import OPTIMIZERS, PRECISIONS, TrainingSetup
 
 EPILOG = """examples:
   tpkernels plan --model Qwen-14B --gpu A100-80GB --nodes 1 --global-batch 64 --seq-len 4096
   tpkernels plan --model Llama-3-70B --gpu H100-SXM --nodes 8 --global-batch 512 --seq-len 8192
   tpkernels plan --model Llama-3-70B --gpu H100-SXM --nodes 8 --global-batch 512 --explain TP=4,PP=4
-  tpkernels plan --hf-config path/to/config.json --gpu A10-24GB --finetune lora --global-batch 32
+  tpkernels plan --model path/to/config.json --gpu A10-24GB --model.finetune lora --global-batch 32
 """
+
+
+@dataclass(frozen=True)
+class ClusterSection:
+    gpu: str = opt("H100-SXM", "preset: " + ", ".join(GPU_PRESETS))
+    gpus_per_node: int = opt(8, "GPUs per node")
+    nodes: int = opt(1, "nodes")
+    intra_link: str | None = opt(None, "nvlink or pcie (default: the GPU's)", ("nvlink", "pcie"))
+    intra_node_gbs: float | None = opt(None, "per-GPU intra-node bandwidth, GB/s per direction")
+    inter_node_gbs: float | None = opt(None, "per-GPU inter-node bandwidth, GB/s per direction")
+    gpu_tflops: float | None = opt(None, "override the GPU's dense bf16 peak")
+    gpu_memory_gib: float | None = opt(None, "override the GPU's memory")
+    gpu_hbm_gbs: float | None = opt(None, "override the GPU's memory bandwidth")
+    gpu_fp8_tflops: float | None = opt(None, "override the GPU's dense fp8 peak")
+
+
+@dataclass(frozen=True)
+class WorkloadSection:
+    global_batch: int = opt(512, "sequences per step")
+    seq_length: int | None = opt(None, "tokens per sequence (default: the model's context, at most 8192)")
+    precision: str = opt("bf16", "GEMM precision", PRECISIONS)
+    optimizer: str = opt("adam", "adam or sgd", OPTIMIZERS)
+    flash_attention: bool = opt(True, "attention never stores the s×s scores")
+
+
+def _no_model() -> ModelSection:
+    return ModelSection(name=None)  # plan asks for a model; train defaults to one
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    model: ModelSection = section(_no_model, "the model (the same section as tpkernels train's)")
+    cluster: ClusterSection = section(ClusterSection, "the cluster")
+    training: WorkloadSection = section(WorkloadSection, "what is trained")
+    fix: str = opt("", "fixed choices, e.g. TP=8 or 'PP=4,SP=on,recompute=selective,ZeRO1=on'")
+    explain: str | None = opt(None, "score one layout, e.g. TP=4,PP=2, and say what is wrong with it")
+    top: int = opt(10, "rows of the ranked table")
+    json: bool = opt(False, "machine-readable output")
+    memory_margin: float = opt(DEFAULT_MEMORY_MARGIN, "fraction of GPU memory kept free")
+    measure: bool = opt(False, "time one layer's GEMMs, memory copies and a collective here, and plan with "
+                               "those rates")
+
+    def errors(self) -> list[str]:
+        """Each value that breaks its rule, naming the key (types were checked when read)."""
+        c, t = self.cluster, self.training
+        errs = self.model.errors("model.")
+        for path, v in (("cluster.gpus_per_node", c.gpus_per_node), ("cluster.nodes", c.nodes),
+                        ("training.global_batch", t.global_batch), ("training.seq_length", t.seq_length),
+                        ("top", self.top)):
+            if v is not None and v < 1:
+                errs.append(f"{path} ({v}) must be a positive integer")
+        for f in ("intra_node_gbs", "inter_node_gbs", "gpu_tflops", "gpu_memory_gib", "gpu_hbm_gbs", "gpu_fp8_tflops"):
+            v = getattr(c, f)
+            if v is not None and not v > 0:
+                errs.append(f"cluster.{f} ({v}) must be a finite number > 0")
+        if not 0 <= self.memory_margin < 1:
+            errs.append(f"memory_margin ({self.memory_margin}) must be a fraction in [0, 1) (the share of GPU "
+                        "memory kept free)")
+        return errs
+
+
+ALIASES: dict[str, str | Alias] = {
+    "model": "model.name", "hf_config": "model.name",
+    **{k: f"model.{k}" for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "finetune", "lora_rank",
+                                 "drop_dropout")},
+    **{k: f"cluster.{k}" for k in ("gpu", "gpus_per_node", "nodes", "intra_link", "intra_node_gbs", "inter_node_gbs",
+                                   "gpu_tflops", "gpu_memory_gib", "gpu_hbm_gbs", "gpu_fp8_tflops")},
+    "global_batch": "training.global_batch", "seq_len": "training.seq_length", "seq_length": "training.seq_length",
+    "precision": "training.precision", "optimizer": "training.optimizer",
+    "no_flash_attention": Alias("training.flash_attention", "false"),
+}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     ap = sub.add_parser("plan", help="recommend TP/PP/DP layouts with predicted memory and step time",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = ap.add_argument_group("model (a preset, a Hugging Face config.json, or explicit shapes)")
-    m.add_argument("--model", help=f"preset: {', '.join(MODEL_PRESETS)}")
-    m.add_argument("--hf-config", help="path to a Hugging Face config.json")
-    for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
-        m.add_argument(f"--{flag}", type=int)
-    m.add_argument("--mlp", choices=("swiglu", "gelu"), default="swiglu", help="with explicit shapes")
-    c = ap.add_argument_group("cluster")
-    c.add_argument("--gpu", default="H100-SXM", help=f"preset: {', '.join(GPU_PRESETS)}")
-    c.add_argument("--gpus-per-node", type=int, default=8)
-    c.add_argument("--nodes", type=int, default=1)
-    c.add_argument("--intra-link", choices=("nvlink", "pcie"))
-    c.add_argument("--intra-node-gbs", type=float, help="per-GPU intra-node bandwidth, GB/s per direction")
-    c.add_argument("--inter-node-gbs", type=float, help="per-GPU inter-node bandwidth, GB/s per direction")
-    c.add_argument("--gpu-tflops", type=float, help="override the GPU's dense bf16 peak")
-    c.add_argument("--gpu-memory-gib", type=float, help="override the GPU's memory")
-    c.add_argument("--gpu-hbm-gbs", type=float, help="override the GPU's memory bandwidth")
-    c.add_argument("--gpu-fp8-tflops", type=float, help="override the GPU's dense fp8 peak")
-    t = ap.add_argument_group("training")
-    t.add_argument("--global-batch", type=int, default=512, help="sequences per step")
-    t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context, at most 8192)")
-    t.add_argument("--precision", choices=PRECISIONS, default="bf16")
-    t.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
-    t.add_argument("--finetune", choices=FINETUNE, default="full")
-    t.add_argument("--lora-rank", type=int, default=16)
-    t.add_argument("--no-flash-attention", action="store_true", help="attention stores the s×s scores")
-    f = ap.add_argument_group("fixed choices (searched when omitted)")
-    f.add_argument("--fix", default="", help="e.g. TP=8 or 'PP=4,SP=on,recompute=selective,ZeRO1=on'")
-    o = ap.add_argument_group("output")
-    o.add_argument("--top", type=int, default=10, help="rows of the ranked table")
-    o.add_argument("--json", action="store_true")
-    o.add_argument("--explain", metavar="LAYOUT", help="score one layout, e.g. TP=4,PP=2, and say what is wrong with it")
-    o.add_argument("--memory-margin", type=float, default=DEFAULT_MEMORY_MARGIN,
-                   help="fraction of GPU memory kept free (default %(default)s)")
-    o.add_argument("--measure", action="store_true",
-                   help="time one layer's GEMMs, memory copies and a collective here, and plan with those rates")
+    ap.add_argument("--config", help="YAML or TOML file of plan keys (flags override it)")
+    options.add_flags(ap, PlanConfig, ALIASES)
     return ap
 
 
-# Each numeric flag's rule: (test, the rule as the error states it). argparse turns text into
-# numbers; these say what the numbers may be, in one line naming the flag and the value.
-_POSITIVE_INT = (lambda v: isinstance(v, int) and v >= 1, "must be a positive integer")
-_POSITIVE = (lambda v: v > 0 and v != float("inf"), "must be a finite number > 0")
-_RULES = {
-    "layers": _POSITIVE_INT, "hidden": _POSITIVE_INT, "heads": _POSITIVE_INT, "kv_heads": _POSITIVE_INT,
-    "ffn": _POSITIVE_INT, "vocab": _POSITIVE_INT, "gpus_per_node": _POSITIVE_INT, "nodes": _POSITIVE_INT,
-    "global_batch": _POSITIVE_INT, "seq_len": _POSITIVE_INT, "lora_rank": _POSITIVE_INT, "top": _POSITIVE_INT,
-    "intra_node_gbs": _POSITIVE, "inter_node_gbs": _POSITIVE, "gpu_tflops": _POSITIVE, "gpu_memory_gib": _POSITIVE,
-    "gpu_hbm_gbs": _POSITIVE, "gpu_fp8_tflops": _POSITIVE,
-    "memory_margin": (lambda v: 0 <= v < 1, "must be a fraction in [0, 1) (the share of GPU memory kept free)"),
-}
+def load(args) -> PlanConfig:
+    """The PlanConfig of the command line (over ``--config``'s file), checked."""
+    base = PlanConfig()
+    if getattr(args, "config", None):
+        values = options.flatten(options.read_file(args.config, "--config"), PlanConfig)
+        base = options.build(PlanConfig, options.resolve_aliases(values, {k: v for k, v in ALIASES.items()
+                                                                           if isinstance(v, str)}, where=args.config))
+    cfg = options.build(PlanConfig, options.flag_values(args, PlanConfig), text=True, base=base)
+    errs = cfg.errors()
+    if errs:
+        raise ValueError("; ".join(errs))
+    return cfg
 
 
-def check_args(args) -> None:
-    """Raise ValueError naming the flag, its value and the rule, for the first flag that breaks its rule."""
-    for name, (ok, rule) in _RULES.items():
-        value = getattr(args, name, None)
-        if value is not None and not ok(value):
-            raise ValueError(f"--{name.replace('_', '-')} ({value}) {rule}")
-
-
-def _layout_flag(flag: str, text: str) -> dict:
+def _layout_flag(key: str, text: str) -> dict:
     try:
         return parse_layout(text)
     except ValueError as e:
-        raise ValueError(f"{flag} ({text!r}): {e}") from None
+        raise ValueError(f"{key} ({text!r}): {e}") from None
 
 
-def _model(args) -> ModelSpec:
-    if args.model:
-        return model_preset(args.model)
-    if args.hf_config:
-        return from_hf_config(args.hf_config, flag="--hf-config")
-    shapes = {k: getattr(args, k.replace("-", "_")) for k in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab")}
-    missing = [f"--{k}" for k, v in shapes.items() if v is None and k != "kv-heads"]
-    if missing:
-        raise ValueError("give --model, --hf-config, or every shape: missing " + ", ".join(missing))
-    return ModelSpec("custom", shapes["layers"], shapes["hidden"], shapes["heads"], shapes["ffn"], shapes["vocab"],
-                     num_kv_heads=shapes["kv-heads"], mlp=args.mlp, norm="rmsnorm" if args.mlp == "swiglu" else "layernorm")
+def model_of(cfg: PlanConfig) -> ModelConfig:
+    if cfg.model.name is None:
+        raise ValueError("model.name is not set: give --model, a preset or a Hugging Face config.json / "
+                         "checkpoint folder (and --layers, --hidden, … to change its shape)")
+    return cfg.model.config(buildable=False)
 
 
-def _cluster(args) -> ClusterSpec:
-    gpu = gpu_preset(args.gpu)
-    overrides = {k: v for k, v in (("peak_tflops_bf16", args.gpu_tflops), ("memory_gib", args.gpu_memory_gib),
-                                   ("hbm_gbs", args.gpu_hbm_gbs),
-                                   ("peak_tflops_fp8", args.gpu_fp8_tflops)) if v is not None}
+def cluster_of(cfg: PlanConfig) -> ClusterSpec:
+    c = cfg.cluster
+    gpu = gpu_preset(c.gpu)
+    overrides = {k: v for k, v in (("peak_tflops_bf16", c.gpu_tflops), ("memory_gib", c.gpu_memory_gib),
+                                   ("hbm_gbs", c.gpu_hbm_gbs), ("peak_tflops_fp8", c.gpu_fp8_tflops)) if v is not None}
     if overrides:
         gpu = gpu.replace(**overrides)
-    return ClusterSpec(gpu, args.gpus_per_node, args.nodes, args.intra_link, args.intra_node_gbs, args.inter_node_gbs)
+    return ClusterSpec(gpu, c.gpus_per_node, c.nodes, c.intra_link, c.intra_node_gbs, c.inter_node_gbs)
 
 
 def run(args) -> int:
-    check_args(args)
-    fixed = _layout_flag("--fix", args.fix)
-    explain_layout = _layout_flag("--explain", args.explain) if args.explain else None
-    model = _model(args)
-    cluster = _cluster(args)
-    seq_len = args.seq_len if args.seq_len is not None else min(model.seq_length, 8192)
-    train = TrainingSetup(args.global_batch, seq_len, args.precision, args.optimizer,
-                          args.finetune, args.lora_rank, not args.no_flash_attention)
+    cfg = load(args)
+    fixed = _layout_flag("fix", cfg.fix)
+    explain_layout = _layout_flag("explain", cfg.explain) if cfg.explain else None
+    model = model_of(cfg)
+    cluster = cluster_of(cfg)
+    t = cfg.training
+    seq_len = t.seq_length if t.seq_length is not None else min(model.max_position_embeddings, 8192)
+    train = TrainingSetup(t.global_batch, seq_len, t.precision, t.optimizer, cfg.model.finetune, cfg.model.lora_rank,
+                          t.flash_attention)
+    if not cfg.json:
+        for reason in model.build_errors():
+            print(f"note: planned, but tpkernels train cannot build this model yet: {reason}")
     eff = calibrated_for(cluster.gpu)
-    if args.measure:
+    if cfg.measure:
         from tpkernels.planner.measure import calibrate, measure  # noqa: PLC0415
 
         meas = measure(model, train)
         cluster, eff, notes = calibrate(cluster, eff, meas)
-        if not args.json:
+        if not cfg.json:
             print("measured here: " + meas.describe())
             for n in notes:
                 print("  " + n)
             print()
     if explain_layout is not None:
-        x = explain(model, train, cluster, args.explain, eff, args.memory_margin)
-        if args.json:
+        x = explain(model, train, cluster, cfg.explain, eff, cfg.memory_margin)
+        if cfg.json:
             print(json.dumps({"requested": x.requested, "errors": x.errors, "fits": x.fits,
                               "estimate": x.estimate.as_dict() if x.estimate else None,
                               "best": x.best.as_dict() if x.best else None}, indent=2))
         else:
             print(format_explanation(x))
         return 0 if not x.errors else 2
-    p = plan(model, train, cluster, eff, fixed=fixed, memory_margin=args.memory_margin)
-    print(json.dumps(plan_as_dict(p, args.top), indent=2) if args.json else format_plan(p, args.top))
+    p = plan(model, train, cluster, eff, fixed=fixed, memory_margin=cfg.memory_margin)
+    print(json.dumps(plan_as_dict(p, cfg.top), indent=2) if cfg.json else format_plan(p, cfg.top))
     return 0 if p.ranked else 3
+
+
+__all__ = ["ALIASES", "ClusterSection", "PlanConfig", "WorkloadSection", "add_parser", "load", "run"]

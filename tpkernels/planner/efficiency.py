@@ -1,7 +1,7 @@
 """The constants that turn FLOPs and bytes into seconds, one set per GPU generation.
 
 Peaks are never reached; these factors say how much of each peak a well-tuned training step gets.
-Each set is fitted once, on published runs that state their layout (benchmarks/data/, reported row
+Each set is fitted once, on published runs that state their layout (tpkernels/planner/data/, reported row
 by row by ``benchmarks/planner_calibration.py``):
   Ampere  Narayanan et al. 2021, Table 1 (GPT 1.7B–1T on 32–3072 A100-80GB, Megatron-LM).
   Hopper  NVIDIA NeMo 24.12 performance summary (GPT-3, Llama 2, Nemotron pre-training on 8–512

@@ -8,27 +8,24 @@ from tpkernels.parallel import ParallelConfig
 from tpkernels.planner.efficiency import Efficiency
 from tpkernels.planner.hardware import ClusterSpec
 from tpkernels.planner.memory import DEFAULT_MEMORY_MARGIN, GIB, MemoryBreakdown, fits, peak_memory
-from tpkernels.planner.models import ModelSpec
-from tpkernels.planner.step_time import StepTime, schedule_errors, step_time
+from tpkernels.description import ModelConfig
+from tpkernels.planner.step_time import StepTime, step_time
 from tpkernels.planner.workload import TrainingSetup
 
 COMM_RATIO_LIMIT = 0.30  # practitioners' rule: above ~30% communication/compute, lower TP
 
 
-def layout_errors(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, cfg: ParallelConfig,
-                  schedule: str | None = None) -> list[str]:
-    """Every rule ``cfg`` (run with ``schedule``) breaks for this model, cluster and batch (empty when valid)."""
+def layout_errors(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, cfg: ParallelConfig) -> list[str]:
+    """Every rule ``cfg`` (with its schedule) breaks for this model, cluster and batch (empty when valid)."""
     errs = cfg.layout_errors()
     if errs:
         return errs
-    if schedule is not None and cfg.pp > 1:
-        errs += schedule_errors(cfg, schedule)
     errs += cfg.job_errors(world_size=cluster.num_gpus, global_batch_size=train.global_batch)
     errs += cfg.model_errors(num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
                              num_kv_heads=model.kv_heads, ffn_hidden_size=model.ffn_hidden_size,
                              seq_length=train.seq_length)
     if cluster.gpus_per_node % cfg.tp:
-        errs.append(f"tensor_parallel_size ({cfg.tp}) must divide gpus_per_node ({cluster.gpus_per_node}): "
+        errs.append(f"tp ({cfg.tp}) must divide gpus_per_node ({cluster.gpus_per_node}): "
                     "TP communicates every layer, so each TP group must sit inside one node")
     try:
         cluster.gpu.peak_tflops(train.precision)
@@ -87,12 +84,12 @@ class Estimate:
         }
 
 
-def estimate(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, cfg: ParallelConfig,
-             eff: Efficiency, memory_margin: float = DEFAULT_MEMORY_MARGIN, schedule: str | None = None) -> Estimate:
-    """Memory and step time of a layout that passed ``layout_errors``, run with ``schedule``
-    (default: 1F1B, or interleaved with virtual stages)."""
-    t = step_time(model, train, cfg, cluster, eff, schedule)
-    mem = peak_memory(model, train, cfg, t.schedule)
+def estimate(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, cfg: ParallelConfig,
+             eff: Efficiency, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Estimate:
+    """Memory and step time of a layout that passed ``layout_errors``, run with its pipeline schedule
+    (``cfg.pipeline_schedule``: 1F1B, or interleaved with virtual stages, unless ``cfg.schedule`` says)."""
+    t = step_time(model, train, cfg, cluster, eff)
+    mem = peak_memory(model, train, cfg)
     model_flops = model.model_flops_per_step(train.global_batch, train.seq_length)
     lin, core = model.forward_flops_per_layer(train.global_batch, train.seq_length)
     if train.finetune == "lora":
@@ -114,7 +111,7 @@ def _notes(est: Estimate, margin: float) -> list[str]:
     notes += cfg.warnings()
     if est.time.comm_ratio > COMM_RATIO_LIMIT:
         notes.append(f"communication/compute ratio {100 * est.time.comm_ratio:.1f}% > {100 * COMM_RATIO_LIMIT:.0f}%"
-                     + (": lower tensor_parallel_size" if cfg.tp > 1 else ""))
+                     + (": lower tp" if cfg.tp > 1 else ""))
     if cfg.pp > 1 and est.bubble_fraction > 0.15:
         notes.append(f"pipeline bubble is {100 * est.bubble_fraction:.0f}% of the step: more micro-batches "
                      "or virtual stages would shrink it")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tpkernels.planner.efficiency import Efficiency
 from tpkernels.planner.hardware import ClusterSpec, GPUSpec
-from tpkernels.planner.models import ModelSpec
+from tpkernels.description import ModelConfig
 from tpkernels.planner.workload import TrainingSetup
 
 CPU_TOKENS, GPU_TOKENS = 256, 8192  # GEMM rows timed; the CPU size keeps --measure near a second
@@ -82,7 +82,7 @@ def _median_time(fn, sync, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def layer_gemm_shapes(model: ModelSpec, tokens: int, max_width: int | None = None) -> list[tuple[int, int, int]]:
+def layer_gemm_shapes(model: ModelConfig, tokens: int, max_width: int | None = None) -> list[tuple[int, int, int]]:
     """(M, K, N) of the four linear GEMMs of one layer: QKV, output projection, MLP up(+gate), down."""
     h, q, kv, f = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
     up = f * (model.mlp_matrices - 1)
@@ -167,7 +167,7 @@ def _optimizer_s_per_param(torch) -> float:
     return _median_time(run, lambda: None, 5) / sum(q.numel() for q in params)
 
 
-def _loss_s_per_logit(torch, model: ModelSpec, tokens: int) -> float:
+def _loss_s_per_logit(torch, model: ModelConfig, tokens: int) -> float:
     """Seconds per logit of the cross-entropy's softmax passes, forward and backward, without its
     GEMMs (F.cross_entropy over materialised logits: the same passes our chunked loss makes)."""
     import torch.nn.functional as F  # noqa: PLC0415
@@ -182,7 +182,7 @@ def _loss_s_per_logit(torch, model: ModelSpec, tokens: int) -> float:
     return _median_time(run, lambda: None, 3) / logits.numel()
 
 
-def _attention_rate(torch, model: ModelSpec, train: TrainingSetup) -> float:
+def _attention_rate(torch, model: ModelConfig, train: TrainingSetup) -> float:
     """Full-count TFLOP/s of causal SDPA forward+backward at the model's shape (one sequence)."""
     import torch.nn.functional as F  # noqa: PLC0415
 
@@ -196,7 +196,7 @@ def _attention_rate(torch, model: ModelSpec, train: TrainingSetup) -> float:
     return 3.5 * 4.0 * s * s * heads * d / t / 1e12  # forward 4·s²·h·d, backward 2.5×
 
 
-def measure(model: ModelSpec, train: TrainingSetup, collective: bool = True, threads_per_rank: int = 1,
+def measure(model: ModelConfig, train: TrainingSetup, collective: bool = True, threads_per_rank: int = 1,
             micro_batch_size: int = 1) -> Measurement:
     import torch  # noqa: PLC0415
 
@@ -211,7 +211,7 @@ def measure(model: ModelSpec, train: TrainingSetup, collective: bool = True, thr
     return _measure(torch, model, train, collective, on_gpu, micro_batch_size)
 
 
-def _measure(torch, model: ModelSpec, train: TrainingSetup, collective: bool, on_gpu: bool,
+def _measure(torch, model: ModelConfig, train: TrainingSetup, collective: bool, on_gpu: bool,
              micro_batch_size: int) -> Measurement:
     dev = "cuda" if on_gpu else "cpu"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from tpkernels.parallel import ParallelConfig
 from tpkernels.planner.activations import layer_activations
-from tpkernels.planner.models import ModelSpec
+from tpkernels.description import ModelConfig
 from tpkernels.planner.workload import TrainingSetup
 
 GIB = 2**30
@@ -26,13 +26,7 @@ RUNTIME_RESERVED_BYTES = 2 * GIB
 DEFAULT_MEMORY_MARGIN = 0.10
 
 
-def padded_vocab(model: ModelSpec, tp: int) -> int:
-    """Megatron pads the vocabulary to a multiple of 128·tp so every TP rank gets equal rows."""
-    multiple = 128 * tp
-    return -(-model.vocab_size // multiple) * multiple
-
-
-def layer_params_per_rank(model: ModelSpec, tp: int) -> float:
+def layer_params_per_rank(model: ModelConfig, tp: int) -> float:
     """Parameters of one decoder layer held by one TP rank (norms replicated; K/V replicated when
     tp > KV heads)."""
     norms = 2 * model.norm_params()
@@ -43,9 +37,9 @@ def layer_params_per_rank(model: ModelSpec, tp: int) -> float:
     return sharded / tp + norms
 
 
-def stage_params_per_rank(model: ModelSpec, cfg: ParallelConfig, stage: int) -> float:
+def stage_params_per_rank(model: ModelConfig, cfg: ParallelConfig, stage: int) -> float:
     """Parameters one GPU of pipeline stage ``stage`` holds."""
-    vocab = padded_vocab(model, cfg.tp)
+    vocab = model.padded_vocab(cfg.tp)
     n = model.num_layers / cfg.pp * layer_params_per_rank(model, cfg.tp)
     if stage == 0:
         n += vocab * model.hidden_size / cfg.tp + model.learned_positions * model.hidden_size
@@ -57,11 +51,11 @@ def stage_params_per_rank(model: ModelSpec, cfg: ParallelConfig, stage: int) -> 
     return n
 
 
-def lora_params_per_rank(model: ModelSpec, cfg: ParallelConfig, rank: int) -> float:
+def lora_params_per_rank(model: ModelConfig, cfg: ParallelConfig, rank: int) -> float:
     return model.num_layers / cfg.pp * model.lora_params_per_layer(rank) / cfg.tp
 
 
-def inflight_layers(model: ModelSpec, cfg: ParallelConfig, stage: int, schedule: str | None = None) -> float:
+def inflight_layers(model: ModelConfig, cfg: ParallelConfig, stage: int) -> float:
     """Layers' worth of micro-batch activations alive at the peak on ``stage``. GPipe runs every
     forward before any backward, so all m micro-batches are alive; 1F1B and ZB-H1 hold at most
     p − stage (ZB-H1 frees a micro-batch's activations after its W, which it schedules within the
@@ -69,7 +63,7 @@ def inflight_layers(model: ModelSpec, cfg: ParallelConfig, stage: int, schedule:
     p, v, m = cfg.pp, cfg.virtual_stages, cfg.num_microbatches
     if p == 1:
         return float(model.num_layers)  # gradient accumulation frees each micro-batch after its backward
-    if schedule == "gpipe":
+    if cfg.pipeline_schedule == "gpipe":
         return m * model.num_layers / p
     if v == 1:
         return min(m, p - stage) * model.num_layers / p
@@ -99,8 +93,7 @@ class MemoryBreakdown:
         return d
 
 
-def stage_memory(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, stage: int,
-                 schedule: str | None = None) -> MemoryBreakdown:
+def stage_memory(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, stage: int) -> MemoryBreakdown:
     params = stage_params_per_rank(model, cfg, stage)
     opt_bytes = train.optimizer_state_bytes / (cfg.dp if cfg.zero1 else 1)
     if train.finetune == "full":
@@ -111,19 +104,18 @@ def stage_memory(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, st
     act = layer_activations(model, seq=train.seq_length, micro_batch=cfg.micro_batch_size, tp=cfg.tp,
                             sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
                             flash_attention=train.flash_attention)
-    activations = inflight_layers(model, cfg, stage, schedule) * act.stored + act.recompute_peak
+    activations = inflight_layers(model, cfg, stage) * act.stored + act.recompute_peak
     logits = 0.0
     if stage == cfg.pp - 1:
         # 16-bit logits plus the fp32 copy the vocab-parallel cross-entropy works on, for one micro-batch.
-        logits = 6.0 * train.seq_length * cfg.micro_batch_size * padded_vocab(model, cfg.tp) / cfg.tp
+        logits = 6.0 * train.seq_length * cfg.micro_batch_size * model.padded_vocab(cfg.tp) / cfg.tp
     return MemoryBreakdown(stage, weights, grads, optim, activations, logits, float(RUNTIME_RESERVED_BYTES))
 
 
-def peak_memory(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig,
-                schedule: str | None = None) -> MemoryBreakdown:
+def peak_memory(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig) -> MemoryBreakdown:
     """The fullest stage: the first (most activations in flight) or the last (head and logits)."""
     stages = {0, cfg.pp - 1}
-    return max((stage_memory(model, train, cfg, s, schedule) for s in stages), key=lambda m: m.total)
+    return max((stage_memory(model, train, cfg, s) for s in stages), key=lambda m: m.total)
 
 
 def fits(mem: MemoryBreakdown, capacity_gib: float, margin: float = DEFAULT_MEMORY_MARGIN) -> bool:

@@ -8,13 +8,12 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tpkernels.parallel import RECOMPUTE_CHOICES, ParallelConfig
+from tpkernels.parallel import RECOMPUTE_CHOICES, SCHEDULES, ParallelConfig
 from tpkernels.planner.efficiency import Efficiency, calibrated_for
 from tpkernels.planner.estimate import Estimate, estimate, layout_errors
 from tpkernels.planner.hardware import ClusterSpec
 from tpkernels.planner.memory import DEFAULT_MEMORY_MARGIN
-from tpkernels.planner.models import ModelSpec
-from tpkernels.planner.step_time import PLANNER_SCHEDULES, default_schedule
+from tpkernels.description import ModelConfig
 from tpkernels.planner.workload import TrainingSetup
 
 MAX_MICRO_BATCH = 16
@@ -34,7 +33,7 @@ def rule_of(message: str) -> str:
 
 @dataclass
 class Plan:
-    model: ModelSpec
+    model: ModelConfig
     train: TrainingSetup
     cluster: ClusterSpec
     efficiency: Efficiency
@@ -49,7 +48,7 @@ class Plan:
         return self.ranked[0] if self.ranked else None
 
 
-def candidate_configs(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, fixed: dict | None = None):
+def candidate_configs(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, fixed: dict | None = None):
     """Yield every ParallelConfig of this job's search space (valid or not), honouring ``fixed``."""
     fixed = {k: v for k, v in (fixed or {}).items() if k != "schedule"}
     unknown = set(fixed) - set(FIXABLE)
@@ -81,37 +80,37 @@ def candidate_configs(model: ModelSpec, train: TrainingSetup, cluster: ClusterSp
                 yield ParallelConfig(tp, pp, dp, v, mbs, max(1, per_replica // mbs), sp, rc, z)
 
 
-def schedules_for(cfg: ParallelConfig, fixed: dict | None = None) -> list[str]:
-    """Pipeline schedules to score for ``cfg``: the fixed one, or 1F1B and ZB-H1 (GPipe has 1F1B's
-    bubble with m micro-batches of activations alive, so it is never the better choice), or
+def schedules_for(cfg: ParallelConfig, fixed: dict | None = None) -> list[ParallelConfig]:
+    """``cfg`` with each pipeline schedule worth scoring: the fixed one, or 1F1B and ZB-H1 (GPipe has
+    1F1B's bubble with m micro-batches of activations alive, so it is never the better choice), or
     interleaved with virtual stages."""
     if fixed and "schedule" in fixed:
-        return [fixed["schedule"]]
+        return [cfg.replace(schedule=fixed["schedule"])]
     if cfg.pp == 1:
-        return [default_schedule(cfg)]
-    return ["interleaved"] if cfg.virtual_stages > 1 else ["1f1b", "zb-h1"]
+        return [cfg]
+    return [cfg.replace(schedule=s) for s in (["interleaved"] if cfg.virtual_stages > 1 else ["1f1b", "zb-h1"])]
 
 
-def plan(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, eff: Efficiency | None = None,
+def plan(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, eff: Efficiency | None = None,
          fixed: dict | None = None, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Plan:
     """Score every valid configuration; keep per layout (TP, PP, DP) the fastest one that fits
     (virtual stages, micro-batch size, SP, recompute, ZeRO-1 and the schedule are that layout's
     knobs). ``eff`` defaults to the constants calibrated for the cluster's GPU generation."""
     eff = eff or calibrated_for(cluster.gpu)
-    if fixed and "schedule" in fixed and fixed["schedule"] not in PLANNER_SCHEDULES:
-        raise ValueError(f"schedule ({fixed['schedule']!r}) must be one of {', '.join(PLANNER_SCHEDULES)}")
+    if fixed and "schedule" in fixed and fixed["schedule"] not in SCHEDULES:
+        raise ValueError(f"schedule ({fixed['schedule']!r}) must be one of {', '.join(SCHEDULES)}")
     result = Plan(model, train, cluster, eff, [], fixed=dict(fixed or {}))
     best: dict[tuple, Estimate] = {}
     smallest: dict[tuple, Estimate] = {}
-    scored = ((cfg, sched) for cfg in candidate_configs(model, train, cluster, fixed)
-              for sched in schedules_for(cfg, fixed))
-    for cfg, sched in scored:
-        errs = layout_errors(model, train, cluster, cfg, sched)
+    scored = (with_schedule for cfg in candidate_configs(model, train, cluster, fixed)
+              for with_schedule in schedules_for(cfg, fixed))
+    for cfg in scored:
+        errs = layout_errors(model, train, cluster, cfg)
         if errs:
             for e in errs:
                 result.rejected[rule_of(e)] += 1
             continue
-        est = estimate(model, train, cluster, cfg, eff, memory_margin, sched)
+        est = estimate(model, train, cluster, cfg, eff, memory_margin)
         result.evaluated += 1
         key = (cfg.tp, cfg.pp, cfg.dp)
         if est.fits:
@@ -155,8 +154,8 @@ def parse_layout(text: str) -> dict:
                 raise ValueError(f"{key} ({value!r}) must be on or off")
             out[field_name] = value.lower() in _TRUE
         elif field_name == "schedule":
-            if value.lower() not in PLANNER_SCHEDULES:
-                raise ValueError(f"{key} ({value!r}) must be one of {', '.join(PLANNER_SCHEDULES)}")
+            if value.lower() not in SCHEDULES:
+                raise ValueError(f"{key} ({value!r}) must be one of {', '.join(SCHEDULES)}")
             out[field_name] = value.lower()
         elif field_name == "recompute":
             if value.lower() not in RECOMPUTE_CHOICES:
@@ -183,12 +182,12 @@ class Explanation:
     best: Estimate | None  # best layout overall
 
 
-def explain(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, layout: dict | str,
+def explain(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, layout: dict | str,
             eff: Efficiency | None = None, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Explanation:
     """Score the layout a user has in mind: unspecified knobs take their best value."""
     req = parse_layout(layout) if isinstance(layout, str) else dict(layout)
     label = layout if isinstance(layout, str) else ",".join(f"{k}={v}" for k, v in req.items())
-    cfg_fields = {k: v for k, v in req.items() if k != "schedule"}
+    cfg_fields = dict(req)
     tp, pp = req.get("tp", 1), req.get("pp", 1)
     if "dp" not in req and cluster.num_gpus % (tp * pp) == 0:
         cfg_fields["dp"] = cluster.num_gpus // (tp * pp)
@@ -196,18 +195,18 @@ def explain(model: ModelSpec, train: TrainingSetup, cluster: ClusterSpec, layout
     mbs = req.get("micro_batch_size", 1)
     m = train.global_batch // (dp * mbs) if train.global_batch % (dp * mbs) == 0 else 0
     probe = ParallelConfig(**{**cfg_fields, "num_microbatches": max(m, 1)})
-    errors = layout_errors(model, train, cluster, probe, req.get("schedule"))
+    errors = layout_errors(model, train, cluster, probe)
     if "dp" not in cfg_fields and not probe.layout_errors():
         errors = [e for e in errors if not e.startswith("world_size")]
-        errors.insert(0, f"world_size ({cluster.num_gpus}) must be divisible by tensor_parallel_size ({tp}) × "
-                         f"pipeline_parallel_size ({pp}) = {tp * pp}")
+        errors.insert(0, f"world_size ({cluster.num_gpus}) must be divisible by tp ({tp}) × "
+                         f"pp ({pp}) = {tp * pp}")
     if m == 0 and not any("global_batch_size" in e for e in errors):
         errors.append(f"global_batch_size ({train.global_batch}) must be divisible by micro_batch_size ({mbs}) × "
-                      f"data_parallel_size ({dp}) = {mbs * dp}")
+                      f"dp ({dp}) = {mbs * dp}")
     overall = plan(model, train, cluster, eff, memory_margin=memory_margin)
     if errors:
         return Explanation(req, label, errors, None, False, overall.best)
-    scoped = plan(model, train, cluster, eff, fixed=req if "schedule" in req else cfg_fields,
+    scoped = plan(model, train, cluster, eff, fixed=cfg_fields,
                   memory_margin=memory_margin)
     est = scoped.best or (scoped.too_big[0] if scoped.too_big else None)
     if est is None:  # every knob setting broke a rule (e.g. interleaving with an incompatible batch)

@@ -36,33 +36,17 @@ from tpkernels.planner.collectives import exposed_after_overlap, group_collectiv
 from tpkernels.planner.efficiency import Efficiency
 from tpkernels.planner.gemm_model import gemm_time, linear_time
 from tpkernels.planner.hardware import ClusterSpec
-from tpkernels.planner.memory import lora_params_per_rank, padded_vocab, stage_params_per_rank
-from tpkernels.planner.models import ModelSpec
+from tpkernels.planner.memory import lora_params_per_rank, stage_params_per_rank
+from tpkernels.description import ModelConfig
 from tpkernels.planner.pipeline_bubble import bubble_time
 from tpkernels.planner.workload import TrainingSetup
 
-PLANNER_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 # Non-GEMM kernels of one decoder layer, forward + backward, in our implementation: forward runs two
 # fused norms (each also adds a residual), rotary on q and k, the attention core, the MLP
 # activation and ~6 reshapes/copies around the GEMMs; backward runs each again with about twice the
 # kernels. Only Efficiency.kernel_launch_s (CPUs) makes this count matter.
 ELEMENTWISE_KERNELS_PER_LAYER = 36
 
-
-
-def default_schedule(cfg: ParallelConfig) -> str:
-    return "interleaved" if cfg.virtual_stages > 1 else "1f1b"
-
-
-def schedule_errors(cfg: ParallelConfig, schedule: str) -> list[str]:
-    if schedule not in PLANNER_SCHEDULES:
-        return [f"schedule ({schedule!r}) must be one of {', '.join(PLANNER_SCHEDULES)}"]
-    if cfg.virtual_stages > 1 and schedule != "interleaved":
-        return [f"schedule ({schedule!r}) cannot run virtual_stages ({cfg.virtual_stages}) > 1; "
-                "only 'interleaved' does"]
-    if cfg.virtual_stages == 1 and schedule == "interleaved" and cfg.pp > 1:
-        return ["schedule ('interleaved') needs virtual_stages > 1"]
-    return []
 
 
 @dataclass(frozen=True)
@@ -99,23 +83,13 @@ class StepTime:
         return d
 
 
-def weight_split_costs(model: ModelSpec, seq: int, micro_batch: int, tp: int,
-                       flash_attention: bool = True) -> tuple[float, float, float]:
-    """(F, B, W) of one layer and micro-batch in FLOPs on one TP rank: the ratios ZB-H1's order is
-    built for (tpkernels.pipeline.schedules.zb_h1). B is the input gradient (the linear layers'
-    dX GEMMs and the attention core's whole backward), W the linear layers' weight gradients."""
-    lin, core = model.forward_flops_per_layer(micro_batch, seq)
-    bwd_core = (2.5 if flash_attention else 2.0) * core
-    return (lin + core) / tp, (lin + bwd_core) / tp, lin / tp
-
-
-def _linear_shapes(model: ModelSpec, t: int) -> list[tuple[float, float]]:
+def _linear_shapes(model: ModelConfig, t: int) -> list[tuple[float, float]]:
     """(k, n) per TP rank of one layer's linear GEMMs: QKV, output projection, MLP up(+gate), down."""
     h, q, kv, f = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
     return [(h, (q + 2 * kv) / t), (q / t, h), (h, f * (model.mlp_matrices - 1) / t), (f / t, h)]
 
 
-def _attention_time(model: ModelSpec, train: TrainingSetup, b: int, s: int, t: int, cluster: ClusterSpec,
+def _attention_time(model: ModelConfig, train: TrainingSetup, b: int, s: int, t: int, cluster: ClusterSpec,
                     eff: Efficiency) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's attention core on one TP rank."""
     precision = "bf16" if train.precision == "fp8" else train.precision
@@ -129,7 +103,7 @@ def _attention_time(model: ModelSpec, train: TrainingSetup, b: int, s: int, t: i
     return fwd, 2.0 * fwd
 
 
-def _microbatch_time(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec,
+def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec,
                      eff: Efficiency, last_stage: bool) -> dict[str, float]:
     """Seconds of one micro-batch on one GPU of a stage: forward, input-gradient, weight-gradient."""
     t, b, s = cfg.tp, cfg.micro_batch_size, train.seq_length
@@ -147,7 +121,7 @@ def _microbatch_time(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig
     bwd_w = layers * lin_w
     linear_gemm = layers * (lin_f + lin_b + lin_w + (lin_f if cfg.recompute == "full" else 0.0))
     if last_stage:
-        vocab = padded_vocab(model, t) / t
+        vocab = model.padded_vocab(t) / t
         # The output layer stays in 16 bits under FP8 (TransformerEngine recipes keep it out of FP8).
         head_precision = "bf16" if train.precision == "fp8" else train.precision
         hf, hb, hw = linear_time(tokens, model.hidden_size, vocab, gpu, eff, head_precision,
@@ -162,7 +136,7 @@ def _microbatch_time(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig
         / (gpu.hbm_gbs * 1e9 * eff.hbm)
     elementwise += layers * ELEMENTWISE_KERNELS_PER_LAYER * passes / 3.0 * eff.kernel_launch_s
     if last_stage:
-        logits = tokens * padded_vocab(model, t) / t * train.activation_bytes
+        logits = tokens * model.padded_vocab(t) / t * train.activation_bytes
         elementwise += logits * eff.logit_traffic / (gpu.hbm_gbs * 1e9 * eff.hbm)
 
     tp_comm = tp_exposed = 0.0
@@ -203,7 +177,7 @@ def _microbatch_time(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig
             "p2p_one": p2p_one}
 
 
-def _dp_time(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec, eff: Efficiency,
+def _dp_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec, eff: Efficiency,
              slow: dict[str, float]) -> tuple[float, float, float]:
     """(total DP communication, exposed part, trained parameters per rank) of one step."""
     trained = max(stage_params_per_rank(model, cfg, 0), stage_params_per_rank(model, cfg, cfg.pp - 1))
@@ -227,12 +201,13 @@ def _dp_time(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, cluste
     return grads + weights, grads_exposed + weights_exposed, trained
 
 
-def step_time(model: ModelSpec, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec,
-              eff: Efficiency, schedule: str | None = None) -> StepTime:
-    schedule = schedule or default_schedule(cfg)
-    errs = schedule_errors(cfg, schedule)
+def step_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec,
+              eff: Efficiency) -> StepTime:
+    """The step time of ``cfg`` run with its pipeline schedule (``cfg.pipeline_schedule``)."""
+    errs = cfg.schedule_errors()
     if errs:
         raise ValueError(errs[0])
+    schedule = cfg.pipeline_schedule
     m, p, v = cfg.num_microbatches, cfg.pp, cfg.virtual_stages
     stages = [_microbatch_time(model, train, cfg, cluster, eff, last_stage=True)]
     if p > 1:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tpkernels.description.source import FINETUNE_CHOICES
+
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 OPTIMIZERS = ("adam", "sgd")
-FINETUNE = ("full", "lora")
+FINETUNE = FINETUNE_CHOICES  # the model section's (tpkernels.description.source)
 
 
 @dataclass(frozen=True)

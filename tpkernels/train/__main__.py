@@ -4,4 +4,5 @@ import sys
 
 from tpkernels.train.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # --nproc's spawned ranks import this module again (as __mp_main__)
+    sys.exit(main())

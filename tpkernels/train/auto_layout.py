@@ -21,28 +21,29 @@ def plan_layout(cfg: TrainConfig, world: int):
     """(the planner's best Estimate, its Plan) for ``cfg`` on ``world`` ranks of this machine's device."""
     from tpkernels.planner import ClusterSpec, TrainingSetup, calibrated_for, gpu_preset, plan  # noqa: PLC0415
     from tpkernels.planner.measure import calibrate, measure, preset_for_device  # noqa: PLC0415
-    from tpkernels.train.trainer import model_config  # noqa: PLC0415
 
-    spec = model_config(cfg).to_spec(cfg.seq_length)
-    gb = cfg.global_batch or cfg.micro_batch_size * cfg.num_microbatches * world
-    precision = {"fp16": "fp16", "bf16": "bf16"}.get(cfg.precision, "bf16" if torch.cuda.is_available() else "fp32")
+    spec = cfg.model_config()
+    seq, pc = cfg.data.seq_length, cfg.parallel
+    gb = cfg.training.global_batch or pc.micro_batch_size * pc.num_microbatches * world
+    precision = {"fp16": "fp16", "bf16": "bf16"}.get(cfg.training.precision,
+                                                     "bf16" if torch.cuda.is_available() else "fp32")
     # our trainer: bucketed DP gradient overlap (overlap_dp), torch's ZeRO-1 (weights gathered after
     # the step), blocking P2P
-    train = TrainingSetup(gb, cfg.seq_length, precision=precision, finetune=cfg.finetune, lora_rank=cfg.lora_rank,
-                          overlap_grad_reduce=cfg.overlap_dp)
+    train = TrainingSetup(gb, seq, precision=precision, finetune=cfg.model.finetune, lora_rank=cfg.model.lora_rank,
+                          overlap_grad_reduce=pc.overlap_dp)
     eff = None
     if torch.cuda.is_available():
         gpu = preset_for_device(torch.cuda.get_device_name())
         if gpu is None:
             raise ValueError(f"layout auto: the planner has no preset for {torch.cuda.get_device_name()!r}; "
-                             "give tp/pp/dp by hand or add the GPU to tpkernels.planner.hardware")
+                             "give parallel.tp/pp/dp by hand or add the GPU to tpkernels.planner.hardware")
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8)))
         cluster = ClusterSpec(gpu, gpus_per_node=per_node, nodes=max(1, world // per_node))
         eff = calibrated_for(gpu)
     else:  # a CPU box: the planner runs on the rates measured here
         cluster = ClusterSpec(gpu_preset("A100-80GB"), gpus_per_node=world, nodes=1)
         cluster, eff, _ = calibrate(cluster, calibrated_for(cluster.gpu),
-                                    measure(spec, train, micro_batch_size=cfg.micro_batch_size))
+                                    measure(spec, train, micro_batch_size=pc.micro_batch_size))
     p = plan(spec, train, cluster, eff)
     if p.best is None:
         from tpkernels.planner.report import no_fit_message  # noqa: PLC0415
@@ -51,16 +52,16 @@ def plan_layout(cfg: TrainConfig, world: int):
     return p.best, p
 
 
+# what the planner does not choose: the user's (or the default) communication knobs stay
+_KEPT = ("overlap_comm", "overlap_dp", "bucket_mb")
+
+
 def apply_plan(cfg: TrainConfig, best) -> TrainConfig:
-    """``cfg`` with the planner's layout."""
-    c = best.config
-    return dataclasses.replace(
-        cfg, layout="manual", tp=c.tp, pp=c.pp, dp=c.dp, virtual_stages=c.virtual_stages,
-        micro_batch_size=c.micro_batch_size, num_microbatches=c.num_microbatches,
-        sequence_parallel=c.sequence_parallel, recompute=c.recompute, zero1=c.zero1,
-        schedule=best.time.schedule if c.pp > 1 else cfg.schedule,
-        predicted={"step_s": best.step_time, "bubble": best.bubble_fraction, "comm_ratio": best.time.comm_ratio,
-                   "layout": c.short()})
+    """``cfg`` with the planner's layout as its ``parallel`` section."""
+    parallel = best.config.replace(**{f: getattr(cfg.parallel, f) for f in _KEPT})
+    return dataclasses.replace(cfg, layout="manual", parallel=parallel,
+                               predicted={"step_s": best.step_time, "bubble": best.bubble_fraction,
+                                          "comm_ratio": best.time.comm_ratio, "layout": parallel.short()})
 
 
 def explain(p) -> str:

@@ -31,6 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from tpkernels.models import ParallelTransformer
+from tpkernels.models.lora import apply_lora, lora_parts, lora_shapes, merge_lora_
+from tpkernels.parallel.param_tags import tag_of
+from tpkernels.train.config import TrainConfig
+
 KINDS = ("model", "exp_avg", "exp_avg_sq")
 _SEP = "::"
 
@@ -49,8 +54,6 @@ def _parse(key: str):
 
 def rectangles(model):
     """(param, local row slice, hf name, rows, cols | None) for every piece of every parameter."""
-    from tpkernels.models.lora import lora_parts, lora_shapes  # noqa: PLC0415
-
     shapes = {k: v for c in model.chunks for k, v in c.shapes().items()}
     shapes.update(lora_shapes(model))
     params = dict(model.named_parameters())
@@ -66,6 +69,11 @@ def rectangles(model):
             n = rows[1] - rows[0]
             yield p, slice(off, off + n), part.name, rows, cols
             off += n
+
+
+def local_optimizer(optimizer):
+    """The optimizer that holds this rank's states: ZeRO-1's local shard, or the optimizer itself."""
+    return getattr(optimizer, "optim", optimizer)
 
 
 def _barrier():
@@ -116,8 +124,11 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of:
     _barrier()
     sd: dict[str, torch.Tensor] = {}
     opt_step = 0.0
-    optimizer = getattr(optimizer, "optim", optimizer)  # ZeRO-1: the states this rank holds
+    optimizer = local_optimizer(optimizer)
     for p, sl, name, rows, cols in rectangles(model):
+        t = tag_of(p)
+        if t is not None and t.tied == "copy":
+            continue  # the tied head's copy of the embedding: the first stage writes those rectangles
         p = master_of.get(id(p), p)
         sd[_key("model", name, rows, cols)] = p.detach()[sl]
         st = optimizer.state.get(p, {})
@@ -167,7 +178,7 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
             kind, name, r, c = _parse(key)
             stored.setdefault((kind, name), []).append((r, c, key, tuple(tmd.size)))
     want: dict[str, torch.Tensor] = {"optim::step": torch.zeros((), dtype=torch.float64)}
-    optimizer = getattr(optimizer, "optim", optimizer)  # ZeRO-1: only this rank's share gets states
+    optimizer = local_optimizer(optimizer)
     owned = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer is not None else set()
     jobs = []
     has_moments = optimizer is not None and any(k[0] == "exp_avg" for k in stored)
@@ -234,23 +245,16 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
 def export_hf(path: str | Path, out: str | Path) -> Path:
     """Write the weights of checkpoint ``path`` as a Hugging Face folder (config.json + safetensors)
     that ``transformers`` loads; in one process, on the CPU."""
-    from tpkernels.models import ParallelTransformer  # noqa: PLC0415
-    from tpkernels.train.config import TrainConfig  # noqa: PLC0415
-    from tpkernels.train.trainer import model_config  # noqa: PLC0415
-
     path = Path(path)
     if not (path / "meta.json").is_file():
         found = latest(path)
         if found is None:
             raise ValueError(f"{str(path)!r} is neither a checkpoint nor a folder of complete checkpoints")
         path = found
-    meta = json.loads((path / "meta.json").read_text())
-    cfg = TrainConfig(**{k: v for k, v in meta["config"].items() if k in TrainConfig.__dataclass_fields__})
-    model = ParallelTransformer(model_config(cfg), None, init=None)
-    if cfg.finetune == "lora":
-        from tpkernels.models.lora import apply_lora, merge_lora_  # noqa: PLC0415
-
-        apply_lora(model, cfg.lora_rank, cfg.lora_alpha)
+    cfg = config_of(json.loads((path / "meta.json").read_text()))
+    model = ParallelTransformer(cfg.model_config(), None, init=None)
+    if cfg.model.finetune == "lora":
+        apply_lora(model, cfg.model.lora_rank, cfg.model.lora_alpha)
         load(path, model)
         merge_lora_(model)  # the merged weights: base + alpha/r · B·A
     else:
@@ -258,4 +262,10 @@ def export_hf(path: str | Path, out: str | Path) -> Path:
     return model.save_hf(out)
 
 
-__all__ = ["export_hf", "latest", "load", "rectangles", "save"]
+def config_of(meta: dict) -> TrainConfig:
+    """The TrainConfig a checkpoint was saved with (its meta.json; older checkpoints stored it flat)."""
+    values = {k: v for k, v in meta["config"].items() if k != "predicted"}
+    return TrainConfig.from_values(values)
+
+
+__all__ = ["config_of", "export_hf", "latest", "load", "local_optimizer", "rectangles", "save"]

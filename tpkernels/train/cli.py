@@ -1,9 +1,12 @@
-"""``tpkernels train``: run a TrainConfig under torchrun, or spawn ``--nproc`` gloo ranks itself.
+"""``tpkernels train``: run a TrainConfig under torchrun, or launch ``--nproc`` local ranks itself.
 
     tpkernels train --config run.yaml                       # one process
-    tpkernels train --config run.yaml --nproc 4 --tp 2 --pp 2 --sequence-parallel true
+    tpkernels train --config run.yaml --nproc 4 --parallel.tp 2 --parallel.pp 2 --parallel.sequence_parallel
     torchrun --nproc-per-node 8 -m tpkernels.train --config run.yaml
     tpkernels train --config run.yaml --dry-run             # validate and print the plan only
+
+``--nproc`` goes through torch's elastic launcher (:mod:`tpkernels.train.launch`), the same code
+path as ``torchrun --standalone``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ def add_parser(sub) -> None:
 
 def add_arguments(p) -> None:
     p.add_argument("--config", help="YAML or TOML file of TrainConfig keys (flags override it)")
-    p.add_argument("--nproc", type=int, default=None, help="spawn this many gloo ranks (a machine without GPUs)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="launch this many local ranks (torch's elastic launcher; gloo without GPUs)")
     p.add_argument("--dry-run", action="store_true", help="validate the config and layout, print them, do not train")
     p.add_argument("--verify-step0", action="store_true",
                    help="with --nproc: check step 0's loss against the single-process model on the same batch")
@@ -36,14 +40,11 @@ def _summary(history: list[dict]) -> str:
 
 
 def dry_run(cfg: TrainConfig, world: int) -> str:
-    from tpkernels.train.trainer import model_config, parallel_config  # noqa: PLC0415
-
-    mc = model_config(cfg)
-    pc = parallel_config(cfg, world)
-    pc.validate(world_size=world, **mc.layout_rules(cfg.seq_length))
-    spec = mc.to_spec(cfg.seq_length)
-    return (f"model: {spec.describe()}\nlayout: {pc.short()} on {world} rank(s), schedule {cfg.schedule}, "
-            f"global batch {pc.global_batch_size} × {cfg.seq_length} tokens\nconfig: {cfg.dumps()}")
+    mc = cfg.model_config()
+    cfg.parallel.validate(world_size=world, key_prefix="parallel.", **mc.layout_rules(cfg.data.seq_length))
+    pc = cfg.parallel_config(world)
+    return (f"model: {mc.describe()}\nlayout: {pc.short()} on {world} rank(s), schedule {pc.pipeline_schedule}, "
+            f"global batch {pc.global_batch_size} × {cfg.data.seq_length} tokens\nconfig: {cfg.dumps()}")
 
 
 def single_process_loss(cfg: TrainConfig, dp: int) -> float:
@@ -54,14 +55,16 @@ def single_process_loss(cfg: TrainConfig, dp: int) -> float:
     from tpkernels.models import next_token_targets  # noqa: PLC0415
     from tpkernels.train.trainer import Trainer  # noqa: PLC0415
 
-    one = dataclasses.replace(cfg, tp=1, pp=1, dp=1, virtual_stages=1, sequence_parallel=False,
-                              num_microbatches=cfg.num_microbatches * dp, save_dir=None, steps=1)
+    one = dataclasses.replace(
+        cfg, parallel=cfg.parallel.replace(tp=1, pp=1, dp=1, virtual_stages=1, sequence_parallel=False, schedule=None,
+                                           num_microbatches=cfg.parallel.num_microbatches * dp),
+        checkpoint=dataclasses.replace(cfg.checkpoint, save_dir=None))
     trainer = Trainer(one)
     ids, pos = trainer.data.batch(0, trainer.pc.global_batch_size)
     return trainer.model.evaluate(ids, next_token_targets(ids, pos), position_ids=pos)
 
 
-def prediction_report(predicted: dict, history: list[dict], trainer) -> str:
+def prediction_report(predicted: dict, history: list[dict]) -> str:
     steps = history[1:] or history
     measured = sorted(h["step_s"] for h in steps)[len(steps) // 2]
     bubble = sorted(h["bubble"] for h in steps)[len(steps) // 2]
@@ -71,8 +74,8 @@ def prediction_report(predicted: dict, history: list[dict], trainer) -> str:
             f"comm/compute {100 * predicted['comm_ratio']:.0f}% vs {100 * comm:.0f}% (worst rank, exposed TP)")
 
 
-def rank_main(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
-    """What each rank runs (also the --nproc workers)."""
+def rank_main(cfg: TrainConfig) -> list[dict]:
+    """What each rank runs, under torchrun or the ``--nproc`` launcher: train, report on rank 0."""
     from tpkernels.train.trainer import Trainer  # noqa: PLC0415
 
     trainer = Trainer(cfg)
@@ -80,37 +83,41 @@ def rank_main(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     if trainer.is_logger and history:
         print(f"{trainer.pc.short()}: {_summary(history)} (vs {trainer.peak_label})", flush=True)
         if cfg.predicted:
-            print(prediction_report(cfg.predicted, history, trainer), flush=True)
+            print(prediction_report(cfg.predicted, history), flush=True)
     return history
 
 
+def _world(args) -> int:
+    return args.nproc or int(os.environ.get("WORLD_SIZE", 1))
+
+
 def run(args) -> int:
-    cfg = TrainConfig.load(args.config, flag_values(args))
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc ({args.nproc}) must be a positive integer")
+    cfg = TrainConfig.load(args.config, flag_values(args), text_overrides=True)
     if cfg.layout == "auto":
         from tpkernels.train.auto_layout import apply_plan, explain, plan_layout  # noqa: PLC0415
 
-        world = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
-        best, p = plan_layout(cfg, world)
+        best, p = plan_layout(cfg, _world(args))
         cfg = apply_plan(cfg, best)
         if int(os.environ.get("RANK", 0)) == 0:
             print(explain(p), flush=True)
     if args.dry_run:
-        world = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
-        print(dry_run(cfg, world))
+        print(dry_run(cfg, _world(args)))
         return 0
     if args.nproc:
-        from tpkernels.parallel.local_ranks import run_on_ranks  # noqa: PLC0415
-        from tpkernels.train.trainer import parallel_config  # noqa: PLC0415
+        from tpkernels.train.launch import launch  # noqa: PLC0415
 
-        history = run_on_ranks(rank_main, args.nproc, cfg, timeout=3600)[0]
+        dry_run(cfg, args.nproc)  # the layout's errors here, once, before any rank starts
+        history = launch(rank_main, args.nproc, cfg)[0]
         if args.verify_step0:
-            want = single_process_loss(cfg, parallel_config(cfg, args.nproc).dp)
+            pc = cfg.parallel_config(args.nproc)
+            want = single_process_loss(cfg, pc.dp)
             got = history[0]["loss"]
-            ok = abs(got - want) <= 1e-5 * max(1.0, abs(want)) if cfg.precision == "fp32" else \
+            ok = abs(got - want) <= 1e-5 * max(1.0, abs(want)) if cfg.training.precision == "fp32" else \
                 abs(got - want) <= 2e-2 * abs(want)
-            print(f"step 0 loss {got:.6f} at {parallel_config(cfg, args.nproc).short()} vs {want:.6f} from the "
-                  f"single-process model on the same batch: {'equal' if ok else 'DIFFERENT'} "
-                  f"(|difference| {abs(got - want):.1e})")
+            print(f"step 0 loss {got:.6f} at {pc.short()} vs {want:.6f} from the single-process model on the same "
+                  f"batch: {'equal' if ok else 'DIFFERENT'} (|difference| {abs(got - want):.1e})")
             if not ok:
                 return 1
         return 0
@@ -123,25 +130,34 @@ def run(args) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
         try:
-            rank_main(dist.get_rank(), dist.get_world_size(), cfg)
+            rank_main(cfg)
         finally:
             dist.destroy_process_group()
         return 0
-    rank_main(0, 1, cfg)
+    rank_main(cfg)
     return 0
+
+
+def run_reporting_errors(args) -> int:
+    """:func:`run`, with a bad config or layout as one line naming the rule (exit 2) and a failed rank
+    as one line naming it (exit 1), not a traceback."""
+    from tpkernels.parallel.config import ParallelConfigError  # noqa: PLC0415
+    from tpkernels.train.launch import LaunchError  # noqa: PLC0415
+
+    try:
+        return run(args)
+    except (ValueError, ParallelConfigError) as e:
+        print(f"tpkernels train: error: {e}", file=sys.stderr)
+        return 2
+    except LaunchError as e:
+        print(f"tpkernels train: error: {e}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m tpkernels.train``: the same arguments and errors as ``tpkernels train``."""
     import argparse  # noqa: PLC0415
 
-    from tpkernels.parallel.config import ParallelConfigError  # noqa: PLC0415
-
     ap = argparse.ArgumentParser(prog="python -m tpkernels.train", description=__doc__.split("\n\n")[0])
     add_arguments(ap)
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        return run(args)
-    except (ValueError, ParallelConfigError) as e:
-        print(f"tpkernels train: error: {e}", file=sys.stderr)
-        return 2
+    return run_reporting_errors(ap.parse_args(sys.argv[1:] if argv is None else argv))

@@ -1,12 +1,17 @@
-"""TrainConfig: every setting of a training run, from a YAML or TOML file and/or command-line flags.
+"""TrainConfig: every setting of a training run, in sections, from a YAML or TOML file and/or flags.
 
-    tpkernels train --config run.yaml --tp 2 --pp 2 --steps 20      # a flag beats the file
-    TrainConfig.load("run.toml", overrides={"lr": 1e-4})
+    tpkernels train --config run.yaml --parallel.tp 2 --parallel.pp 2 --training.steps 20   # a flag beats the file
+    tpkernels train --config run.yaml --tp 2 --pp 2 --steps 20                             # the short aliases
+    TrainConfig.load("run.toml", overrides={"optimizer.lr": 1e-4})
 
-Every field is a key of the file and a flag (``--micro-batch-size`` for ``micro_batch_size``).
-The model is a planner preset (``Llama-3-8B``), a Hugging Face ``config.json`` / checkpoint
-folder (``init_from`` loads its weights), with shape overrides (``layers``, ``hidden``, …) for
-small runs.
+The sections, as torchtitan's job config has them: ``model`` (a preset or a Hugging Face config
+with shape overrides: :class:`~tpkernels.description.source.ModelSection`, the ``model`` section of
+``tpkernels plan`` too), ``parallel`` (the :class:`~tpkernels.parallel.ParallelConfig` itself),
+``training``, ``optimizer``, ``data``, ``checkpoint``, ``logging``; plus ``layout`` (manual or
+auto) at the top. A file holds them nested (``parallel: {tp: 2}``) or dotted (``parallel.tp: 2``).
+Every key of the old flat files (``tp``, ``steps``, ``save_dir``, …) is an alias: a file that uses
+one is read with a note naming the real key, and each is a short flag (``--tp``). Keys, types and
+allowed values are checked when the config is read (:mod:`tpkernels.options`).
 """
 
 from __future__ import annotations
@@ -17,122 +22,152 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-NOT_FLAGS = ("predicted",)  # set by the job itself (layout auto), not by users
+from tpkernels import options
+from tpkernels.description import ModelConfig
+from tpkernels.description.source import ModelSection
+from tpkernels.options import opt, section
+from tpkernels.parallel.config import ParallelConfig
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+LAYOUTS = ("manual", "auto")
 
 
-@dataclass
+@dataclass(frozen=True)
+class TrainingSection:
+    steps: int = opt(10, "the schedule's length (the learning rate decays over it)")
+    stop_at_step: int | None = opt(None, "end this run early, e.g. to resume later (default: steps)")
+    seed: int = opt(0, "seed of the initial weights and of the data")
+    precision: str = opt("fp32", "fp32, bf16 (fp32 masters and accumulation) or fp16 (+ loss scaling)", PRECISIONS)
+    initial_loss_scale: float = opt(65536.0, "fp16: the dynamic loss scale's start (halved on overflow)")
+    global_batch: int | None = opt(None, "layout auto: sequences per step (default: the config's at pure DP)")
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    lr: float = opt(3e-4, "peak learning rate (AdamW)")
+    min_lr: float = opt(3e-5, "learning rate at the end of the cosine decay")
+    warmup_steps: int = opt(0, "linear warm-up steps")
+    weight_decay: float = opt(0.1, "AdamW weight decay (not on biases and norms)")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    adam_eps: float = opt(1e-8, "AdamW epsilon")
+    clip_grad: float = opt(1.0, "clip the global gradient norm to this; 0: no clipping")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    source: str = opt("random", "random tokens, or a text file / folder of .txt files")
+    tokenizer: str | None = opt(None, "a tokenizers JSON or Hugging Face tokenizer folder (default: byte-level)")
+    seq_length: int = opt(128, "tokens per sequence")
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    save_dir: str | None = opt(None, "checkpoints go to save_dir/step_XXXXXXXX (DCP, reshardable)")
+    save_every: int = opt(0, "steps between checkpoints (0: only at the end)")
+    resume: bool = opt(True, "start from the latest complete checkpoint in save_dir, if any")
+    async_save: bool = opt(False, "write checkpoints in the background while training goes on")
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    log_every: int = opt(1, "steps between progress-bar updates")
+    progress: bool = opt(True, "a progress bar on rank 0")
+    metrics_file: str | None = opt(None, "a JSON line per step (rank 0)")
+    trace: str | None = opt(None, "a Perfetto trace (Chrome JSON) of step trace_step: pipeline + TP spans")
+    trace_step: int = opt(1, "the step the trace records")
+
+
+def _parallel_default() -> ParallelConfig:
+    return ParallelConfig(dp=None)  # dp: what the world size leaves
+
+
+@dataclass(frozen=True)
 class TrainConfig:
-    # ---- model ----
-    model: str = "Llama-2-7B"          # planner preset or HF config.json / checkpoint folder
-    init_from: str | None = None       # HF checkpoint folder whose weights to start from
-    layers: int | None = None          # shape overrides of the model (small runs, tests)
-    hidden: int | None = None
-    heads: int | None = None
-    kv_heads: int | None = None
-    ffn: int | None = None
-    vocab: int | None = None
-    finetune: str = "full"             # "full", or "lora": adapters on the TP linears, base weights frozen
-    lora_rank: int = 16
-    lora_alpha: float | None = None    # default 2 · lora_rank
-    # ---- layout ----
-    layout: str = "manual"             # "manual" (the keys below) or "auto" (the planner picks them)
-    global_batch: int | None = None    # layout auto: sequences per step (default: the config's at pure DP)
-    tp: int = 1
-    pp: int = 1
-    dp: int | None = None              # default: world size / (tp · pp)
-    virtual_stages: int = 1
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    overlap_comm: bool = True
-    recompute: str = "none"            # "none", "selective" (attention core) or "full" (whole layer)
-    zero1: bool = False                # shard AdamW's states over DP (torch's ZeroRedundancyOptimizer)
-    overlap_dp: bool = True            # DP gradient all-reduce in buckets during the backward
-    bucket_mb: float = 25.0            # DP bucket size
-    # ---- batch ----
-    seq_length: int = 128
-    micro_batch_size: int = 1
-    num_microbatches: int = 1          # per DP replica per step
-    # ---- optimisation ----
-    steps: int = 10                    # the schedule's length (the LR decays over it)
-    stop_at_step: int | None = None    # end this run early, e.g. to resume later (default: steps)
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup_steps: int = 0
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0             # global gradient norm; 0 = no clipping
-    seed: int = 0
-    precision: str = "fp32"            # "fp32", "bf16" (fp32 masters and accumulation), "fp16" (+ loss scaling)
-    initial_loss_scale: float = 65536.0  # fp16: the dynamic loss scale's start (halved on overflow)
-    # ---- data ----
-    data: str = "random"               # "random" tokens, or a text file / folder of .txt files
-    tokenizer: str | None = None       # a tokenizers JSON or HF tokenizer folder (default: byte-level)
-    # ---- checkpoints ----
-    save_dir: str | None = None        # checkpoints go to save_dir/step_XXXXXXXX (DCP, reshardable)
-    save_every: int = 0                # steps between checkpoints (0: only at the end)
-    resume: bool = True                # start from the latest complete checkpoint in save_dir, if any
-    async_save: bool = False           # write checkpoints in the background while training goes on
-    # ---- logging ----
-    log_every: int = 1
-    progress: bool = True              # a progress bar on rank 0
-    metrics_file: str | None = None    # a JSON line per step (rank 0)
-    trace: str | None = None           # a Perfetto trace (Chrome JSON) of step ``trace_step``: pipeline + TP spans
-    trace_step: int = 1
-    predicted: dict | None = None      # set by layout auto: the planner's step time, bubble, comm ratio
+    layout: str = opt("manual", "manual (the parallel section) or auto (the planner picks it)", LAYOUTS)
+    model: ModelSection = section(ModelSection, "the model: a preset or a Hugging Face config, with overrides")
+    parallel: ParallelConfig = section(_parallel_default, "the layout (tpkernels.parallel.ParallelConfig)")
+    training: TrainingSection = section(TrainingSection, "steps, seed, precision")
+    optimizer: OptimizerSection = section(OptimizerSection, "AdamW and its schedule")
+    data: DataSection = section(DataSection, "tokens")
+    checkpoint: CheckpointSection = section(CheckpointSection, "checkpoints")
+    logging: LoggingSection = section(LoggingSection, "progress, metrics, traces")
+    # set by the job itself (layout auto: the planner's step time, bubble, comm ratio), not a key
+    predicted: dict | None = dataclasses.field(default=None, metadata={"internal": True})
 
     # ---- derived ----
-    def global_batch_size(self, dp: int) -> int:
-        return self.micro_batch_size * self.num_microbatches * dp
+    def model_config(self) -> ModelConfig:
+        """The model of this run (refused if ``tpkernels.models`` cannot build it), its position table
+        at least ``data.seq_length`` long."""
+        mc = self.model.config()
+        if mc.max_position_embeddings < self.data.seq_length:
+            mc = mc.replace(max_position_embeddings=self.data.seq_length)
+        return mc
+
+    def parallel_config(self, world: int) -> ParallelConfig:
+        """The layout on ``world`` ranks (``dp`` none: what the world size leaves)."""
+        return self.parallel.for_world(world)
+
+    def with_values(self, values: dict) -> "TrainConfig":
+        """This config with ``values`` (dotted keys or aliases, typed) on top, checked as a file's are."""
+        return TrainConfig.from_values(values, base=self)
 
     def errors(self) -> list[str]:
+        """Every rule the values break, naming the keys (the world-size rules wait for the world)."""
+        t, o, d, c, lg = self.training, self.optimizer, self.data, self.checkpoint, self.logging
         errs = []
-        if not isinstance(self.save_every, int) or self.save_every < 0:
-            errs.append(f"save_every ({self.save_every!r}) must be an integer >= 0")
-        for f in ("steps", "seq_length", "micro_batch_size", "num_microbatches", "log_every"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                errs.append(f"{f} ({v!r}) must be a positive integer")
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            errs.append(f"precision ({self.precision!r}) must be one of fp32, bf16, fp16")
-        if self.layout not in ("manual", "auto"):
-            errs.append(f"layout ({self.layout!r}) must be 'manual' or 'auto'")
-        if self.finetune not in ("full", "lora"):
-            errs.append(f"finetune ({self.finetune!r}) must be 'full' or 'lora'")
-        if self.schedule not in SCHEDULES:
-            errs.append(f"schedule ({self.schedule!r}) must be one of {', '.join(SCHEDULES)}")
+        for path, v in (("training.steps", t.steps), ("data.seq_length", d.seq_length),
+                        ("logging.log_every", lg.log_every), ("logging.trace_step", lg.trace_step)):
+            if v < 1:
+                errs.append(f"{path} ({v}) must be a positive integer")
+        if c.save_every < 0:
+            errs.append(f"checkpoint.save_every ({c.save_every}) must be an integer >= 0")
+        if t.stop_at_step is not None and t.stop_at_step < 0:
+            errs.append(f"training.stop_at_step ({t.stop_at_step}) must be >= 0 or none")
+        if t.global_batch is not None and t.global_batch < 1:
+            errs.append(f"training.global_batch ({t.global_batch}) must be a positive integer or none")
+        if not t.initial_loss_scale > 0:
+            errs.append(f"training.initial_loss_scale ({t.initial_loss_scale}) must be > 0")
         for f in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
-            v = getattr(self, f)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                errs.append(f"{f} ({v!r}) must be a finite number >= 0")
-        if self.min_lr > self.lr:
-            errs.append(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
-        if not 0 <= self.warmup_steps <= self.steps:
-            errs.append(f"warmup_steps ({self.warmup_steps}) must be in [0, steps ({self.steps})]")
+            v = getattr(o, f)
+            if not math.isfinite(v) or v < 0:
+                errs.append(f"optimizer.{f} ({v!r}) must be a finite number >= 0")
+        if o.min_lr > o.lr:
+            errs.append(f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")
+        if not 0 <= o.warmup_steps <= t.steps:
+            errs.append(f"optimizer.warmup_steps ({o.warmup_steps}) must be in [0, training.steps ({t.steps})]")
         for f in ("beta1", "beta2"):
-            if not 0 <= getattr(self, f) < 1:
-                errs.append(f"{f} ({getattr(self, f)}) must be in [0, 1)")
+            if not 0 <= getattr(o, f) < 1:
+                errs.append(f"optimizer.{f} ({getattr(o, f)}) must be in [0, 1)")
+        errs += self.model.errors("model.")
+        errs += self.parallel.layout_errors("parallel.")
         return errs
 
-    # ---- loading ----
-    @classmethod
-    def load(cls, path: str | Path | None = None, overrides: dict | None = None) -> "TrainConfig":
-        """From a YAML (.yaml/.yml) or TOML (.toml) file, then ``overrides`` (flags) on top."""
-        values: dict = {}
-        if path is not None:
-            values.update(read_config_file(path))
-        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; known: {', '.join(sorted(names))}")
-        cfg = cls(**values)
-        errs = cfg.errors()
+    def check(self) -> "TrainConfig":
+        errs = self.errors()
         if errs:
             raise ValueError("invalid training config:\n  - " + "\n  - ".join(errs))
-        return cfg
+        return self
+
+    # ---- reading ----
+    @classmethod
+    def from_values(cls, values: dict, *, text: bool = False, base: "TrainConfig | None" = None,
+                    where: str | None = None) -> "TrainConfig":
+        """A config from a mapping (nested or dotted keys, or the aliases) over ``base`` (default: the
+        defaults); ``text``: values are command-line text; ``where``: the file they came from."""
+        flat = options.flatten(_old_sections(values), cls)
+        flat = options.resolve_aliases(flat, ALIASES, where=where)
+        return options.build(cls, flat, text=text, base=base).check()
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict | None = None, *,
+             text_overrides: bool = False) -> "TrainConfig":
+        """From a YAML (.yaml/.yml) or TOML (.toml) file, then ``overrides`` (flags) on top."""
+        base = cls()
+        if path is not None:
+            base = cls.from_values(options.read_file(path, "config"), where=str(path))
+        given = {k: v for k, v in (overrides or {}).items() if v is not None}
+        return cls.from_values(given, text=text_overrides, base=base) if given else base.check()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -141,51 +176,40 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=1)
 
 
-def read_config_file(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config ({str(path)!r}) does not exist")
-    text = path.read_text()
-    if path.suffix == ".toml":
-        import tomllib  # noqa: PLC0415
+def _old_sections(values: dict) -> dict:
+    """Old flat files named the model and the data by a string (``model: Llama-3-8B``, ``data: corpus.txt``),
+    where the sections now are: read them as ``model.name`` / ``data.source``."""
+    out = dict(values)
+    for key, leaf in (("model", "name"), ("data", "source")):
+        if isinstance(out.get(key), str):
+            out[f"{key}.{leaf}"] = out.pop(key)
+    return out
 
-        data = tomllib.loads(text)
-    elif path.suffix in (".yaml", ".yml"):
-        import yaml  # noqa: PLC0415
 
-        data = yaml.safe_load(text) or {}
-    else:
-        raise ValueError(f"config ({str(path)!r}) must be a .yaml, .yml or .toml file")
-    if not isinstance(data, dict):
-        raise ValueError(f"config ({str(path)!r}) must hold a mapping of keys to values")
-    return {k.replace("-", "_"): v for k, v in data.items()}
+# The old flat keys (and short flags) -> the real keys.
+ALIASES: dict[str, str] = {
+    **{k: f"model.{k}" for k in ("init_from", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "finetune",
+                                 "lora_rank", "lora_alpha", "drop_dropout")},
+    "hf_config": "model.name",
+    **{f.name: f"parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)},
+    **{f.name: f"training.{f.name}" for f in dataclasses.fields(TrainingSection)},
+    **{f.name: f"optimizer.{f.name}" for f in dataclasses.fields(OptimizerSection)},
+    "tokenizer": "data.tokenizer", "seq_length": "data.seq_length", "seq_len": "data.seq_length",
+    **{f.name: f"checkpoint.{f.name}" for f in dataclasses.fields(CheckpointSection)},
+    **{f.name: f"logging.{f.name}" for f in dataclasses.fields(LoggingSection)},
+}
+# flags only (a file's `model:` / `data:` is its section, or the old string: see _old_sections)
+FLAG_ALIASES = {**ALIASES, "model": "model.name", "data": "data.source"}
 
 
 def add_flags(parser) -> None:
-    """One flag per TrainConfig field (``--micro-batch-size``), default None (= the file's or the field's)."""
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in NOT_FLAGS:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = f.type if isinstance(f.type, str) else f.type.__name__
-        if "bool" in kind:
-            parser.add_argument(flag, dest=f.name, type=_bool, default=None, metavar="true|false")
-        elif "int" in kind and "float" not in kind:
-            parser.add_argument(flag, dest=f.name, type=int, default=None)
-        elif "float" in kind:
-            parser.add_argument(flag, dest=f.name, type=float, default=None)
-        else:
-            parser.add_argument(flag, dest=f.name, default=None)
-
-
-def _bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false, got {s!r}")
+    """``--<section>.<key>`` for every key, and the short aliases (``--tp``, ``--steps``, ``--model``)."""
+    options.add_flags(parser, TrainConfig, FLAG_ALIASES)
 
 
 def flag_values(args) -> dict:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-            if f.name not in NOT_FLAGS and getattr(args, f.name, None) is not None}
+    return options.flag_values(args, TrainConfig)
+
+
+__all__ = ["ALIASES", "CheckpointSection", "DataSection", "LAYOUTS", "LoggingSection", "OptimizerSection",
+           "PRECISIONS", "TrainConfig", "TrainingSection", "add_flags", "flag_values"]

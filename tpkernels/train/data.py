@@ -1,6 +1,6 @@
 """Training data: the global batch of step k, the same at every layout, sharded over DP.
 
-    data = make_data(cfg, vocab_size)
+    data = make_data(source, seq, seed, vocab_size, tokenizer)   # "random" or a text file / folder
     ids, position_ids = data.batch(step, global_batch)      # (global_batch, seq), on the CPU
     mine = rows_of_dp_rank(ids, dp_rank, dp)
 

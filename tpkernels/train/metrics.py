@@ -9,7 +9,7 @@ the fp32 GEMM rate this rank measures at start-up (a 1024³ matmul), so CPU MFU 
 
 Communication/compute: the TP transfers of the step (``CommTrace`` spans of every GEMM-comm op)
 that no GEMM hid, over the rest of the step; the worst rank's is reported (one all-reduce of one
-number), and above 30% the run warns to lower tensor_parallel_size, as practitioners do. The
+number), and above 30% the run warns to lower parallel.tp, as practitioners do. The
 bubble is this rank's idle share of its pipeline actions' span (the timeline of the runtime).
 """
 

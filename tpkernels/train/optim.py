@@ -1,14 +1,19 @@
 """Optimizer, learning-rate schedule and global-norm gradient clipping for a TP × PP × DP model.
 
-The global gradient norm counts every parameter of the whole model exactly once:
+The global gradient norm counts every parameter of the whole model exactly once, by its TP tag
+(:mod:`tpkernels.parallel.param_tags`, set where the parameter was made):
 
-* TP-sharded parameters (column/row-parallel weights, column biases, vocabulary tables, the
-  head) hold different slices on each TP rank: their squares are summed over the TP group;
-* TP-replicated parameters (norms, row-parallel biases, learned positions) are equal on every TP
+* TP-split parameters (column/row-parallel weights, column biases, vocabulary tables, the
+  head, LoRA's split factor) hold different slices on each TP rank: their squares are summed
+  over the TP group;
+* replicated parameters (norms, row-parallel biases, learned positions) are equal on every TP
   rank after ``finish_grad_sync``: counted on one of them (weight 1/TP before the TP sum);
-* replicated KV rows (TP > KV heads) are equal on the TP/KV ranks sharing a head: weight KV/TP;
+* replicated KV rows (TP > KV heads) are equal on the ``kv_replicas`` ranks sharing a head:
+  weight 1/kv_replicas;
 * the tied head's copy on the last stage is the embedding's gradient again: weight 0;
 * stages hold different layers: summed over the PP group; DP replicas are equal: counted once.
+
+A parameter without a tag is an error (it would be counted wrong without a word).
 
 AdamW is torch's (``foreach`` on the CPU, ``fused`` on CUDA); biases, norms and other 1-D
 parameters get no weight decay. The schedule is linear warm-up then cosine decay to ``min_lr``.
@@ -22,49 +27,26 @@ import torch
 import torch.distributed as dist
 
 from tpkernels.models.grad_sync import grad_of
-from tpkernels.models.head import LMHead
-from tpkernels.models.lora import LoRA
-from tpkernels.models.mlp import MLP
-from tpkernels.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from tpkernels.nn.vocab_parallel import VocabParallelEmbedding
 from tpkernels.parallel.groups import group_rank_size
+from tpkernels.parallel.param_tags import tag_of
 
 
-def tp_sharded_params(model: torch.nn.Module) -> set[int]:
-    """ids of the parameters whose TP ranks hold different slices."""
-    ids = set()
-    for m in model.modules():
-        if isinstance(m, ColumnParallelLinear):
-            ids |= {id(p) for p in (m.weight, m.bias) if p is not None}
-        elif isinstance(m, RowParallelLinear):
-            ids.add(id(m.weight))
-        elif isinstance(m, VocabParallelEmbedding):
-            ids.add(id(m.weight))
-        elif isinstance(m, LMHead):
-            ids.add(id(m.weight))
-        elif isinstance(m, MLP) and getattr(m, "up_bias", None) is not None:
-            ids.add(id(m.up_bias))
-        elif isinstance(m, LoRA):  # the factor split like the base weight
-            ids.add(id(m.B) if m.column else id(m.A))
-    return ids
-
-
-def global_grad_norm(model, tp_group=None, pp_group=None, kv_replicas: int = 1) -> torch.Tensor:
+def global_grad_norm(model, tp_group=None, pp_group=None) -> torch.Tensor:
     """The L2 norm of the whole model's gradient (see the module docstring), on every rank; fp32."""
     _, tp = group_rank_size(tp_group)
-    sharded = tp_sharded_params(model)
-    params = [p for p in model.parameters() if grad_of(p) is not None]
-    device = grad_of(params[0]).device if params else torch.device("cpu")
+    named = [(n, p) for n, p in model.named_parameters() if grad_of(p) is not None]
+    device = grad_of(named[0][1]).device if named else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for p in params:
+    for name, p in named:
+        t = tag_of(p, required=True, name=name)
         g = grad_of(p).double()
-        if getattr(p, "tied_copy", False):
+        if t.tied == "copy":
             continue
-        if id(p) not in sharded:
+        if t.split_dim is None:
             total += g.square().sum() / tp
-        elif hasattr(p, "kv_replica_rows") and kv_replicas > 1:
-            lo, hi = p.kv_replica_rows
-            total += g[:lo].square().sum() + g[lo:hi].square().sum() / kv_replicas + g[hi:].square().sum()
+        elif t.kv_replica_rows is not None and t.kv_replicas > 1:
+            lo, hi = t.kv_replica_rows
+            total += g[:lo].square().sum() + g[lo:hi].square().sum() / t.kv_replicas + g[hi:].square().sum()
         else:
             total += g.square().sum()
     for group in (tp_group, pp_group):
@@ -106,11 +88,6 @@ def make_optimizer(params, lr: float, weight_decay: float, betas: tuple[float, f
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group, lr=lr,
                                        betas=betas, eps=eps, **kw)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kw)
-
-
-def local_optimizer(optimizer):
-    """The optimizer that holds this rank's states (ZeRO-1's local shard, or the optimizer itself)."""
-    return getattr(optimizer, "optim", optimizer)
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:

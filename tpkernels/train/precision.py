@@ -46,14 +46,15 @@ class MixedPrecision:
             p.main_grad.zero_()
             p.grad = None
 
-    def found_inf(self, groups) -> bool:
-        """Whether any rank's gradients hold inf/NaN (one all-reduce per group)."""
+    def found_inf(self, group=None) -> bool:
+        """Whether any rank's gradients hold inf/NaN: one all-reduce over ``group``, by default the whole
+        world (every TP, PP and DP rank), so that every rank skips the step together and the loss
+        scales never drift apart."""
         flag = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
         for p in self.params:
             flag = torch.maximum(flag, (~torch.isfinite(p.main_grad)).any().float())
-        for g in groups:
-            if g is not None and dist.is_initialized() and dist.get_world_size(g) > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag)
 
     def unscale_(self) -> None:

@@ -1,12 +1,14 @@
 """The training loop: ``Trainer(cfg).train()``; ``tpkernels train`` calls it.
 
-    trainer = Trainer(TrainConfig(model="Llama-2-7B", layers=4, hidden=256, tp=2, pp=2, steps=50))
-    history = trainer.train()       # [{"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s"}, ...]
+    cfg = TrainConfig.from_values({"model.name": "Llama-2-7B", "model.layers": 4, "model.hidden": 256,
+                                   "parallel.tp": 2, "parallel.pp": 2, "training.steps": 50})
+    history = Trainer(cfg).train()  # [{"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s"}, ...]
 
 One step: this replica's rows of the global batch through ``model.step`` (the pipeline schedule
-over ``num_microbatches`` micro-batches), ``finish_grad_sync`` (SP, replicated KV, tied
-embeddings, DP mean), the global gradient norm and clipping, AdamW, the next learning rate. The
-loss reported is the mean over the global batch (averaged over DP: one 8-byte all-reduce).
+over ``num_microbatches`` micro-batches), the DP average (:class:`DataParallelGradReduce`,
+overlapped with the backward by default), ``finish_grad_sync`` (SP, replicated KV, tied
+embeddings), the global gradient norm and clipping, AdamW, the next learning rate. The loss
+reported is the mean over the global batch (averaged over DP: one 8-byte all-reduce).
 """
 
 from __future__ import annotations
@@ -18,15 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tpkernels.models import ModelConfig, ParallelTransformer, next_token_targets
+from tpkernels.models import ParallelTransformer, next_token_targets
+from tpkernels.models.grad_sync import DataParallelGradReduce
 from tpkernels.models.lora import apply_lora
-from tpkernels.parallel.config import ParallelConfig
 from tpkernels.parallel.state import ParallelState
 from tpkernels.train import checkpoint
 from tpkernels.train.config import TrainConfig
 from tpkernels.train.data import make_data, rows_of_dp_rank
 from tpkernels.train.failures import RankLostError, lost_ranks
-from tpkernels.train.dp_overlap import OverlappedGradReduce
 from tpkernels.parallel.trace import CommTrace
 from tpkernels.train.metrics import (
     COMM_WARN,
@@ -41,78 +42,56 @@ from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_opt
 from tpkernels.train.precision import DTYPES, MixedPrecision
 
 
-def model_config(cfg: TrainConfig) -> ModelConfig:
-    """The model of ``cfg``: a preset or a Hugging Face config, with the shape overrides applied."""
-    src = cfg.init_from or cfg.model
-    mc = ModelConfig.from_hf(src) if ModelConfig.is_checkpoint_dir(src) or str(src).endswith(".json") \
-        else ModelConfig.from_preset(src)
-    overrides = {"num_layers": cfg.layers, "hidden_size": cfg.hidden, "num_attention_heads": cfg.heads,
-                 "num_kv_heads": cfg.kv_heads, "ffn_hidden_size": cfg.ffn, "vocab_size": cfg.vocab}
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    if cfg.init_from and overrides:
-        raise ValueError(f"shape overrides {sorted(overrides)} cannot change a model loaded from init_from "
-                         f"({cfg.init_from!r})")
-    if overrides.get("hidden_size") and "num_attention_heads" in overrides and mc.head_dim:
-        overrides["head_dim"] = None
-    mc = mc.replace(**overrides)
-    if mc.max_position_embeddings < cfg.seq_length:
-        mc = mc.replace(max_position_embeddings=cfg.seq_length)
-    return mc
-
-
-def parallel_config(cfg: TrainConfig, world: int) -> ParallelConfig:
-    dp = cfg.dp if cfg.dp is not None else max(1, world // (cfg.tp * cfg.pp))
-    return ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=dp, virtual_stages=cfg.virtual_stages,
-                          micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
-                          sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute, zero1=cfg.zero1)
-
-
 class Trainer:
     """Builds the layout, the model, the optimizer and the data of ``cfg`` (collective: every rank)."""
 
     def __init__(self, cfg: TrainConfig, *, device: torch.device | None = None):
-        self.cfg = cfg
+        self.cfg = cfg.check()
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.mc = model_config(cfg)
-        self.pc = parallel_config(cfg, world)
-        self.state = ParallelState.create(self.pc, **self.mc.layout_rules(cfg.seq_length))
+        self.mc = cfg.model_config()
+        seq = cfg.data.seq_length
+        cfg.parallel.validate(world_size=world, key_prefix="parallel.", **self.mc.layout_rules(seq))
+        self.pc = cfg.parallel_config(world)
+        self.state = ParallelState.create(self.pc, key_prefix="parallel.", **self.mc.layout_rules(seq))
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                  else torch.device("cpu"))
-        dtype = DTYPES[cfg.precision]
-        if cfg.init_from:
-            self.model = ParallelTransformer.from_hf(cfg.init_from, self.state, config=self.mc, device=self.device,
-                                                     overlap_comm=cfg.overlap_comm, dtype=dtype)
+        dtype = DTYPES[cfg.training.precision]
+        if cfg.model.init_from:
+            self.model = ParallelTransformer.from_hf(cfg.model.init_from, self.state, config=self.mc,
+                                                     device=self.device, overlap_comm=self.pc.overlap_comm,
+                                                     dtype=dtype)
         else:
-            self.model = ParallelTransformer(self.mc, self.state, seed=cfg.seed, device=self.device,
-                                             overlap_comm=cfg.overlap_comm, dtype=dtype)
-        self.lora_layers = apply_lora(self.model, cfg.lora_rank, cfg.lora_alpha) if cfg.finetune == "lora" else []
-        self.mp = MixedPrecision(self.model, dtype, init_scale=cfg.initial_loss_scale) \
+            self.model = ParallelTransformer(self.mc, self.state, seed=cfg.training.seed, device=self.device,
+                                             overlap_comm=self.pc.overlap_comm, dtype=dtype)
+        ms, opt = cfg.model, cfg.optimizer
+        self.lora_layers = apply_lora(self.model, ms.lora_rank, ms.lora_alpha) if ms.finetune == "lora" else []
+        self.mp = MixedPrecision(self.model, dtype, init_scale=cfg.training.initial_loss_scale) \
             if dtype != torch.float32 else None
         params = self.mp.masters if self.mp else list(self.model.parameters())
-        self.optimizer = make_optimizer(params, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.adam_eps,
+        self.optimizer = make_optimizer(params, opt.lr, opt.weight_decay, (opt.beta1, opt.beta2), opt.adam_eps,
                                         zero1_group=self.state.dp_group if self.pc.zero1 else None)
         self.master_of = self.mp.master_of if self.mp else {}
         # registered after MixedPrecision's hooks: it sees the fp32 main_grad already accumulated
-        self.dp_reduce = OverlappedGradReduce(list(self.model.parameters()), self.state.dp_group,
-                                              cfg.bucket_mb) if self.pc.dp > 1 and cfg.overlap_dp else None
-        self.data = make_data(cfg.data, cfg.seq_length, cfg.seed, self.mc.vocab_size, cfg.tokenizer)
+        self.dp_reduce = DataParallelGradReduce(list(self.model.parameters()), self.state.dp_group,
+                                                self.pc.bucket_mb, overlap=self.pc.overlap_dp) \
+            if self.pc.dp > 1 else None
+        self.data = make_data(cfg.data.source, seq, cfg.training.seed, self.mc.vocab_size, cfg.data.tokenizer)
         loss_fn = None
         if self.mp is not None and self.mp.scaling:  # fp16: backward of the scaled loss
             loss_fn = lambda y, t: self.model.head.loss(y, t) * self.mp.scale  # noqa: E731
-        self.runtime = self.model.pipeline(cfg.schedule, cfg.num_microbatches, loss_fn=loss_fn,
-                                           seq_length=cfg.seq_length)
-        self.kv_replicas = max(1, self.pc.tp // self.mc.kv_heads)
+        self.runtime = self.model.pipeline(self.pc.pipeline_schedule, self.pc.num_microbatches, loss_fn=loss_fn,
+                                           seq_length=seq)
         self.step_index = 0
         self.history: list[dict] = []
         self.resumed_from = None
-        self.step_flops = self.mc.to_spec(cfg.seq_length).model_flops_per_step(self.pc.global_batch_size,
-                                                                               cfg.seq_length)
+        self.step_flops = self.mc.model_flops_per_step(self.pc.global_batch_size, seq)
         self.peak, self.peak_label = peak_flops(self.device)
-        self.metrics = MetricsFile(cfg.metrics_file if self.state.rank == 0 else None)
+        self.metrics = MetricsFile(cfg.logging.metrics_file if self.state.rank == 0 else None)
         self._warned = False
         self._pending, self._ckpt_group = None, None
-        if cfg.save_dir and cfg.resume:
-            path = checkpoint.latest(cfg.save_dir)
+        ck = cfg.checkpoint
+        if ck.save_dir and ck.resume:
+            path = checkpoint.latest(ck.save_dir)
             if path is not None:
                 meta = checkpoint.load(path, self.model, self.optimizer, self.master_of)
                 self.step_index, self.resumed_from = int(meta["step"]), path
@@ -120,19 +99,20 @@ class Trainer:
                     self.mp.load_state_dict(meta["loss_scale"])
 
     def save(self) -> Path:
-        """A checkpoint of the steps done so far under ``cfg.save_dir`` (collective). With ``async_save``
+        """A checkpoint of the steps done so far under ``checkpoint.save_dir`` (collective). With ``async_save``
         it is written in the background and completed at the next save or at the end of ``train``."""
         self.finish_saving()
         meta = {"config": self.cfg.to_dict(), "layout": self.pc.short(), "model": self.mc.name or self.mc.model_type}
         if self.mp is not None:
             meta["loss_scale"] = self.mp.state_dict()
-        if self.cfg.async_save:
+        if self.cfg.checkpoint.async_save:
             if self._ckpt_group is None and dist.is_initialized():
                 self._ckpt_group = dist.new_group(backend="gloo")
-            self._pending = checkpoint.save(self.cfg.save_dir, self.model, self.optimizer, self.step_index, meta,
-                                            self.master_of, asynchronous=True, async_group=self._ckpt_group)
+            self._pending = checkpoint.save(self.cfg.checkpoint.save_dir, self.model, self.optimizer, self.step_index,
+                                            meta, self.master_of, asynchronous=True, async_group=self._ckpt_group)
             return self._pending.final
-        return checkpoint.save(self.cfg.save_dir, self.model, self.optimizer, self.step_index, meta, self.master_of)
+        return checkpoint.save(self.cfg.checkpoint.save_dir, self.model, self.optimizer, self.step_index, meta,
+                               self.master_of)
 
     def finish_saving(self) -> Path | None:
         """Complete an asynchronous save in flight (collective); its path, or None."""
@@ -151,7 +131,8 @@ class Trainer:
             lost = lost_ranks()
             if not lost:
                 raise
-            last = checkpoint.latest(self.cfg.save_dir) if self.cfg.save_dir else None
+            save_dir = self.cfg.checkpoint.save_dir
+            last = checkpoint.latest(save_dir) if save_dir else None
             raise RankLostError(f"rank(s) {lost} stopped responding during step {self.step_index} "
                                 f"({self.pc.short()}); the last complete checkpoint is {last or 'none'}: restart the "
                                 f"job to resume from it ({type(e).__name__}: {str(e)[:200]})", lost) from e
@@ -164,7 +145,7 @@ class Trainer:
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, events)
         if self.is_logger:
-            write_trace(self.cfg.trace, every)
+            write_trace(self.cfg.logging.trace, every)
 
     @property
     def is_logger(self) -> bool:
@@ -177,9 +158,10 @@ class Trainer:
         ids, pos = self.data.batch(self.step_index, gb)
         ids, pos = rows_of_dp_rank(ids, st.dp_rank, self.pc.dp), rows_of_dp_rank(pos, st.dp_rank, self.pc.dp)
         target = next_token_targets(ids, pos)
-        ids, target = ids.to(self.device), target.to(self.device)
-        pos = pos.to(self.device) if pos is not None else None
-        lr = lr_at(self.step_index, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+        # ids, positions and targets stay on the host: the model checks them there once for the step
+        # (no device sync) and moves them to the device itself
+        opt = cfg.optimizer
+        lr = lr_at(self.step_index, opt.lr, opt.min_lr, opt.warmup_steps, cfg.training.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         mp = self.mp
@@ -188,7 +170,7 @@ class Trainer:
         else:
             self.model.zero_grad(set_to_none=True)
         if self.dp_reduce is not None:
-            self.dp_reduce.start(cfg.num_microbatches)
+            self.dp_reduce.start(self.pc.num_microbatches)
         t_step = time.perf_counter()
         with CommTrace() as tr:
             loss = self.model.step(ids if st.is_first_stage else None, target, position_ids=pos,
@@ -197,22 +179,21 @@ class Trainer:
                             device=self.device)  # NCCL reduces device tensors only
         if dist.is_initialized() and dist.get_world_size() > 1:  # the worst rank's
             dist.all_reduce(comm, op=dist.ReduceOp.MAX)
-        if cfg.trace and self.step_index == cfg.trace_step:
+        if cfg.logging.trace and self.step_index == cfg.logging.trace_step:
             self._write_trace(tr)
         if self.dp_reduce is not None:
             self.dp_reduce.finish()
-        self.model.finish_grad_sync(reduce_dp=self.dp_reduce is None)
+        self.model.finish_grad_sync(reduce_dp=False)
         skipped = False
         if mp is not None and mp.scaling:
             loss /= mp.scale
-            skipped = mp.found_inf([None])  # every rank skips together
+            skipped = mp.found_inf()  # agreed over the whole world: every rank skips together
             mp.update_scale(skipped)
             if not skipped:
                 mp.unscale_()
         norm = float("nan")
         if not skipped:
-            norm = clip_grads_(self.model, cfg.clip_grad,
-                               global_grad_norm(self.model, st.tp_group, st.pp_group, self.kv_replicas))
+            norm = clip_grads_(self.model, opt.clip_grad, global_grad_norm(self.model, st.tp_group, st.pp_group))
             if mp is not None:
                 mp.step(self.optimizer)
             else:
@@ -222,18 +203,18 @@ class Trainer:
             dist.all_reduce(t, group=st.dp_group)
             loss = t.item() / self.pc.dp
         if not math.isfinite(loss):  # every rank has the same loss (the pipeline and DP share it): all stop
-            last = checkpoint.latest(cfg.save_dir) if cfg.save_dir else None
+            last = checkpoint.latest(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else None
             raise FloatingPointError(f"loss is {loss} at step {self.step_index} ({self.pc.short()}); last good "
                                      f"checkpoint: {last or 'none'}; lower lr (now {lr:.3g}) or enable clip_grad")
         dt = time.perf_counter() - t0
         rec = {"step": self.step_index, "loss": loss, "lr": lr, "grad_norm": norm, "step_s": dt,
-               "tokens_per_s": gb * cfg.seq_length / dt, "skipped": skipped,
+               "tokens_per_s": gb * cfg.data.seq_length / dt, "skipped": skipped,
                "mfu": self.step_flops / (dt * self.pc.world_size * self.peak),
                "comm_ratio": float(comm), "bubble": idle_share(self.runtime.timeline)}
         if rec["comm_ratio"] > COMM_WARN and not self._warned and self.is_logger:
             self._warned = True
             print(f"warning: communication/compute {100 * rec['comm_ratio']:.0f}% > {100 * COMM_WARN:.0f}% on the "
-                  f"worst rank at {self.pc.short()}: lower tensor_parallel_size ({self.pc.tp})", flush=True)
+                  f"worst rank at {self.pc.short()}: lower parallel.tp ({self.pc.tp})", flush=True)
         if mp is not None and mp.scaling:
             rec["loss_scale"] = mp.scale
         self.metrics.write({**rec, "layout": self.pc.short(), "mfu_vs": self.peak_label})
@@ -243,26 +224,28 @@ class Trainer:
 
     def train(self) -> list[dict]:
         cfg = self.cfg
+        steps, ck = cfg.training.steps, cfg.checkpoint
         bar = None
-        if self.is_logger and cfg.progress:
+        if self.is_logger and cfg.logging.progress:
             from tqdm import tqdm  # noqa: PLC0415
 
-            bar = tqdm(total=cfg.steps, initial=self.step_index, desc=f"train {self.pc.short()}", unit="step")
-        last = cfg.steps if cfg.stop_at_step is None else min(cfg.steps, cfg.stop_at_step)
+            bar = tqdm(total=steps, initial=self.step_index, desc=f"train {self.pc.short()}", unit="step")
+        stop = cfg.training.stop_at_step
+        last = steps if stop is None else min(steps, stop)
         while self.step_index < last:
             rec = self._guarded_step()
-            if cfg.save_dir and cfg.save_every and self.step_index % cfg.save_every == 0:
+            if ck.save_dir and ck.save_every and self.step_index % ck.save_every == 0:
                 self.save()
             if bar is not None:
                 bar.update(1)
-                if rec["step"] % cfg.log_every == 0 or self.step_index == cfg.steps:
+                if rec["step"] % cfg.logging.log_every == 0 or self.step_index == steps:
                     bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",
                                     tok_s=f"{rec['tokens_per_s']:.0f}", step_s=f"{rec['step_s']:.3f}",
                                     mfu=f"{100 * rec['mfu']:.1f}%", comm=f"{100 * rec['comm_ratio']:.0f}%",
                                     bubble=f"{100 * rec['bubble']:.0f}%")
         if bar is not None:
             bar.close()
-        if cfg.save_dir and not (cfg.save_every and self.step_index % cfg.save_every == 0) and \
+        if ck.save_dir and not (ck.save_every and self.step_index % ck.save_every == 0) and \
                 (self.history or self.resumed_from is None):
             self.save()
         self.finish_saving()
@@ -275,14 +258,14 @@ def out_of_memory_advice(trainer: "Trainer", err: Exception) -> str:
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     options = []
     if pc.recompute != "full":
-        options.append(f"recompute={'selective' if pc.recompute == 'none' else 'full'} (now {pc.recompute})")
-    options.append(f"more pipeline stages (pp={pc.pp})")
+        options.append(f"parallel.recompute={'selective' if pc.recompute == 'none' else 'full'} (now {pc.recompute})")
+    options.append(f"more pipeline stages (parallel.pp={pc.pp})")
     if not pc.zero1 and pc.dp > 1:
-        options.append("zero1=true")
+        options.append("parallel.zero1=true")
     if pc.micro_batch_size > 1:
-        options.append(f"a smaller micro_batch_size (now {pc.micro_batch_size}, with more micro-batches)")
-    if cfg.finetune == "full":
-        options.append("finetune=lora")
+        options.append(f"a smaller parallel.micro_batch_size (now {pc.micro_batch_size}, with more micro-batches)")
+    if cfg.model.finetune == "full":
+        options.append("model.finetune=lora")
     return (f"rank {st.rank} (pipeline stage {st.pp_rank} of {pc.pp}, {pc.short()}) ran out of memory at step "
             f"{trainer.step_index}: {first_line}. Try: {'; '.join(options)}. `tpkernels plan` predicts each "
             "layout's memory per GPU.")

@@ -34,12 +34,12 @@ TFLOP/s against the GPU's dense 16-bit peak: benchmarks/bench_attention.py repor
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from tpkernels import env_vars
 from tpkernels.kernels import reference
 from tpkernels.kernels.triton.occupancy import program_target
 
@@ -573,7 +573,7 @@ def _launch(role: str, grid_of, args: tuple, headdim: int, device: torch.device,
     """Launch kernel ``role`` with an explicit config, the default one, or the autotuner (GPU)."""
     kernel = _KERNELS[role]
     choices = [config] if config is not None else configs_for(role, headdim, device)
-    if len(choices) == 1 or os.environ.get(AUTOTUNE_ENV, "1") == "0":
+    if len(choices) == 1 or not env_vars.read(AUTOTUNE_ENV):
         bm, bn, warps, stages = choices[0]
         kernel[grid_of({"BLOCK_M": bm, "BLOCK_N": bn})](*args, **consts, BLOCK_M=bm, BLOCK_N=bn,
                                                         num_warps=warps, num_stages=stages)

@@ -1,0 +1,89 @@
+"""``--nproc N``: N ranks on this machine through torch's elastic launcher, the code path of
+``torchrun --standalone --nproc-per-node N`` (c10d rendezvous on a free local port, restarts and
+failure handling by torch's agent), called as a library
+(``torch.distributed.launcher.api.elastic_launch``) so that rank 0's return value comes back.
+
+    histories = launch(rank_fn, 4, cfg)      # rank_fn(cfg) on 4 ranks; their return values by rank
+
+Each worker joins the process group from the launcher's environment (``env://``: gloo without
+GPUs, NCCL with one GPU per rank), runs ``fn`` and returns its value; a rank that raises ends its
+process, the agent stops the others at once, and :class:`LaunchError` carries the first failure's
+rank and message. There is no time cap: a run takes as long as it takes (collectives keep their
+process-group timeout).
+
+Teardown: torch + gloo may abort at interpreter exit after a successful run ("terminate called
+without an active exception"), which the agent would report as a failed rank although every
+value had come back. A worker whose function returned therefore leaves with ``os._exit(0)`` from
+an ``atexit`` hook, after torch's wrapper has delivered the value (a failed one with its code).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import uuid
+
+_DONE = {"ok": False}
+
+
+class LaunchError(RuntimeError):
+    """A rank of a ``--nproc`` run failed. ``rank``, ``message``: the first failure."""
+
+    def __init__(self, rank: int, message: str):
+        self.rank, self.message = rank, message
+        super().__init__(f"rank {rank} failed: {message}")
+
+
+def _leave() -> None:
+    os._exit(0 if _DONE["ok"] else 1)
+
+
+def worker(fn, pg_timeout_s: float, *args):
+    """One rank: join the group (torchrun's environment), run ``fn(*args)``, return its value."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    atexit.register(_leave)
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        torch.set_num_threads(1)  # what torchrun's OMP_NUM_THREADS=1 default gives each rank
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout_s))
+    out = fn(*args)
+    _DONE["ok"] = True
+    return out
+
+
+def launch(fn, nproc: int, *args, pg_timeout_s: float = 1800.0, max_restarts: int = 0) -> list:
+    """``fn(*args)`` on ``nproc`` local ranks (module-level ``fn``, picklable ``args``); returns the values
+    by rank. Raises :class:`LaunchError` naming the first rank that failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: PLC0415
+
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"nproc ({nproc!r}) must be a positive integer")
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tpk-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
+                          monitor_interval=0.1, start_method="spawn")
+    try:
+        out = elastic_launch(config, worker)(fn, pg_timeout_s, *args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise LaunchError(rank, _message(failure)) from None
+    return [out[r] for r in range(nproc)]
+
+
+def _message(failure) -> str:
+    """The failed rank's exception (its last traceback line), or how it died."""
+    msg = failure.message
+    if isinstance(msg, dict):
+        msg = msg.get("message", "") or ""
+    text = str(msg).strip()
+    if not text or text.startswith("To enable traceback") or "exitcode" in text and "Signal" in text:
+        return f"exited with code {failure.exitcode} ({failure.signal_name() if failure.exitcode < 0 else 'error'})"
+    return text.splitlines()[-1] if "Traceback" in text else text
+
+
+__all__ = ["LaunchError", "launch", "worker"]
