@@ -149,10 +149,12 @@ def ours_step_fn(rank, world, args, **layout):
     from tpkernels.models import next_token_targets
     from tpkernels.train import TrainConfig, Trainer
 
-    cfg = TrainConfig(model="Llama-2-7B", layers=args.layers, hidden=args.hidden, heads=args.heads,
-                      kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab, seq_length=args.seq,
-                      micro_batch_size=args.mbs, num_microbatches=args.m, progress=False,
-                      **{"tp": TP, "pp": PP, "sequence_parallel": True, **layout})
+    cfg = TrainConfig.from_values({
+        "model": {"name": "Llama-2-7B", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                  "kv_heads": args.kv_heads, "ffn": args.ffn, "vocab": args.vocab},
+        "data": {"seq_length": args.seq}, "logging": {"progress": False},
+        "parallel": {"micro_batch_size": args.mbs, "num_microbatches": args.m, "tp": TP, "pp": PP,
+                     "sequence_parallel": True, **layout}})
     trainer = Trainer(cfg)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.mbs * args.m, args.seq), generator=g)

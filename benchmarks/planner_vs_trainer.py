@@ -31,7 +31,7 @@ from common import print_table, write_csv  # noqa: E402
 
 from tpkernels.parallel import ParallelConfig  # noqa: E402
 from tpkernels.parallel.local_ranks import run_on_ranks  # noqa: E402
-from tpkernels.planner import ClusterSpec, ModelSpec, TrainingSetup, calibrated_for, estimate, gpu_preset  # noqa: E402
+from tpkernels.planner import ClusterSpec, ModelConfig, TrainingSetup, calibrated_for, estimate, gpu_preset  # noqa: E402
 from tpkernels.planner.measure import calibrate, measure  # noqa: E402
 
 LAYOUTS = [(tp, pp, sched) for pp in (1, 2) for tp in (1, 2, 4) for sched in (("1f1b", "zb-h1") if pp > 1 else ("1f1b",))]
@@ -40,17 +40,19 @@ LAYOUTS = [(tp, pp, sched) for pp in (1, 2) for tp in (1, 2, 4) for sched in (("
 def train_worker(rank: int, world: int, cfg: dict) -> float:
     from tpkernels.train import TrainConfig, Trainer  # noqa: PLC0415
 
-    history = Trainer(TrainConfig(**cfg)).train()
+    history = Trainer(TrainConfig.from_values(cfg)).train()
     times = [h["step_s"] for h in history[2:]]
     return statistics.median(times)
 
 
 def train_config(args, tp: int, pp: int, schedule: str) -> dict:
-    return dict(model="Llama-2-7B", layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.heads,
-                ffn=args.ffn, vocab=args.vocab, tp=tp, pp=pp, dp=1, sequence_parallel=tp > 1, schedule=schedule,
-                seq_length=args.seq, micro_batch_size=args.mbs, num_microbatches=args.microbatches,
-                steps=args.steps, progress=False, log_every=10**6, precision="fp32" if not torch.cuda.is_available()
-                else "bf16")
+    return {"model": {"name": "Llama-2-7B", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                      "kv_heads": args.heads, "ffn": args.ffn, "vocab": args.vocab},
+            "parallel": {"tp": tp, "pp": pp, "dp": 1, "sequence_parallel": tp > 1, "schedule": schedule,
+                         "micro_batch_size": args.mbs, "num_microbatches": args.microbatches},
+            "data": {"seq_length": args.seq},
+            "training": {"steps": args.steps, "precision": "fp32" if not torch.cuda.is_available() else "bf16"},
+            "logging": {"progress": False, "log_every": 10**6}}
 
 
 def main() -> None:
@@ -66,8 +68,8 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     args = ap.parse_args()
     on_gpu = torch.cuda.is_available()
-    spec = ModelSpec("bench-llama", args.layers, args.hidden, args.heads, args.ffn, args.vocab,
-                     num_kv_heads=args.heads, seq_length=args.seq)
+    spec = ModelConfig("llama", args.layers, args.hidden, args.heads, args.ffn, args.vocab, num_kv_heads=args.heads,
+                       max_position_embeddings=args.seq, name="bench-llama")
     train = TrainingSetup(args.mbs * args.microbatches, args.seq, precision="bf16" if on_gpu else "fp32",
                           overlap_grad_reduce=True)
     rows = []
@@ -79,8 +81,9 @@ def main() -> None:
         print("measured here: " + meas.describe())
         cluster, eff, _ = calibrate(ClusterSpec(gpu_preset("A100-80GB"), gpus_per_node=world, nodes=1),
                                     calibrated_for(gpu_preset("A100-80GB")), meas)
-        cfg = ParallelConfig(tp, pp, 1, 1, args.mbs, args.microbatches, sequence_parallel=tp > 1)
-        est = estimate(spec, train, cluster, cfg, eff, schedule=sched if pp > 1 else None)
+        cfg = ParallelConfig(tp, pp, 1, 1, args.mbs, args.microbatches, sequence_parallel=tp > 1,
+                             schedule=sched if pp > 1 else None)
+        est = estimate(spec, train, cluster, cfg, eff)
         results = run_on_ranks(train_worker, world, train_config(args, tp, pp, sched),
                                backend="nccl" if on_gpu else "gloo", timeout=1800)
         measured = max(results)

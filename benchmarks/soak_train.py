@@ -32,14 +32,15 @@ def soak(rank: int, world: int, cfg: TrainConfig) -> list[dict]:
     trainer = Trainer(cfg)
     samples = []
     t0 = time.perf_counter()
-    while trainer.step_index < cfg.steps:
+    steps = cfg.training.steps
+    while trainer.step_index < steps:
         rec = trainer.train_step()
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss {rec['loss']} at step {rec['step']}")
-        if rec["step"] % 50 == 0 or trainer.step_index == cfg.steps:
+        if rec["step"] % 50 == 0 or trainer.step_index == steps:
             samples.append({"step": rec["step"], "rss_mib": round(rss_mib(), 1), "loss": round(rec["loss"], 4),
                             "elapsed_s": round(time.perf_counter() - t0, 1)})
-    if [h["step"] for h in trainer.history] != list(range(cfg.steps)):
+    if [h["step"] for h in trainer.history] != list(range(steps)):
         raise RuntimeError("a step is missing")
     return samples
 
@@ -56,10 +57,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--nproc", type=int, default=1)
     args = ap.parse_args()
-    cfg = TrainConfig(model="Llama-2-7B", layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=300, seq_length=64,
-                      micro_batch_size=2, num_microbatches=2, steps=args.steps, data=str(
-                          Path(__file__).resolve().parents[1] / "README.md"), lr=1e-3, min_lr=1e-4, progress=False,
-                      tp=2 if args.nproc >= 2 else 1, sequence_parallel=args.nproc >= 2)
+    cfg = TrainConfig.from_values({
+        "model": {"name": "Llama-2-7B", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 96, "vocab": 300},
+        "data": {"seq_length": 64, "source": str(Path(__file__).resolve().parents[1] / "README.md")},
+        "parallel": {"micro_batch_size": 2, "num_microbatches": 2, "tp": 2 if args.nproc >= 2 else 1,
+                     "sequence_parallel": args.nproc >= 2},
+        "training": {"steps": args.steps}, "optimizer": {"lr": 1e-3, "min_lr": 1e-4}, "logging": {"progress": False}})
     if args.nproc > 1:
         from tpkernels.parallel.local_ranks import run_on_ranks
 

@@ -14,16 +14,17 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from tpkernels.parallel.local_ranks import run_on_ranks
 from tpkernels.train import TrainConfig, Trainer
+from tpkernels.train.launch import launch
 
 
-def run(rank: int, world: int, cfg: TrainConfig) -> list[float]:
+def run(cfg: TrainConfig) -> list[float]:
+    """One rank (launched by torch's elastic launcher, as --nproc and torchrun do)."""
     trainer = Trainer(cfg)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in trainer.model.parameters())
     losses = [h["loss"] for h in trainer.train()]
-    if rank == 0:
+    if trainer.state.rank == 0:
         print(f"rank 0 trains {trainable:,} of its {total:,} parameters ({len(trainer.lora_layers)} adapted layers)")
     return losses
 
@@ -45,11 +46,13 @@ def main() -> None:
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
         transformers.LlamaForCausalLM(cfg).save_pretrained(str(work / "base"))
         args.checkpoint = str(work / "base")
-    cfg = TrainConfig(model=args.checkpoint, init_from=args.checkpoint, finetune="lora", lora_rank=args.rank,
-                      tp=2, sequence_parallel=True, data=args.text, seq_length=128, micro_batch_size=2,
-                      num_microbatches=2, steps=args.steps, lr=1e-2, min_lr=1e-3, progress=False,
-                      save_dir=str(work / "ckpt"))
-    losses = run_on_ranks(run, 2, cfg, timeout=900)[0]
+    cfg = TrainConfig.from_values({
+        "model": {"name": args.checkpoint, "init_from": args.checkpoint, "finetune": "lora", "lora_rank": args.rank},
+        "parallel": {"tp": 2, "sequence_parallel": True, "micro_batch_size": 2, "num_microbatches": 2},
+        "data": {"source": args.text, "seq_length": 128}, "training": {"steps": args.steps},
+        "optimizer": {"lr": 1e-2, "min_lr": 1e-3}, "logging": {"progress": False},
+        "checkpoint": {"save_dir": str(work / "ckpt")}})
+    losses = launch(run, 2, cfg)[0]
     print(f"LoRA r={args.rank} at TP2 SP, {args.steps} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
 
     from tpkernels.models import ParallelTransformer

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from tpkernels.planner import ClusterSpec, TrainingSetup, explain, from_hf_config, gpu_preset, model_preset, plan
+from tpkernels.planner import ClusterSpec, ModelConfig, TrainingSetup, explain, gpu_preset, model_preset, plan
 from tpkernels.planner.report import format_explanation, table
 
 
@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=8192)
     args = ap.parse_args()
 
-    model = from_hf_config(args.config) if args.config else model_preset("Llama-3-8B")
+    model = ModelConfig.read_hf(args.config) if args.config else model_preset("Llama-3-8B")
     cluster = ClusterSpec(gpu_preset(args.gpu), gpus_per_node=8, nodes=args.nodes)
     train = TrainingSetup(global_batch=args.global_batch, seq_length=args.seq_len)
     p = plan(model, train, cluster)
@@ -34,8 +34,7 @@ def main() -> None:
 
     cfg = p.best.config  # a tpkernels.parallel.ParallelConfig: what the model builder takes
     cfg.validate(world_size=cluster.num_gpus, global_batch_size=train.global_batch,
-                 num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
-                 num_kv_heads=model.kv_heads, ffn_hidden_size=model.ffn_hidden_size, seq_length=train.seq_length)
+                 **model.layout_rules(train.seq_length))
     print(f"\nbest: {cfg.short()}, {p.best.step_time:.2f} s per step, {100 * p.best.mfu:.0f}% MFU\n")
     print(format_explanation(explain(model, train, cluster, "TP=8,PP=2,SP=off")))
 

@@ -18,13 +18,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tpkernels.parallel.local_ranks import run_on_ranks
 from tpkernels.train import TrainConfig, Trainer
+from tpkernels.train.launch import launch
 
-MODEL = dict(model="Llama-2-7B", layers=4, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=512)
+MODEL = {"name": "Llama-2-7B", "layers": 4, "hidden": 128, "heads": 4, "kv_heads": 2, "ffn": 256, "vocab": 512}
 
 
-def run(rank: int, world: int, cfg: TrainConfig) -> list[float]:
+def run(cfg: TrainConfig) -> list[float]:
+    """One rank (launched by torch's elastic launcher, as --nproc and torchrun do)."""
     return [h["loss"] for h in Trainer(cfg).train()]
 
 
@@ -34,16 +35,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tpk_scratch_"))
-    common = dict(**MODEL, data=args.text, seq_length=128, micro_batch_size=1, num_microbatches=4,
-                  steps=args.steps, lr=3e-3, min_lr=3e-4, warmup_steps=3, progress=False)
+    common = TrainConfig.from_values({
+        "model": MODEL, "data": {"source": args.text, "seq_length": 128},
+        "parallel": {"micro_batch_size": 1, "num_microbatches": 4},
+        "training": {"steps": args.steps}, "optimizer": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 3},
+        "logging": {"progress": False}})
+    tp2pp2 = {"parallel.tp": 2, "parallel.pp": 2, "parallel.sequence_parallel": True}
     half = args.steps // 2
-    full = run_on_ranks(run, 4, TrainConfig(**common, tp=2, pp=2, sequence_parallel=True), timeout=900)[0]
+    full = launch(run, 4, common.with_values(tp2pp2))[0]
     print(f"TP2 PP2 SP, {args.steps} steps: loss {full[0]:.4f} -> {full[-1]:.4f}")
 
     ck = work / "ckpt"
-    run_on_ranks(run, 4, TrainConfig(**common, stop_at_step=half, tp=2, pp=2, sequence_parallel=True,
-                                     save_dir=str(ck)), timeout=900)  # stopped half-way through the schedule
-    resumed = run_on_ranks(run, 4, TrainConfig(**common, pp=4, save_dir=str(ck)), timeout=900)[0]
+    launch(run, 4, common.with_values({**tp2pp2, "training.stop_at_step": half,  # stopped half-way
+                                       "checkpoint.save_dir": str(ck)}))
+    resumed = launch(run, 4, common.with_values({"parallel.pp": 4, "checkpoint.save_dir": str(ck)}))[0]
     worst = max(abs(a - b) for a, b in zip(resumed, full[half:]))
     print(f"saved at step {half} at TP2 PP2, resumed at TP1 PP4: the last {len(resumed)} losses differ from the "
           f"uninterrupted run's by at most {worst:.1e}")
@@ -57,7 +62,7 @@ def main() -> None:
 
     out = export_hf(ck, work / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out))
-    trainer = Trainer(TrainConfig(**common, save_dir=str(ck)))  # one process, at the final checkpoint
+    trainer = Trainer(common.with_values({"checkpoint.save_dir": str(ck)}))  # one process, at the final checkpoint
     from tpkernels.models import next_token_targets
 
     ids = torch.randint(0, 256, (2, 64))

@@ -46,9 +46,10 @@ def _floor_ulps(dtype) -> float:
     return 32.0 if dtype in (torch.float32, torch.float64) else 8.0
 
 
-def compare(ours, ref64, ref_lp, names=("out", "lse", "dq", "dk", "dv")):
-    """ours/ref64/ref_lp: (o, lse, dq, dk, dv) tuples. lse rows that are -inf must match exactly."""
-    ulps = _floor_ulps(ours[0].dtype)
+def compare(ours, ref64, ref_lp, names=("out", "lse", "dq", "dk", "dv"), ulps=None):
+    """ours/ref64/ref_lp: (o, lse, dq, dk, dv) tuples. lse rows that are -inf must match exactly.
+    ``ulps``: the floor in units of the dtype's last place (default: the dtype's usual floor)."""
+    ulps = ulps if ulps is not None else _floor_ulps(ours[0].dtype)
     for name, a, r64, rlp in zip(names, ours, ref64, ref_lp):
         a = a.detach().cpu()
         if name == "lse":
@@ -69,10 +70,12 @@ def rows_that_see_a_key(sq, sk, causal, window=(-1, -1)):
 
 
 def check_dense(run, b, sq, sk, h, hk, d, causal, dtype, device, scale=None, lse_grad=True, window=(-1, -1),
-                softcap=0.0, canonical=False):
+                softcap=0.0, canonical=False, score_floor=False):
     """run(q, k, v, do, dlse, scale, causal, window, softcap) -> (o, lse, dq, dk, dv) for dense (b, s, h, d)
     inputs. ``lse_grad=False``: the lse's cotangent is zero (the usual training case). ``canonical``: ``run``
-    normalises the window as flash-attn does (the public API), so the oracle gets the normalised one."""
+    normalises the window as flash-attn does (the public API), so the oracle gets the normalised one.
+    ``score_floor``: scores far from O(1) (a large ``scale``): P = exp(s − lse) carries a relative
+    error of about |s|·eps whatever the summation order, so the floor grows to max|s| ulps."""
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     q, k, v = make_qkv((b, sq, h, d), (b, sk, hk, d), dtype, device)
     do = torch.randn((b, sq, h, d), dtype=torch.float64).to(dtype).to(device)
@@ -84,7 +87,12 @@ def check_dense(run, b, sq, sk, h, hk, d, causal, dtype, device, scale=None, lse
     ours = run(q, k, v, do, dlse, scale, causal, window, softcap)
     ref64 = oracle(q, k, v, do, dlse, scale, causal, torch.float64, ref_window, softcap)
     ref_lp = oracle(q, k, v, do, dlse, scale, causal, dtype, ref_window, softcap)
-    compare(ours, ref64, ref_lp)
+    ulps = None
+    if score_floor:
+        top = (scale * torch.einsum("bqhd,bkhd->bhqk", q.double().cpu(),
+                                    k.double().cpu().repeat_interleave(h // hk, dim=2))).abs().max().item()
+        ulps = _floor_ulps(dtype) + top
+    compare(ours, ref64, ref_lp, ulps=ulps)
     return ours
 
 

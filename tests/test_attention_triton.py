@@ -147,7 +147,9 @@ def test_mqa_and_custom_scale():
 
 def test_large_scores_do_not_overflow():
     # scale 4 on N(0,1) inputs: scores of several hundred; exp would overflow without the running max.
-    check_dense(triton_dense(), 1, 65, 65, 2, 2, 64, True, torch.float32, DEVICE, scale=4.0)
+    # At such scores P's relative error is ~|s|·eps in any fp32 implementation (ours and PyTorch's sum
+    # q·k in different orders), so the floor grows with the scores (score_floor); NaN or inf still fail.
+    check_dense(triton_dense(), 1, 65, 65, 2, 2, 64, True, torch.float32, DEVICE, scale=4.0, score_floor=True)
 
 
 def test_strided_inputs_from_a_packed_qkv_tensor():

@@ -544,3 +544,28 @@ def test_under_torchrun(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "TP2 PP1 DP1 mbs1 SP: 3 steps: loss" in r.stdout
     assert (tmp_path / "step_00000003" / "meta.json").is_file()
+
+
+# ---- the skip of an overflowing fp16 step is agreed by every rank ----
+
+def _inf_worker(rank, world, kw, victim):
+    """fp16 at a TP/PP layout; on ``victim`` only, one gradient becomes inf after the backward."""
+    trainer = Trainer(small(**kw, precision="fp16", steps=2, initial_loss_scale=2.0 ** 8))
+    finish = trainer.model.finish_grad_sync
+
+    def poisoned(*a, **k):
+        finish(*a, **k)
+        if rank == victim and trainer.step_index == 0:
+            next(p for p in trainer.model.parameters() if p.requires_grad).main_grad.view(-1)[0] = float("inf")
+
+    trainer.model.finish_grad_sync = poisoned
+    history = trainer.train()
+    return [h["skipped"] for h in history], [h["loss_scale"] for h in history]
+
+
+@pytest.mark.parametrize("kw, victim", [(dict(tp=2), 1), (dict(tp=2, pp=2, num_microbatches=2), 3),
+                                        (dict(pp=2, dp=2, num_microbatches=2), 2)])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(rank_pool, kw, victim):
+    world = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("dp", 1)
+    out = rank_pool(world).run(_inf_worker, kw, victim, timeout=300)
+    assert all(o == ([True, False], [2.0 ** 7, 2.0 ** 7]) for o in out), out  # skipped together, same scales

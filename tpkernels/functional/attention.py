@@ -196,6 +196,17 @@ def check_cu_seqlens(cu: Tensor, total: int, max_seqlen: int, name: str) -> None
         _CHECKED[id(cu)] = (weakref.ref(cu), cu._version, cu.data_ptr(), total, max_seqlen)
 
 
+def trust_cu_seqlens(cu: Tensor, total: int, max_seqlen: int) -> Tensor:
+    """Record a CUDA ``cu`` as checked without reading it: for boundaries made from values already
+    checked on the host (the models find documents on the host, then copy the boundaries over), so
+    varlen attention adds no device sync. Returns ``cu``."""
+    if _cacheable(cu):
+        if len(_CHECKED) > 64:
+            _CHECKED.clear()
+        _CHECKED[id(cu)] = (weakref.ref(cu), cu._version, cu.data_ptr(), total, max_seqlen)
+    return cu
+
+
 # ---- backend choice ----
 
 def select_backend(q: Tensor, backend: str | None = None) -> str:
@@ -392,4 +403,4 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 
 
 __all__ = ["attention_bwd", "attention_fwd", "canonical_window", "check_cu_seqlens", "flash_attn_func",
-           "flash_attn_varlen_func", "select_backend"]
+           "flash_attn_varlen_func", "select_backend", "trust_cu_seqlens"]

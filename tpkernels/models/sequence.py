@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tpkernels.functional.attention import trust_cu_seqlens
+
 
 @dataclass
 class SequenceInfo:
@@ -41,8 +43,12 @@ class SequenceInfo:
 
     def on(self, position_ids: torch.Tensor) -> "SequenceInfo":
         """This info (found on the host) for ``position_ids`` on their device: the boundaries follow
-        them there (an asynchronous copy, no sync)."""
-        cu = None if self.cu_seqlens is None else self.cu_seqlens.to(position_ids.device, non_blocking=True)
+        them there (an asynchronous copy, no sync), trusted by varlen attention (they were made from
+        checked values), so it reads nothing back."""
+        cu = None
+        if self.cu_seqlens is not None:
+            cu = trust_cu_seqlens(self.cu_seqlens.to(position_ids.device, non_blocking=True),
+                                  position_ids.numel(), self.max_seqlen)
         return SequenceInfo(position_ids, cu, self.max_seqlen)
 
     def boundaries(self) -> torch.Tensor:

@@ -32,8 +32,11 @@ from tpkernels.parallel.param_tags import tag_of
 
 
 def global_grad_norm(model, tp_group=None, pp_group=None) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient (see the module docstring), on every rank; fp32."""
-    _, tp = group_rank_size(tp_group)
+    """The L2 norm of the whole model's gradient (see the module docstring), on every rank; fp32.
+    ``tp_group`` / ``pp_group``: the model's TP and pipeline groups; None means there is no such
+    parallelism (not the default group, as for the ops: a norm summed over the wrong ranks would be
+    silently wrong)."""
+    _, tp = group_rank_size(tp_group) if tp_group is not None else (0, 1)
     named = [(n, p) for n, p in model.named_parameters() if grad_of(p) is not None]
     device = grad_of(named[0][1]).device if named else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -50,7 +53,7 @@ def global_grad_norm(model, tp_group=None, pp_group=None) -> torch.Tensor:
         else:
             total += g.square().sum()
     for group in (tp_group, pp_group):
-        if group_rank_size(group)[1] > 1:
+        if group is not None and group_rank_size(group)[1] > 1:
             dist.all_reduce(total, group=group)
     return total.sqrt().float()
 
