@@ -3,7 +3,6 @@ pre-training table), its search speed, and the practitioners' cases of the READM
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -56,13 +55,11 @@ def test_hardware_flops_match_the_papers_formula():
         assert predict(row).hardware_flops == pytest.approx(paper, rel=1e-9)
 
 
-def test_search_over_1024_gpus_for_a_1t_model_is_fast():
-    t0 = time.perf_counter()
+def test_search_over_1024_gpus_for_a_1t_model_finds_a_layout():
+    """(How long it takes is benchmarks/bench_planner_search.py's: a speed target, not a test.)"""
     p = plan(model_preset("GPT-1T"), TrainingSetup(global_batch=2048, seq_length=2048),
              ClusterSpec(gpu_preset("H100-SXM"), gpus_per_node=8, nodes=128))
-    elapsed = time.perf_counter() - t0
-    assert p.best is not None and p.evaluated > 1000
-    assert elapsed < 5.0, f"search took {elapsed:.1f} s"
+    assert p.best is not None and p.evaluated > 1000 and p.best.fits
 
 
 def test_14b_on_one_8xa100_node():
