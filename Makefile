@@ -8,7 +8,7 @@ BUILT  := $(VENV)/.tpkernels-built
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h') setup.py pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench aot-check clean
+.PHONY: install test demo bench aot-check compat clean
 
 $(DEPS): requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,5 +34,18 @@ bench: install
 aot-check: install
 	$(BIN)/python -m tpkernels.kernels.triton.aot_check --arch 80 90
 
+# The GPU machine's software (device tool KINDS.md: Python 3.12, torch 2.11.0, triton 3.6.0, transformers
+# 5.17.0) in a venv of its own, the whole CPU suite on it, then the GPU check's preflight (its CUDA steps
+# skip without a GPU). Slow (torch's CUDA wheels, a second build of _C): run it at the end of each issue.
+PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
+COMPAT := .venv-compat
+compat:
+	test -x $(COMPAT)/bin/python || $(PYTHON312) -m venv $(COMPAT)
+	$(COMPAT)/bin/python -m pip install -q -r requirements-compat.txt
+	$(COMPAT)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+	$(COMPAT)/bin/python benchmarks/preflight.py
+	$(COMPAT)/bin/python benchmarks/preflight.py --built
+	$(COMPAT)/bin/python -m pytest tests $(PYTEST_ARGS)
+
 clean:
-	rm -rf build *.egg-info tpkernels/_C*.so $(BUILT)
+	rm -rf build *.egg-info tpkernels/_C*.so $(BUILT) $(COMPAT)

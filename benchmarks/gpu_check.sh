@@ -17,8 +17,20 @@ deadline=$((SECONDS + ${GPU_CHECK_BUDGET_S:-540}))
 cap() { local left=$((deadline - SECONDS)); if [ "$left" -lt "$1" ]; then echo $((left > 1 ? left : 1)); else echo "$1"; fi; }
 
 step "machine"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu_info.csv"
-$PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu_info.csv" \
+  || echo "no nvidia-smi: a dry run without a GPU (the CUDA steps skip)"
+# packages the image lacks travel as wheels in .whl/ (carried by the device tool; see its README)
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" || { echo "installing .whl/ failed"; exit 1; }
+fi
+
+step "preflight (versions, every module imports, a Triton kernel, a collective; stops here on failure)"
+if ! timeout $(cap 60) env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" $PY benchmarks/preflight.py 2>&1 \
+    | tee "$OUT/preflight.log"; then
+  echo "PREFLIGHT FAILED: see $OUT/preflight.log"; exit 1
+fi
+[ "${PREFLIGHT_ONLY:-0}" = "1" ] && { echo "PREFLIGHT_ONLY=1: stopping after the preflight"; exit 0; }
 
 step "build tpkernels._C (in place)"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}" TPKERNELS_CUDA_ARCHS="${TPKERNELS_CUDA_ARCHS:-80;90}"
@@ -27,6 +39,7 @@ if ! timeout $(cap 150) $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1
 fi
 tail -2 "$OUT/build.log"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+$PY benchmarks/preflight.py --built 2>&1 | tee -a "$OUT/preflight.log" || { echo "PREFLIGHT FAILED after the build"; exit 1; }
 $PY -m tpkernels.cli info | tee "$OUT/tpkernels_info.txt"
 
 step "cuda-marked tests (all but attention)"
@@ -78,9 +91,10 @@ timeout $(cap 60) $PY benchmarks/bench_models.py --reps 3 2>&1 | tee "$OUT/bench
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 # the main job on one GPU: the demo's model in bf16 (fp32 masters), 20 steps, a checkpoint, Triton kernels
-timeout $(cap 90) $PY -m tpkernels.train --config python/configs/demo_llama_tp2_pp2.yaml --tp 1 --pp 1 \
-  --sequence-parallel false --precision bf16 --steps 20 --save-dir /tmp/tpk_gpu_ckpt --progress false \
-  --metrics-file "$OUT/train_gpu_metrics.jsonl" 2>&1 | tee "$OUT/train_gpu.log" | tail -4
+timeout $(cap 90) $PY -m tpkernels.train --config python/configs/demo_llama_tp2_pp2.yaml --parallel.tp 1 \
+  --parallel.pp 1 --parallel.sequence_parallel false --training.precision bf16 --training.steps 20 \
+  --checkpoint.save_dir /tmp/tpk_gpu_ckpt --logging.progress false \
+  --logging.metrics_file "$OUT/train_gpu_metrics.jsonl" 2>&1 | tee "$OUT/train_gpu.log" | tail -4
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "done: status $status"

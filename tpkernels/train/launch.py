@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import multiprocessing
 import os
 import uuid
 
@@ -64,9 +65,12 @@ def launch(fn, nproc: int, *args, pg_timeout_s: float = 1800.0, max_restarts: in
 
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise ValueError(f"nproc ({nproc!r}) must be a positive integer")
+    # workers fork from a server that imported torch and the trainer once (a fresh interpreter per rank
+    # would import them N times, seconds each); "forkserver" is one of the agent's start methods
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "tpkernels.train.trainer"])
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tpk-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
-                          monitor_interval=0.1, start_method="spawn")
+                          monitor_interval=0.1, start_method="forkserver")
     try:
         out = elastic_launch(config, worker)(fn, pg_timeout_s, *args)
     except ChildFailedError as e:
