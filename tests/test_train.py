@@ -181,10 +181,12 @@ def test_cli_trains_on_spawned_ranks_and_dry_run_explains_a_bad_layout(tmp_path)
     (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n\n" * 30)
     args = ["--nproc", "2", "--tp", "2", "--sequence-parallel", "true", "--layers", "2", "--hidden", "32",
             "--heads", "4", "--kv-heads", "2", "--ffn", "48", "--vocab", "300", "--seq-length", "32", "--steps", "4",
-            "--data", str(tmp_path / "corpus.txt"), "--progress", "false", "--save-dir", str(tmp_path / "ck"),
+            "--data", str(tmp_path / "corpus.txt"), "--save-dir", str(tmp_path / "ck"),
             "--verify-step0", "--metrics-file", str(tmp_path / "m.jsonl"), "--trace", str(tmp_path / "t.json")]
     r = subprocess.run([sys.executable, "-m", "tpkernels.train", *args], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    # the progress bar's lock is a semaphore: ranks ended by os._exit leaked it (a warning at every exit)
+    assert "leaked semaphore" not in r.stderr and "100%" in r.stderr
     assert "TP2 PP1 DP1 mbs1 SP: 4 steps: loss" in r.stdout
     assert "from the single-process model on the same batch: equal" in r.stdout
     assert (tmp_path / "ck" / "step_00000004" / "meta.json").is_file()
@@ -570,3 +572,31 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(rank_pool, kw, vic
     world = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("dp", 1)
     out = rank_pool(world).run(_inf_worker, kw, victim, timeout=300)
     assert all(o == ([True, False], [2.0 ** 7, 2.0 ** 7]) for o in out), out  # skipped together, same scales
+
+
+def _fails_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 cannot go on")
+    dist.barrier()  # the others wait: the agent must stop them, not the timeout
+    return "never"
+
+
+def test_a_rank_that_fails_under_nproc_is_named_and_stops_the_others():
+    """--nproc goes through torch's elastic launcher: a failing rank ends the job at once, named."""
+    import time
+
+    from tpkernels.train.launch import LaunchError, launch
+
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 failed: ValueError: rank 1 cannot go on"):
+        launch(_fails_on_rank_one, 3, pg_timeout_s=120)
+    assert time.monotonic() - t0 < 60  # the process group's timeout is 120 s: the agent stopped them
+    assert launch(_ranks_and_size, 2) == [(0, 2), (1, 2)]
+
+
+def _ranks_and_size():
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()

@@ -67,7 +67,14 @@ class ModelSection:
                              f"cannot change a model loaded from {k}init_from ({self.init_from!r})")
         if overrides.get("hidden_size") and "num_attention_heads" in overrides and mc.head_dim:
             overrides["head_dim"] = None
-        mc = mc.replace(**overrides)
+        if "num_attention_heads" in overrides and "num_kv_heads" not in overrides and mc.kv_heads == \
+                mc.num_attention_heads:  # a multi-head preset stays multi-head
+            overrides["num_kv_heads"] = None
+        try:
+            mc = mc.replace(**overrides)
+        except ValueError as e:  # the rule is the description's; say which keys made the shape
+            given = ", ".join(f"{k}{f}={getattr(self, f)}" for f in _OVERRIDES if getattr(self, f) is not None)
+            raise ValueError(f"{e} (the model {mc.name or mc.model_type} with {given})") from None
         if self.drop_dropout:
             mc = mc.without_dropout()
         return mc.require_buildable() if buildable else mc

@@ -199,6 +199,17 @@ def _check_b(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} ({b.dtype}, {b.device}) must match A ({a.dtype}, {a.device})")
 
 
+def _fused(op: str, make_steps, group, device, options, nbytes: int):
+    """Run one real rank's steps of a fused op (``make_steps(ctx)``) with the call's options, traced."""
+    from tpkernels.functional.gemm_comm_fused import RealRank, run_rank  # noqa: PLC0415
+
+    span = CommSpan(f"fused {op}", device.type, bytes=nbytes)
+    ctx = RealRank(group, device, options)
+    out = run_rank(ctx, make_steps(ctx))
+    span.done()
+    return out
+
+
 def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=None, gather_dim: int = 0,
                       algo: str = "auto", return_a: bool = True,
                       on_chunk: Callable[[int, torch.Tensor], None] | None = None, options=None):
@@ -237,13 +248,11 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
 
     full_shape = (world * m,) + tuple(a.shape[1:])
     if how == "fused":
-        from tpkernels.functional.gemm_comm_fused import RealRank, ag_steps, run_rank  # noqa: PLC0415
+        from tpkernels.functional.gemm_comm_fused import ag_steps  # noqa: PLC0415  (Triton kernels: imported on use)
 
         rows = a.reshape(-1, a.shape[-1])
-        span = CommSpan("fused all_gather_matmul", a.device.type, bytes=a.numel() * a.element_size() * world)
-        ctx = RealRank(group, a.device, options)
-        a_full, outs = run_rank(ctx, ag_steps(ctx, rows, bs, return_a=True))
-        span.done()
+        a_full, outs = _fused("all_gather_matmul", lambda ctx: ag_steps(ctx, rows, bs, return_a=True), group,
+                              a.device, options, a.numel() * a.element_size() * world)
         a_full = a_full.view(full_shape)
         outs = [o.view(full_shape[:-1] + (o.shape[1],)) for o in outs]
         if on_chunk:
@@ -333,14 +342,12 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
             work()
         return out.movedim(0, sd)
     if how == "fused":
-        from tpkernels.functional.gemm_comm_fused import RealRank, rs_steps, run_rank  # noqa: PLC0415
+        from tpkernels.functional.gemm_comm_fused import rs_steps  # noqa: PLC0415
 
         rows = am.contiguous().view(-1, am.shape[-1])
-        span = CommSpan("fused matmul_reduce_scatter", a.device.type, bytes=rows.shape[0] * b.shape[1] * 4)
         # side work is queued behind the GEMM, while the reducer still pulls partials on its stream
-        ctx = RealRank(group, a.device, options)
-        out = run_rank(ctx, rs_steps(ctx, rows, b, reduce_op, side_work))
-        span.done()
+        out = _fused("matmul_reduce_scatter", lambda ctx: rs_steps(ctx, rows, b, reduce_op, side_work), group,
+                     a.device, options, rows.shape[0] * b.shape[1] * 4)
         return out.view((m,) + tuple(am.shape[1:-1]) + (b.shape[1],)).movedim(0, sd)
     if how == "collective":
         with gemm_span("matmul", a.device.type):
@@ -407,13 +414,11 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, reduce_op: s
             return torch.matmul(a, b)
     out_shape = tuple(a.shape[:-1]) + (b.shape[1],)
     if how == "fused":
-        from tpkernels.functional.gemm_comm_fused import RealRank, ar_steps, run_rank  # noqa: PLC0415
+        from tpkernels.functional.gemm_comm_fused import ar_steps  # noqa: PLC0415
 
         rows = a.contiguous().view(-1, a.shape[-1])
-        span = CommSpan("fused matmul_all_reduce", a.device.type, bytes=rows.shape[0] * b.shape[1] * 4)
-        ctx = RealRank(group, a.device, options)
-        out = run_rank(ctx, ar_steps(ctx, rows, b, reduce_op, variant))
-        span.done()
+        out = _fused("matmul_all_reduce", lambda ctx: ar_steps(ctx, rows, b, reduce_op, variant), group, a.device,
+                     options, rows.shape[0] * b.shape[1] * 4)
         return out.view(out_shape)
     if how == "ring":
         rows = a.reshape(-1, a.shape[-1])

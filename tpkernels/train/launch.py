@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import json
 import multiprocessing
 import os
+import tempfile
 import uuid
+from pathlib import Path
 
 _DONE = {"ok": False}
 
@@ -60,6 +63,7 @@ def worker(fn, pg_timeout_s: float, *args):
 def launch(fn, nproc: int, *args, pg_timeout_s: float = 1800.0, max_restarts: int = 0) -> list:
     """``fn(*args)`` on ``nproc`` local ranks (module-level ``fn``, picklable ``args``); returns the values
     by rank. Raises :class:`LaunchError` naming the first rank that failed."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: PLC0415
 
@@ -68,26 +72,58 @@ def launch(fn, nproc: int, *args, pg_timeout_s: float = 1800.0, max_restarts: in
     # workers fork from a server that imported torch and the trainer once (a fresh interpreter per rank
     # would import them N times, seconds each); "forkserver" is one of the agent's start methods
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "tpkernels.train.trainer"])
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tpk-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
-                          monitor_interval=0.1, start_method="forkserver")
-    try:
-        out = elastic_launch(config, worker)(fn, pg_timeout_s, *args)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        raise LaunchError(rank, _message(failure)) from None
+    with tempfile.TemporaryDirectory(prefix="tpk_launch_") as logs:  # each rank's error.json lands here
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tpk-{uuid.uuid4().hex[:8]}",
+                              rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
+                              monitor_interval=0.1, start_method="forkserver", logs_specs=DefaultLogsSpecs(logs))
+        try:
+            out = elastic_launch(config, worker)(fn, pg_timeout_s, *args)
+        except ChildFailedError as e:
+            rank, message = _root_cause(e, Path(logs))
+            raise LaunchError(rank, message) from None
     return [out[r] for r in range(nproc)]
 
 
+# what a rank says when a peer died first: a consequence, not the cause
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def _root_cause(err, logs: Path) -> tuple[int, str]:
+    """(rank, message) of the cause. The agent reports the first failed process it notices, which may
+    be a rank that died of its peer's death; every rank that raised wrote its error file, so the
+    cause is the earliest error that is not a lost peer."""
+    errors = []
+    for path in logs.rglob("error.json"):
+        try:
+            data = json.loads(path.read_text())["message"]
+            rank = int(path.parent.name)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        text = data.get("message", "") if isinstance(data, dict) else str(data)
+        stamp = int((data.get("extraInfo") or {}).get("timestamp", 0)) if isinstance(data, dict) else 0
+        errors.append((any(p in text for p in _PEER_LOST), stamp, rank, text))
+    if errors:
+        _, _, rank, text = min(errors)
+        return rank, _short(text)
+    rank, failure = err.get_first_failure()
+    return rank, _message(failure)
+
+
 def _message(failure) -> str:
-    """The failed rank's exception (its last traceback line), or how it died."""
+    """The failed rank's exception, or how it died."""
     msg = failure.message
     if isinstance(msg, dict):
         msg = msg.get("message", "") or ""
     text = str(msg).strip()
     if not text or text.startswith("To enable traceback") or "exitcode" in text and "Signal" in text:
         return f"exited with code {failure.exitcode} ({failure.signal_name() if failure.exitcode < 0 else 'error'})"
-    return text.splitlines()[-1] if "Traceback" in text else text
+    return _short(text)
+
+
+def _short(text: str) -> str:
+    """An exception's message without a traceback around it."""
+    text = text.strip()
+    return text.splitlines()[-1] if text.startswith("Traceback") else text
 
 
 __all__ = ["LaunchError", "launch", "worker"]
