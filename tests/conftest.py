@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -65,3 +66,32 @@ def rank_pool():
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+_AOT: dict = {}
+
+
+def pytest_collection_finish(session):
+    """The sm_80/sm_90 compiles of every Triton config start now, in the background (niced): on a 2-core
+    machine the multi-rank tests leave about half of the CPU idle, which they use."""
+    if any(item.path.name == "test_triton_aot.py" for item in session.items) and \
+            importlib.util.find_spec("triton") is not None:
+        from test_triton_aot import start_compiles
+
+        _AOT.update(start_compiles())
+
+
+@pytest.fixture
+def aot_compiles():
+    if not _AOT:
+        from test_triton_aot import start_compiles
+
+        _AOT.update(start_compiles())
+    yield dict(_AOT)
+    _AOT.clear()
+
+
+def pytest_unconfigure(config):
+    for p in _AOT.values():  # a session that ended early
+        if p.poll() is None:
+            p.kill()

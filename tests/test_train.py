@@ -151,6 +151,10 @@ def test_flags_of_both_clis_come_from_the_same_sections(capsys):
     for cmd in (["train", "--dry-run"], ["plan", "--gpu", "H100-SXM"]):
         assert main([cmd[0], "--model", "Llama-3-8B", "--model.heads", "0", *cmd[1:]]) == 2
         assert "model.heads (0) must be a positive integer" in capsys.readouterr().err
+    for cmd in ("train", "plan"):  # every key's help renders
+        with pytest.raises(SystemExit) as done:
+            main([cmd, "--help"])
+        assert done.value.code == 0 and "--model.name" in capsys.readouterr().out
 
 
 # ---- data ----
