@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,6 +130,10 @@ def test_old_flat_config_files_keep_working_with_a_note_naming_the_key(tmp_path)
     ({"parallel.bucket_mb": 0}, r"parallel.bucket_mb \(0.0\) must be a finite number > 0"),
     ({"model.layers": "4"}, r"model.layers \(the string '4'\) must be an integer or none"),
     ({"tp": 2, "parallel.tp": 3}, r"config key 'parallel.tp' is given twice"),
+    ({"data.seq_length": 1}, r"data.seq_length \(1\) must be at least 2: a token and the next one"),
+    ({"optimizer.adam_eps": 0.0}, r"optimizer.adam_eps \(0.0\) must be a finite number > 0"),
+    ({"training.stop_at_step": -1}, r"training.stop_at_step \(-1\) must be >= 0"),
+    ({"parallel.bucket_mb": -5}, r"parallel.bucket_mb \(-5.0\) must be a finite number > 0"),
 ])
 def test_bad_config_names_the_key(values, message):
     with pytest.raises(ValueError, match=message):
@@ -604,3 +609,40 @@ def _ranks_and_size():
     import torch.distributed as dist
 
     return dist.get_rank(), dist.get_world_size()
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(layers=2), r"num_layers \(4 in the checkpoint, 2 here\)"),
+    (dict(hidden=16, heads=2, kv_heads=1), r"hidden_size \(32 in the checkpoint, 16 here\).*num_attention_heads"),
+    (dict(ffn=64), r"ffn_hidden_size \(48 in the checkpoint, 64 here\)"),
+    (dict(vocab=80), r"vocab_size \(97 in the checkpoint, 80 here\)"),
+    (dict(kv_heads=1), r"num_kv_heads \(2 in the checkpoint, 1 here\)"),
+    (dict(model="Qwen2.5-7B"), r"model_type \('llama' in the checkpoint, 'qwen2' here\).*qkv_bias"),
+])
+def test_a_checkpoint_resumes_only_into_its_own_model(tmp_path, change, says):
+    """Resharding changes the layout, never the model: another shape's overlapping rectangles would load
+    without a word, so the saved model description is compared first, naming the field."""
+    Trainer(small(steps=4, stop_at_step=2, save_dir=str(tmp_path))).train()
+    with pytest.raises(ValueError, match=says):
+        Trainer(small(steps=4, save_dir=str(tmp_path), **change))
+    assert [h["step"] for h in Trainer(small(steps=4, save_dir=str(tmp_path))).train()] == [2, 3]
+
+
+def test_positions_beyond_the_model_warn_for_rotary_and_are_refused_for_a_learned_table(tmp_path):
+    rotary = small(seq_length=16, model="Llama-2-7B").with_values({"data.seq_length": 5000})
+    with pytest.warns(UserWarning, match=r"data.seq_length \(5000\) > max_position_embeddings \(4096\)"):
+        assert rotary.model_config().max_position_embeddings == 5000
+    learned = small(model="GPT-1.7B").with_values({"data.seq_length": 4096, "model.kv_heads": None})
+    with pytest.raises(ValueError, match=r"data.seq_length \(4096\) must be <= the model's learned position table "
+                                         r"\(max_position_embeddings 2048\)"):
+        learned.model_config()
+
+
+def test_dry_run_checks_what_the_run_would(capsys):
+    from tpkernels.cli import main
+
+    assert main(["train", "--data", "no/such/corpus.txt", "--dry-run"]) == 2
+    assert "data.source ('no/such/corpus.txt') must be 'random', a text file or a folder" in capsys.readouterr().err
+    readme = str(Path(__file__).resolve().parents[1] / "README.md")
+    assert main(["train", "--data", readme, "--tokenizer", "no/such/tokenizer.json", "--dry-run"]) == 2
+    assert "data.tokenizer ('no/such/tokenizer.json') does not exist" in capsys.readouterr().err

@@ -21,6 +21,7 @@ renamed folders are ever loaded (``latest``), so a half-written one is ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from tpkernels.description import ModelConfig
 from tpkernels.models import ParallelTransformer
 from tpkernels.models.lora import apply_lora, lora_parts, lora_shapes, merge_lora_
 from tpkernels.parallel.param_tags import tag_of
@@ -147,6 +149,15 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of:
     return final
 
 
+def read_meta(path: str | Path) -> dict:
+    """A complete checkpoint's meta.json (step, config, layout, model description)."""
+    path = Path(path) / "meta.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint metadata {path} is unreadable: {type(e).__name__}: {e}") from None
+
+
 def latest(folder: str | Path) -> Path | None:
     """The newest complete checkpoint under ``folder`` (a renamed folder with meta.json), or None.
     Half-written ones (``.tmp``, or without meta.json) are skipped with a warning."""
@@ -170,7 +181,7 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
     returns its meta (step, config, layout)."""
     master_of = master_of or {}
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_meta(path)
     md = dcp.FileSystemReader(str(path)).read_metadata()
     stored: dict[tuple[str, str], list] = {}
     for key, tmd in md.state_dict_metadata.items():
@@ -251,7 +262,7 @@ def export_hf(path: str | Path, out: str | Path) -> Path:
         if found is None:
             raise ValueError(f"{str(path)!r} is neither a checkpoint nor a folder of complete checkpoints")
         path = found
-    cfg = config_of(json.loads((path / "meta.json").read_text()))
+    cfg = config_of(read_meta(path))
     model = ParallelTransformer(cfg.model_config(), None, init=None)
     if cfg.model.finetune == "lora":
         apply_lora(model, cfg.model.lora_rank, cfg.model.lora_alpha)
@@ -262,10 +273,49 @@ def export_hf(path: str | Path, out: str | Path) -> Path:
     return model.save_hf(out)
 
 
+# What may differ between the model a checkpoint holds and the one it resumes into: names, and what only
+# initialisation or padding uses. The position table counts only where it holds weights (learned positions).
+_FREE_FIELDS = ("name", "dropout_source", "initializer_range", "vocab_pad_multiple")
+
+
+def saved_model(meta: dict) -> ModelConfig:
+    """The model description a checkpoint was saved with (older checkpoints: from their config)."""
+    d = meta.get("model_config")
+    if d is None:
+        return config_of(meta).model_config()
+    d = dict(d)
+    if d.get("sliding_window_layers") is not None:
+        d["sliding_window_layers"] = tuple(d["sliding_window_layers"])
+    return ModelConfig(**d)
+
+
+def model_mismatches(saved: ModelConfig, now: ModelConfig) -> list[str]:
+    """``field (saved value in the checkpoint, requested value here)`` for each field that differs."""
+    out = []
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in _FREE_FIELDS or (f.name == "max_position_embeddings" and now.positions != "learned"
+                                      and saved.positions != "learned"):
+            continue
+        a, b = getattr(saved, f.name), getattr(now, f.name)
+        if a != b:
+            out.append(f"{f.name} ({a!r} in the checkpoint, {b!r} here)")
+    return out
+
+
+def check_same_model(path: str | Path, meta: dict, now: ModelConfig) -> None:
+    """Refuse to resume checkpoint ``path`` into another model: resharding changes the layout, never the
+    model (the overlapping rectangles of another shape would load without a word)."""
+    diffs = model_mismatches(saved_model(meta), now)
+    if diffs:
+        raise ValueError(f"checkpoint {path} holds another model: {'; '.join(diffs)}. Resuming changes the layout, "
+                         "never the model: resume with the checkpoint's model settings, or start a new save_dir")
+
+
 def config_of(meta: dict) -> TrainConfig:
     """The TrainConfig a checkpoint was saved with (its meta.json; older checkpoints stored it flat)."""
     values = {k: v for k, v in meta["config"].items() if k != "predicted"}
     return TrainConfig.from_values(values)
 
 
-__all__ = ["config_of", "export_hf", "latest", "load", "local_optimizer", "rectangles", "save"]
+__all__ = ["check_same_model", "config_of", "export_hf", "latest", "load", "local_optimizer", "model_mismatches",
+           "read_meta", "rectangles", "save", "saved_model"]

@@ -40,9 +40,13 @@ def _summary(history: list[dict]) -> str:
 
 
 def dry_run(cfg: TrainConfig, world: int) -> str:
+    """What the run would check before its first step (the model, the layout, the data), printed."""
+    from tpkernels.train.data import make_data  # noqa: PLC0415
+
     mc = cfg.model_config()
     cfg.parallel.validate(world_size=world, key_prefix="parallel.", **mc.layout_rules(cfg.data.seq_length))
     pc = cfg.parallel_config(world)
+    make_data(cfg.data.source, cfg.data.seq_length, cfg.training.seed, mc.vocab_size, cfg.data.tokenizer)
     return (f"model: {mc.describe()}\nlayout: {pc.short()} on {world} rank(s), schedule {pc.pipeline_schedule}, "
             f"global batch {pc.global_batch_size} × {cfg.data.seq_length} tokens\nconfig: {cfg.dumps()}")
 
@@ -141,7 +145,10 @@ def run(args) -> int:
 def run_reporting_errors(args) -> int:
     """:func:`run`, with a bad config or layout as one line naming the rule (exit 2) and a failed rank
     as one line naming it (exit 1), not a traceback."""
+    import torch  # noqa: PLC0415
+
     from tpkernels.parallel.config import ParallelConfigError  # noqa: PLC0415
+    from tpkernels.train.failures import RankLostError  # noqa: PLC0415
     from tpkernels.train.launch import LaunchError  # noqa: PLC0415
 
     try:
@@ -149,7 +156,8 @@ def run_reporting_errors(args) -> int:
     except (ValueError, ParallelConfigError) as e:
         print(f"tpkernels train: error: {e}", file=sys.stderr)
         return 2
-    except LaunchError as e:
+    except (LaunchError, FloatingPointError, RankLostError, torch.OutOfMemoryError) as e:
+        # a failed run: its message says where and what to do (the loss went NaN, a rank was lost, ...)
         print(f"tpkernels train: error: {e}", file=sys.stderr)
         return 1
 

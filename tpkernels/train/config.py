@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,11 +98,19 @@ class TrainConfig:
 
     # ---- derived ----
     def model_config(self) -> ModelConfig:
-        """The model of this run (refused if ``tpkernels.models`` cannot build it), its position table
-        at least ``data.seq_length`` long."""
+        """The model of this run (refused if ``tpkernels.models`` cannot build it). A rotary model's
+        position cache grows to ``data.seq_length`` when it is shorter (no weights change: said in a
+        warning); a learned position table cannot: a longer sequence is an error."""
         mc = self.model.config()
-        if mc.max_position_embeddings < self.data.seq_length:
-            mc = mc.replace(max_position_embeddings=self.data.seq_length)
+        seq, table = self.data.seq_length, mc.max_position_embeddings
+        if table < seq:
+            if mc.positions == "learned":
+                raise ValueError(f"data.seq_length ({seq}) must be <= the model's learned position table "
+                                 f"(max_position_embeddings {table}): its rows are weights, not a cache")
+            warnings.warn(f"data.seq_length ({seq}) > max_position_embeddings ({table}) of {mc.name or mc.model_type}: "
+                          f"its rotary cache is extended to {seq} positions (the model was not trained on them)",
+                          UserWarning, stacklevel=2)
+            mc = mc.replace(max_position_embeddings=seq)
         return mc
 
     def parallel_config(self, world: int) -> ParallelConfig:
@@ -116,10 +125,13 @@ class TrainConfig:
         """Every rule the values break, naming the keys (the world-size rules wait for the world)."""
         t, o, d, c, lg = self.training, self.optimizer, self.data, self.checkpoint, self.logging
         errs = []
-        for path, v in (("training.steps", t.steps), ("data.seq_length", d.seq_length),
-                        ("logging.log_every", lg.log_every), ("logging.trace_step", lg.trace_step)):
+        for path, v in (("training.steps", t.steps), ("logging.log_every", lg.log_every),
+                        ("logging.trace_step", lg.trace_step)):
             if v < 1:
                 errs.append(f"{path} ({v}) must be a positive integer")
+        if d.seq_length < 2:
+            errs.append(f"data.seq_length ({d.seq_length}) must be at least 2: a token and the next one it is trained "
+                        "to predict")
         if c.save_every < 0:
             errs.append(f"checkpoint.save_every ({c.save_every}) must be an integer >= 0")
         if t.stop_at_step is not None and t.stop_at_step < 0:
@@ -128,10 +140,13 @@ class TrainConfig:
             errs.append(f"training.global_batch ({t.global_batch}) must be a positive integer or none")
         if not t.initial_loss_scale > 0:
             errs.append(f"training.initial_loss_scale ({t.initial_loss_scale}) must be > 0")
-        for f in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
+        for f in ("lr", "min_lr", "weight_decay", "clip_grad"):
             v = getattr(o, f)
             if not math.isfinite(v) or v < 0:
                 errs.append(f"optimizer.{f} ({v!r}) must be a finite number >= 0")
+        if not (math.isfinite(o.adam_eps) and o.adam_eps > 0):
+            errs.append(f"optimizer.adam_eps ({o.adam_eps!r}) must be a finite number > 0 (AdamW divides by "
+                        "sqrt(v) + adam_eps: 0 gives NaN where a gradient is 0)")
         if o.min_lr > o.lr:
             errs.append(f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")
         if not 0 <= o.warmup_steps <= t.steps:

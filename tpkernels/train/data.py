@@ -39,6 +39,9 @@ def load_tokenizer(path: str):
     """(encode(text) -> ids, end-of-document id, vocabulary size) of a ``tokenizers`` JSON file or a
     Hugging Face tokenizer folder."""
     p = Path(path)
+    if not p.exists():  # a local path only: never a network lookup for a typo
+        raise ValueError(f"data.tokenizer ({path!r}) does not exist: give a tokenizers JSON file or a local Hugging "
+                         "Face tokenizer folder")
     if p.is_file():
         from tokenizers import Tokenizer  # noqa: PLC0415
 
@@ -65,11 +68,12 @@ class PackedText:
             encode, eod, needed = load_tokenizer(tokenizer)
         if vocab_size < needed:
             raise ValueError(f"vocab ({vocab_size}) must be at least {needed} for "
-                             f"{'byte-level text' if tokenizer is None else 'tokenizer ' + repr(tokenizer)}")
+                             f"{'byte-level text' if tokenizer is None else 'data.tokenizer ' + repr(tokenizer)} "
+                             "(model.vocab sets it)")
         path = Path(path)
         files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
         if not files or not all(f.is_file() for f in files):
-            raise ValueError(f"data ({str(path)!r}) must be a text file or a folder of .txt files")
+            raise ValueError(f"data.source ({str(path)!r}) must be 'random', a text file or a folder of .txt files")
         tokens = []
         for f in files:
             for doc in f.read_text(errors="replace").split("\n\n"):
@@ -78,7 +82,8 @@ class PackedText:
                     tokens += list(encode(doc)) + [eod]
         n = len(tokens) // seq
         if n < 1:
-            raise ValueError(f"data ({str(path)!r}) has {len(tokens)} tokens: fewer than one row of seq_length ({seq})")
+            raise ValueError(f"data.source ({str(path)!r}) has {len(tokens)} tokens: fewer than one row of "
+                             f"data.seq_length ({seq})")
         self.ids = torch.tensor(tokens[:n * seq]).view(n, seq)
         self.pos = restart_per_document(self.ids, eod)
         self.seq, self.seed, self.rows = seq, seed, n

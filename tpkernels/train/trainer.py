@@ -13,6 +13,7 @@ reported is the mean over the global batch (averaged over DP: one 8-byte all-red
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -93,6 +94,7 @@ class Trainer:
         if ck.save_dir and ck.resume:
             path = checkpoint.latest(ck.save_dir)
             if path is not None:
+                checkpoint.check_same_model(path, checkpoint.read_meta(path), self.mc)
                 meta = checkpoint.load(path, self.model, self.optimizer, self.master_of)
                 self.step_index, self.resumed_from = int(meta["step"]), path
                 if self.mp is not None and "loss_scale" in meta:
@@ -102,7 +104,8 @@ class Trainer:
         """A checkpoint of the steps done so far under ``checkpoint.save_dir`` (collective). With ``async_save``
         it is written in the background and completed at the next save or at the end of ``train``."""
         self.finish_saving()
-        meta = {"config": self.cfg.to_dict(), "layout": self.pc.short(), "model": self.mc.name or self.mc.model_type}
+        meta = {"config": self.cfg.to_dict(), "layout": self.pc.short(), "model": self.mc.name or self.mc.model_type,
+                "model_config": dataclasses.asdict(self.mc)}
         if self.mp is not None:
             meta["loss_scale"] = self.mp.state_dict()
         if self.cfg.checkpoint.async_save:
