@@ -21,6 +21,9 @@ from tpkernels.pipeline.schedules import (
 from tpkernels.parallel import ParallelConfig, ParallelConfigError
 from tpkernels.pipeline.simulator import Costs, simulate, validate
 
+# fewer micro-batches than stages is drawn on purpose here; the warning itself is tested in test_pipeline_schedules
+pytestmark = pytest.mark.filterwarnings("ignore::tpkernels.pipeline.schedules.PipelineFillWarning")
+
 CASES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 9, 16)]
 
 

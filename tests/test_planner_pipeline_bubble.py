@@ -11,6 +11,9 @@ from tpkernels.pipeline.schedules import make_schedule
 from tpkernels.pipeline.simulator import Costs, simulate
 from tpkernels.planner.pipeline_bubble import SIM_STAGES, bubble_time
 
+# fewer micro-batches than stages is drawn on purpose here; the warning itself is tested in test_pipeline_schedules
+pytestmark = pytest.mark.filterwarnings("ignore::tpkernels.pipeline.schedules.PipelineFillWarning")
+
 
 def full_idle(schedule, p, m, v, f, b, w, comm=0.0):
     # ZB-H1's order is built for the costs, as the runtime builds it
