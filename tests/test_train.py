@@ -625,6 +625,12 @@ def test_a_checkpoint_resumes_only_into_its_own_model(tmp_path, change, says):
     Trainer(small(steps=4, stop_at_step=2, save_dir=str(tmp_path))).train()
     with pytest.raises(ValueError, match=says):
         Trainer(small(steps=4, save_dir=str(tmp_path), **change))
+    from tpkernels.models import ParallelTransformer
+    from tpkernels.train.checkpoint import latest, load
+
+    other = ParallelTransformer(small(**change).model_config(), None)  # load itself refuses, not only the trainer
+    with pytest.raises(ValueError, match=says):
+        load(latest(tmp_path), other)
     assert [h["step"] for h in Trainer(small(steps=4, save_dir=str(tmp_path))).train()] == [2, 3]
 
 

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_train_parser(sub)
     p_export = sub.add_parser("export-hf", help="write a training checkpoint as a Hugging Face folder")
-    p_export.add_argument("checkpoint", help="a checkpoint folder (step_XXXXXXXX) or the save_dir holding them")
+    p_export.add_argument("checkpoint", help="a checkpoint folder (step_NNNNNNNN, e.g. step_00000040) or the save_dir holding them")
     p_export.add_argument("out", help="output folder (config.json + safetensors)")
     args = ap.parse_args(argv)
 

@@ -122,7 +122,7 @@ class ParallelConfig:
 
     def short(self) -> str:
         """Compact label, e.g. ``TP4 PP2 DP8 v2 mbs1 SP rc=selective ZeRO1``."""
-        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
+        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp if self.dp is not None else 'auto'}"]
         if self.virtual_stages > 1:
             parts.append(f"v{self.virtual_stages}")
         parts.append(f"mbs{self.micro_batch_size}")

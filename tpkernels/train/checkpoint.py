@@ -14,7 +14,7 @@ tensor. Why not DCP's own resharding: it reshards DTensors, whose shards are reg
 one tensor; our fused q/k/v and gate/up parameters are several HF tensors' slices concatenated,
 in an order that depends on the TP size, so no DTensor describes them across layouts.
 
-Atomic: a checkpoint is written to ``step_XXXXXXXX.tmp`` and renamed to ``step_XXXXXXXX`` by
+Atomic: a checkpoint is written to ``step_NNNNNNNN.tmp`` (the step in 8 digits) and renamed to ``step_NNNNNNNN`` by
 rank 0 after every rank finished and ``meta.json`` (step, config, layout) is written; only
 renamed folders are ever loaded (``latest``), so a half-written one is ignored.
 """
@@ -178,10 +178,12 @@ def latest(folder: str | Path) -> Path | None:
 def load(path: str | Path, model, optimizer=None, master_of: dict | None = None) -> dict:
     """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``, if given; with ``master_of``,
     into the fp32 masters, the 16-bit weights following) at their current layout (collective);
-    returns its meta (step, config, layout)."""
+    returns its meta (step, config, layout). A checkpoint of another model is refused
+    (:func:`check_same_model`): the layout may change on load, the model may not."""
     master_of = master_of or {}
     path = Path(path)
     meta = read_meta(path)
+    check_same_model(path, meta, model.config)
     md = dcp.FileSystemReader(str(path)).read_metadata()
     stored: dict[tuple[str, str], list] = {}
     for key, tmd in md.state_dict_metadata.items():

@@ -64,7 +64,7 @@ class DataSection:
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    save_dir: str | None = opt(None, "checkpoints go to save_dir/step_XXXXXXXX (DCP, reshardable)")
+    save_dir: str | None = opt(None, "checkpoints go to save_dir/step_NNNNNNNN, the step number in 8 digits (DCP, reshardable)")
     save_every: int = opt(0, "steps between checkpoints (0: only at the end)")
     resume: bool = opt(True, "start from the latest complete checkpoint in save_dir, if any")
     async_save: bool = opt(False, "write checkpoints in the background while training goes on")

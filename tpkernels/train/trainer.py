@@ -48,12 +48,11 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, *, device: torch.device | None = None):
         self.cfg = cfg.check()
-        world = dist.get_world_size() if dist.is_initialized() else 1
         self.mc = cfg.model_config()
         seq = cfg.data.seq_length
-        cfg.parallel.validate(world_size=world, key_prefix="parallel.", **self.mc.layout_rules(seq))
-        self.pc = cfg.parallel_config(world)
-        self.state = ParallelState.create(self.pc, key_prefix="parallel.", **self.mc.layout_rules(seq))
+        # validated as written (dp none: what the world leaves), then resolved for the world
+        self.state = ParallelState.create(cfg.parallel, key_prefix="parallel.", **self.mc.layout_rules(seq))
+        self.pc = self.state.config
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                  else torch.device("cpu"))
         dtype = DTYPES[cfg.training.precision]
@@ -94,7 +93,6 @@ class Trainer:
         if ck.save_dir and ck.resume:
             path = checkpoint.latest(ck.save_dir)
             if path is not None:
-                checkpoint.check_same_model(path, checkpoint.read_meta(path), self.mc)
                 meta = checkpoint.load(path, self.model, self.optimizer, self.master_of)
                 self.step_index, self.resumed_from = int(meta["step"]), path
                 if self.mp is not None and "loss_scale" in meta:
