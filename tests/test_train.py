@@ -652,3 +652,6 @@ def test_dry_run_checks_what_the_run_would(capsys):
     readme = str(Path(__file__).resolve().parents[1] / "README.md")
     assert main(["train", "--data", readme, "--tokenizer", "no/such/tokenizer.json", "--dry-run"]) == 2
     assert "data.tokenizer ('no/such/tokenizer.json') does not exist" in capsys.readouterr().err
+    # before a launch the data's paths are checked once, in the parent, without reading the corpus
+    assert main(["train", "--nproc", "2", "--data", "no/such/corpus.txt"]) == 2
+    assert "data.source ('no/such/corpus.txt') must be 'random', a text file or a folder" in capsys.readouterr().err

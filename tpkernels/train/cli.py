@@ -39,14 +39,19 @@ def _summary(history: list[dict]) -> str:
             f"MFU {100 * last['mfu']:.1f}%")
 
 
-def dry_run(cfg: TrainConfig, world: int) -> str:
-    """What the run would check before its first step (the model, the layout, the data), printed."""
-    from tpkernels.train.data import make_data  # noqa: PLC0415
+def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
+    """What the run would check before its first step (the model, the layout, the data), printed.
+    ``read_data=False``: the data's paths, tokenizer and vocabulary only, not the tokenized corpus
+    (before a launch, whose ranks each read it)."""
+    from tpkernels.train.data import make_data, text_source  # noqa: PLC0415
 
     mc = cfg.model_config()
     cfg.parallel.validate(world_size=world, key_prefix="parallel.", **mc.layout_rules(cfg.data.seq_length))
     pc = cfg.parallel_config(world)
-    make_data(cfg.data.source, cfg.data.seq_length, cfg.training.seed, mc.vocab_size, cfg.data.tokenizer)
+    if read_data:
+        make_data(cfg.data.source, cfg.data.seq_length, cfg.training.seed, mc.vocab_size, cfg.data.tokenizer)
+    elif cfg.data.source != "random":
+        text_source(cfg.data.source, mc.vocab_size, cfg.data.tokenizer)
     return (f"model: {mc.describe()}\nlayout: {pc.short()} on {world} rank(s), schedule {pc.pipeline_schedule}, "
             f"global batch {pc.global_batch_size} × {cfg.data.seq_length} tokens\nconfig: {cfg.dumps()}")
 
@@ -112,7 +117,7 @@ def run(args) -> int:
     if args.nproc:
         from tpkernels.train.launch import launch  # noqa: PLC0415
 
-        dry_run(cfg, args.nproc)  # the layout's errors here, once, before any rank starts
+        dry_run(cfg, args.nproc, read_data=False)  # the config's errors here, once, before any rank starts
         history = launch(rank_main, args.nproc, cfg)[0]
         if args.verify_step0:
             pc = cfg.parallel_config(args.nproc)

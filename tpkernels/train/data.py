@@ -57,23 +57,31 @@ def load_tokenizer(path: str):
     return (lambda text: tok(text, add_special_tokens=False)["input_ids"]), eod, max(len(tok), eod + 1)
 
 
+def text_source(path: str | Path, vocab_size: int, tokenizer: str | None = None):
+    """(the .txt files, encode, end-of-document id) of a text source, every rule checked but nothing
+    tokenized yet: what a launcher checks once before its ranks each read the corpus."""
+    if tokenizer is None:
+        encode, eod, needed = (lambda text: list(text.encode())), EOD, BYTE_VOCAB
+    else:
+        encode, eod, needed = load_tokenizer(tokenizer)
+    if vocab_size < needed:
+        raise ValueError(f"vocab ({vocab_size}) must be at least {needed} for "
+                         f"{'byte-level text' if tokenizer is None else 'data.tokenizer ' + repr(tokenizer)} "
+                         "(model.vocab sets it)")
+    path = Path(path)
+    files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(f"data.source ({str(path)!r}) must be 'random', a text file or a folder of .txt files")
+    return files, encode, eod
+
+
 class PackedText:
     """Documents of a text file / folder of .txt files packed into rows (see the module docstring);
     ``tokenizer``: a ``tokenizers`` JSON or an HF tokenizer folder instead of bytes."""
 
     def __init__(self, path: str | Path, seq: int, seed: int, vocab_size: int, tokenizer: str | None = None):
-        if tokenizer is None:
-            encode, eod, needed = (lambda text: list(text.encode())), EOD, BYTE_VOCAB
-        else:
-            encode, eod, needed = load_tokenizer(tokenizer)
-        if vocab_size < needed:
-            raise ValueError(f"vocab ({vocab_size}) must be at least {needed} for "
-                             f"{'byte-level text' if tokenizer is None else 'data.tokenizer ' + repr(tokenizer)} "
-                             "(model.vocab sets it)")
+        files, encode, eod = text_source(path, vocab_size, tokenizer)
         path = Path(path)
-        files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
-        if not files or not all(f.is_file() for f in files):
-            raise ValueError(f"data.source ({str(path)!r}) must be 'random', a text file or a folder of .txt files")
         tokens = []
         for f in files:
             for doc in f.read_text(errors="replace").split("\n\n"):
