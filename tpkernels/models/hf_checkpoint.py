@@ -57,6 +57,43 @@ class TensorSource(abc.ABC):
     def _read(self, name: str, index: tuple) -> torch.Tensor:
         """``tensor[index]`` of tensor ``name`` as stored (index: a tuple of slices)."""
 
+    def info(self, name: str) -> tuple[tuple[int, ...], str] | None:
+        """(full shape as stored, dtype name: 'float32', 'int32', 'bool'...) of tensor ``name`` (resolved),
+        or None where the source makes its tensors itself and cannot be wrong."""
+        return None
+
+    def check(self, shapes: dict[str, tuple[int, ...]], transposed: set[str] = frozenset()) -> None:
+        """Before any slice is read: every tensor of ``shapes`` (HF name -> full shape in our (out, in)
+        orientation; ``transposed``: the names stored (in, out)) is present, of that full shape and of
+        a floating-point dtype. A slice of a larger tensor, or an integer tensor cast, would load
+        wrong weights without a word."""
+        missing, wrong = [], []
+        for name, want in sorted(shapes.items()):
+            try:
+                found = self.resolve(name)
+            except KeyError:
+                missing.append(name)
+                continue
+            got = self.info(found)
+            if got is None:
+                continue
+            shape, dtype = got
+            stored = tuple(reversed(want)) if name in transposed and len(want) == 2 else tuple(want)
+            if tuple(shape) != stored:
+                wrong.append(f"{found}: shape {tuple(shape)}, the model's config needs {stored}")
+            elif dtype not in FLOAT_DTYPES:
+                wrong.append(f"{found}: dtype {dtype}, weights must be floating point (one of "
+                             f"{', '.join(sorted(FLOAT_DTYPES))})")
+        if missing:
+            more = f" (and {len(missing) - 6} more)" if len(missing) > 6 else ""
+            raise ValueError(f"{self.where()} lacks tensor(s) {missing[:6]}{more} that the model's config needs")
+        if wrong:
+            more = f"; and {len(wrong) - 4} more" if len(wrong) > 4 else ""
+            raise ValueError(f"{self.where()} does not match the model's config: {'; '.join(wrong[:4])}{more}")
+
+    def where(self) -> str:
+        return "the state dict"
+
     def resolve(self, name: str) -> str:
         names = self.names()
         if name in names:
@@ -91,37 +128,87 @@ class StateDictSource(TensorSource):
     def _read(self, name, index):
         return self.sd[name].detach()[index].cpu()
 
+    def info(self, name):
+        t = self.sd[name]
+        return tuple(t.shape), str(t.dtype).removeprefix("torch.")
+
 
 class SafetensorsSource(TensorSource):
-    """A checkpoint folder: ``model.safetensors``, or shards listed in ``model.safetensors.index.json``."""
+    """A checkpoint folder: ``model.safetensors``, or shards listed in ``model.safetensors.index.json``.
+    Each file's header is read when the source opens (a truncated or foreign file is refused here,
+    naming it); tensors are read a slice at a time."""
 
     def __init__(self, folder: str | Path):
-        from safetensors import safe_open  # noqa: PLC0415
+        from safetensors import SafetensorError, safe_open  # noqa: PLC0415
 
-        folder = Path(folder)
+        folder = self.folder = Path(folder)
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _weight_map(index)
             files = sorted(set(weight_map.values()))
+            absent = [f for f in files if not (folder / f).is_file()]
+            if absent:
+                raise FileNotFoundError(f"{str(index)!r} lists shard(s) {absent} that are not in {str(folder)!r}")
         else:
+            if not folder.is_dir():
+                raise FileNotFoundError(f"Hugging Face checkpoint folder {str(folder)!r} does not exist")
             files = sorted(p.name for p in folder.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"{str(folder)!r} holds no *.safetensors file (and no "
                                         "model.safetensors.index.json)")
             weight_map = None
-        self._handles = {f: safe_open(str(folder / f), framework="pt") for f in files}
+        self._handles = {}
+        for f in files:
+            try:
+                self._handles[f] = safe_open(str(folder / f), framework="pt")
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ValueError(f"{str(folder / f)!r} is not a readable safetensors file (truncated or damaged?): "
+                                 f"{e}") from None
         if weight_map is None:
             weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
+        else:
+            for f, h in self._handles.items():
+                listed = {k for k, v in weight_map.items() if v == f}
+                absent = sorted(listed - set(h.keys()))
+                if absent:
+                    raise ValueError(f"{str(index)!r} places tensor(s) {absent[:4]} in {f!r}, which does not hold "
+                                     "them")
         self._where = weight_map
         self.bytes_read = 0
 
     def names(self) -> set[str]:
         return set(self._where)
 
+    def where(self) -> str:
+        return f"Hugging Face checkpoint {str(self.folder)!r}"
+
+    def info(self, name):
+        sl = self._handles[self._where[name]].get_slice(name)
+        return tuple(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype())
+
     def _read(self, name, index):
         t = self._handles[self._where[name]].get_slice(name)[index]
         self.bytes_read += t.numel() * t.element_size()
         return t
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a shard index, checked: a mapping of tensor names to file names."""
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"shard index {str(index)!r} is unreadable: {type(e).__name__}: {e}") from None
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise ValueError(f"shard index {str(index)!r} must hold a 'weight_map' mapping each tensor name to its "
+                         f"file name, got {type(wm).__name__}")
+    return wm
+
+
+FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"})
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                       "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
 class RandomInit(TensorSource):

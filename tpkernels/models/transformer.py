@@ -33,6 +33,7 @@ from tpkernels.models.context import LayerContext
 from tpkernels.models.embedding import Embedding
 from tpkernels.models.grad_sync import DataParallelGradReduce, finish_grad_sync
 from tpkernels.models.head import LMHead
+from tpkernels.parallel.raise_together import raise_together
 from tpkernels.models.hf_checkpoint import Part, RandomInit, TensorSource, assemble, open_source
 from tpkernels.functional.vocab_parallel import out_of_range_targets, target_range_error
 from tpkernels.models.sequence import SequenceInfo, default_positions, positions_from_cu_seqlens
@@ -171,19 +172,24 @@ class ParallelTransformer(nn.Module):
     @torch.no_grad()
     def load_hf_(self, source) -> "ParallelTransformer":
         """Copy this rank's slices of ``source`` (folder, state dict, module or TensorSource) into the model."""
-        src = source if isinstance(source, TensorSource) else open_source(source)
-        parts = self.param_parts()
-        params = dict(self.named_parameters())
-        missing = sorted(set(params) - set(parts))
-        if missing:
-            raise RuntimeError(f"no Hugging Face mapping for {missing[:4]}")
-        for name, p in params.items():
-            pieces = [src.read(part, p.dtype) for part in parts[name]]
-            value = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-            if value.shape != p.shape:
-                raise ValueError(f"{name}: the checkpoint gives shape {tuple(value.shape)}, the model at this layout "
-                                 f"needs {tuple(p.shape)} (parts {parts[name]})")
-            p.copy_(value)
+        # every rank checks and reads its own tensors; a rank that finds a bad one stops them all
+        with raise_together("loading Hugging Face weights", active=self.state.config.world_size > 1):
+            src = source if isinstance(source, TensorSource) else open_source(source)
+            parts = self.param_parts()
+            params = dict(self.named_parameters())
+            missing = sorted(set(params) - set(parts))
+            if missing:
+                raise RuntimeError(f"no Hugging Face mapping for {missing[:4]}")
+            shapes = {k: v for chunk in self.chunks for k, v in chunk.shapes().items()}
+            transposed = {part.name for ps in parts.values() for part in ps if part.transpose}
+            src.check(shapes, transposed)
+            for name, p in params.items():
+                pieces = [src.read(part, p.dtype) for part in parts[name]]
+                value = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+                if value.shape != p.shape:
+                    raise ValueError(f"{name}: the checkpoint gives shape {tuple(value.shape)}, the model at this "
+                                     f"layout needs {tuple(p.shape)} (parts {parts[name]})")
+                p.copy_(value)
         return self
 
     def init_weights_(self, seed: int) -> "ParallelTransformer":

@@ -21,6 +21,8 @@ rank): tied input/output embeddings live on both and their gradients are summed 
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 import torch
@@ -42,9 +44,14 @@ def _agree_on_config(config: ParallelConfig, model_rules: dict) -> None:
     dist.all_gather_object(every, mine)
     differ = [r for r, other in enumerate(every) if other != every[0]]
     if differ:
-        raise ParallelConfigError([f"ranks disagree on the layout: rank 0 has {every[0][0].short()} "
-                                   f"{dict(every[0][1]) or ''}, rank {differ[0]} has {every[differ[0]][0].short()} "
-                                   f"{dict(every[differ[0]][1]) or ''}; every rank must pass the same config"])
+        (c0, rules0), (c1, rules1) = every[0], every[differ[0]]
+        fields = [f"{f.name} ({getattr(c0, f.name)!r} on rank 0, {getattr(c1, f.name)!r} on rank {differ[0]})"
+                  for f in dataclasses.fields(ParallelConfig) if getattr(c0, f.name) != getattr(c1, f.name)]
+        r0, r1 = dict(rules0), dict(rules1)
+        fields += [f"{k} ({r0.get(k)!r} on rank 0, {r1.get(k)!r} on rank {differ[0]})"
+                   for k in sorted(set(r0) | set(r1)) if r0.get(k) != r1.get(k)]
+        raise ParallelConfigError([f"ranks disagree on the layout: {'; '.join(fields)}; every rank must pass the "
+                                   "same config"])
 
 
 def layout_ranks(config: ParallelConfig) -> dict[str, list[list[int]]]:
