@@ -15,8 +15,12 @@ one tensor; our fused q/k/v and gate/up parameters are several HF tensors' slice
 in an order that depends on the TP size, so no DTensor describes them across layouts.
 
 Atomic: a checkpoint is written to ``step_NNNNNNNN.tmp`` (the step in 8 digits) and renamed to ``step_NNNNNNNN`` by
-rank 0 after every rank finished and ``meta.json`` (step, config, layout) is written; only
-renamed folders are ever loaded (``latest``), so a half-written one is ignored.
+rank 0 after every rank finished and ``meta.json`` (step, config, layout, model description, a
+SHA-256 per file, sealed) is written; only renamed folders are ever loaded (``latest``), so a
+half-written one is ignored. Before a load every file is verified (:mod:`checkpoint_files`); a
+resume that finds its newest checkpoint damaged falls back to the one before, with a warning.
+A save that fails (disk full, read-only storage) removes its ``.tmp`` folder and says how much
+this rank had to write and how much space was free.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from tpkernels.description import ModelConfig
 from tpkernels.models import ParallelTransformer
 from tpkernels.models.lora import apply_lora, lora_parts, lora_shapes, merge_lora_
 from tpkernels.parallel.param_tags import tag_of
+from tpkernels.parallel.raise_together import raise_together
+from tpkernels.train.checkpoint_files import CheckpointError, SafeReader, digest_files, read_dcp_metadata, seal, verify
 from tpkernels.train.config import TrainConfig
 
 KINDS = ("model", "exp_avg", "exp_avg_sq")
@@ -90,23 +96,48 @@ def _rank() -> int:
 class PendingSave:
     """An asynchronous save in flight: ``finish()`` (collective) waits for it and makes it complete."""
 
-    def __init__(self, future, tmp: Path, final: Path, meta: dict):
-        self.future, self.tmp, self.final, self.meta = future, tmp, final, meta
+    def __init__(self, future, tmp: Path, final: Path, meta: dict, sd: dict):
+        self.future, self.tmp, self.final, self.meta, self.sd = future, tmp, final, meta, sd
 
     def finish(self) -> Path:
-        (self.future.result() if hasattr(self.future, "result") else self.future)
+        try:
+            (self.future.result() if hasattr(self.future, "result") else self.future)
+        except (OSError, dcp.api.CheckpointException) as e:
+            raise _failed_save(self.tmp, self.sd, e) from e
+        self.sd = None
         _barrier()
         _complete(self.tmp, self.final, self.meta)
         return self.final
 
 
 def _complete(tmp: Path, final: Path, meta: dict) -> None:
-    """meta.json, then the atomic rename (rank 0), once every rank's files are written."""
-    if _rank() == 0:
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+    """The files' digests (the ranks hash a share each), the sealed meta.json, then the atomic rename
+    (rank 0), once every rank's files are written."""
+    meta = seal({**meta, "files": digest_files(tmp)})
+    with raise_together("completing a checkpoint"):
+        if _rank() == 0:
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
     _barrier()
+
+
+class CheckpointSaveError(OSError):
+    """A save that could not be written; its ``.tmp`` folder is removed."""
+
+
+def _failed_save(tmp: Path, sd: dict, e: BaseException) -> CheckpointSaveError:
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    need = sum(t.numel() * t.element_size() for t in sd.values()) / 2 ** 20
+    try:
+        free = f"{shutil.disk_usage(tmp.parent).free / 2 ** 20:.1f} MiB free there"
+    except OSError:
+        free = "its free space unknown"
+    cause = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+    return CheckpointSaveError(f"could not write checkpoint {tmp.name.removesuffix('.tmp')} under {tmp.parent} "
+                               f"(this rank's share: {need:.1f} MiB; {free}): {cause}. The unfinished folder is removed; the previous "
+                               "checkpoints are untouched")
 
 
 def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of: dict | None = None, *,
@@ -120,9 +151,13 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of:
     folder = Path(folder)
     final = folder / f"step_{step:08d}"
     tmp = folder / f"step_{step:08d}.tmp"
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True, exist_ok=True)
+    with raise_together("creating the checkpoint folder"):
+        if _rank() == 0:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise CheckpointSaveError(f"could not create checkpoint folder {tmp}: {e.strerror or e}") from None
     _barrier()
     sd: dict[str, torch.Tensor] = {}
     opt_step = 0.0
@@ -142,8 +177,12 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of:
     meta = {**meta, "step": step}
     if asynchronous:
         sd = {k: v.detach().clone().cpu() for k, v in sd.items()}  # the training step may now change the originals
-        return PendingSave(dcp.async_save(sd, checkpoint_id=str(tmp), process_group=async_group), tmp, final, meta)
-    dcp.save(sd, checkpoint_id=str(tmp))
+        return PendingSave(dcp.async_save(sd, checkpoint_id=str(tmp), process_group=async_group), tmp, final, meta,
+                           sd)
+    try:  # DCP gathers every rank's write error and raises it on all of them
+        dcp.save(sd, checkpoint_id=str(tmp))
+    except (OSError, dcp.api.CheckpointException) as e:
+        raise _failed_save(tmp, sd, e) from e
     _barrier()
     _complete(tmp, final, meta)
     return final
@@ -153,17 +192,26 @@ def read_meta(path: str | Path) -> dict:
     """A complete checkpoint's meta.json (step, config, layout, model description)."""
     path = Path(path) / "meta.json"
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint metadata {path} is unreadable: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"checkpoint metadata {path} is unreadable: {type(e).__name__}: {e}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or not isinstance(meta.get("config"), dict):
+        raise CheckpointError(f"checkpoint metadata {path} must be a mapping with an integer 'step' and a 'config'")
+    return meta
 
 
 def latest(folder: str | Path) -> Path | None:
     """The newest complete checkpoint under ``folder`` (a renamed folder with meta.json), or None.
     Half-written ones (``.tmp``, or without meta.json) are skipped with a warning."""
+    found = complete(folder)
+    return found[0] if found else None
+
+
+def complete(folder: str | Path) -> list[Path]:
+    """The complete checkpoints under ``folder``, newest first (see :func:`latest`)."""
     folder = Path(folder)
     if not folder.is_dir():
-        return None
+        return []
     done = []
     for d in folder.iterdir():
         if not d.is_dir() or not d.name.startswith("step_"):
@@ -172,7 +220,25 @@ def latest(folder: str | Path) -> Path | None:
             warnings.warn(f"ignoring incomplete checkpoint {d}", stacklevel=2)
             continue
         done.append(d)
-    return max(done, key=lambda d: d.name) if done else None
+    return sorted(done, key=lambda d: d.name, reverse=True)
+
+
+def resume(folder: str | Path, model, optimizer=None, master_of: dict | None = None) -> tuple[Path, dict] | None:
+    """Load the newest checkpoint under ``folder`` that verifies (collective): (its path, its meta), or
+    None when there is none. A damaged one is skipped with a warning naming the file, and the one
+    before it is tried; when every one is damaged, CheckpointError lists them."""
+    refused = []
+    for path in complete(folder):
+        try:
+            return path, load(path, model, optimizer, master_of)
+        except CheckpointError as e:
+            refused.append(str(e))
+            if _rank() == 0:
+                warnings.warn(f"{e}; trying the checkpoint before it", stacklevel=2)
+    if refused:
+        raise CheckpointError(f"no checkpoint under {folder} can be loaded: {' | '.join(refused)}. Remove them, or start "
+                              "with checkpoint.resume false (or another save_dir)")
+    return None
 
 
 def load(path: str | Path, model, optimizer=None, master_of: dict | None = None) -> dict:
@@ -183,8 +249,9 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
     master_of = master_of or {}
     path = Path(path)
     meta = read_meta(path)
+    verify(path, meta)  # every file against its digest, before any weight is touched
     check_same_model(path, meta, model.config)
-    md = dcp.FileSystemReader(str(path)).read_metadata()
+    md = read_dcp_metadata(path)
     stored: dict[tuple[str, str], list] = {}
     for key, tmd in md.state_dict_metadata.items():
         if key.count(_SEP) == 3:
@@ -222,7 +289,7 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
                 jobs.append((target, covered, key, (r0 - rows[0], r1 - rows[0]), (r0 - r[0], r1 - r[0]),
                              None if cols is None else ((c0 - cols[0], c1 - cols[0]), (c0 - c[0], c1 - c[0]))))
             jobs.append((target, covered, None, name, kind, None))
-    dcp.load(want, checkpoint_id=str(path))
+    dcp.load(want, storage_reader=SafeReader(str(path)))
     with torch.no_grad():
         for target, covered, key, dst, src, colmap in jobs:
             if key is None:  # the end of one target's list: check it is whole
@@ -319,5 +386,6 @@ def config_of(meta: dict) -> TrainConfig:
     return TrainConfig.from_values(values)
 
 
-__all__ = ["check_same_model", "config_of", "export_hf", "latest", "load", "local_optimizer", "model_mismatches",
+__all__ = ["CheckpointError", "CheckpointSaveError", "check_same_model", "complete", "config_of", "export_hf",
+           "latest", "load", "resume", "local_optimizer", "model_mismatches",
            "read_meta", "rectangles", "save", "saved_model"]

@@ -91,9 +91,9 @@ class Trainer:
         self._pending, self._ckpt_group = None, None
         ck = cfg.checkpoint
         if ck.save_dir and ck.resume:
-            path = checkpoint.latest(ck.save_dir)
-            if path is not None:
-                meta = checkpoint.load(path, self.model, self.optimizer, self.master_of)
+            found = checkpoint.resume(ck.save_dir, self.model, self.optimizer, self.master_of)
+            if found is not None:
+                path, meta = found
                 self.step_index, self.resumed_from = int(meta["step"]), path
                 if self.mp is not None and "loss_scale" in meta:
                     self.mp.load_state_dict(meta["loss_scale"])

@@ -1,0 +1,205 @@
+"""A checkpoint's files, checked before they are trusted: a SHA-256 digest per file, written at save
+and verified before load; a sealed ``meta.json``; DCP's ``.metadata`` read without running code.
+
+* Digests: DCP stores no checksum, and a flipped byte in a ``.distcp`` file loads as a wrong weight
+  without a word. At save, once every rank has written, the ranks hash the folder's files between
+  them (file ``i`` by rank ``i mod world``: shared storage, as multi-node runs need anyway) and
+  rank 0 records ``{file: {bytes, sha256}}`` in ``meta.json``. Before a load the ranks verify the
+  same way and agree on the verdict, so every rank refuses the same checkpoint with the same words.
+* Seal: ``meta.json`` carries the SHA-256 of its own canonical JSON (without the seal), so a step
+  edited by hand is refused; the step must also be the folder's (``step_NNNNNNNN``).
+* ``.metadata``: ``torch.distributed.checkpoint`` pickles it and its reader unpickles it with
+  ``pickle.load``: a crafted checkpoint would run code on ``resume`` and ``export-hf``.
+  :class:`SafeReader` unpickles it with an allow-list: DCP's metadata dataclasses, ``torch.Size``,
+  dtypes, layouts and memory formats, paths. Why our own list and not torch's ``weights_only``
+  unpickler: that one reads ``torch.save`` archives, not a bare pickle stream; ``add_safe_globals``
+  only extends it.
+
+Checkpoints written before the digests existed (no ``files`` in ``meta.json``) load as before, with
+a warning that they cannot be verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+
+META = "meta.json"
+_CHUNK = 1 << 22
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be loaded (damaged, incomplete, edited or unsafe); names the file."""
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather(obj) -> list:
+    rank, world = _world()
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _data_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != META)
+
+
+def digest_files(folder: str | Path) -> dict[str, dict]:
+    """``{file: {"bytes", "sha256"}}`` of every file under ``folder`` but meta.json (collective: the
+    ranks hash a share each)."""
+    folder = Path(folder)
+    rank, world = _world()
+    names = _data_files(folder)
+    mine = {n: {"bytes": (folder / n).stat().st_size, "sha256": sha256_of(folder / n)} for n in names[rank::world]}
+    return {k: v for part in _gather(mine) for k, v in part.items()}
+
+
+def seal(meta: dict) -> dict:
+    """``meta`` with ``checksum``: the SHA-256 of the rest, in canonical JSON."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return {**body, "checksum": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()}
+
+
+def check_seal(path: Path, meta: dict) -> None:
+    """Refuse a meta.json edited after the save, or one whose step is not the folder's."""
+    if "checksum" in meta and seal(meta)["checksum"] != meta["checksum"]:
+        raise CheckpointError(f"checkpoint {path}: {META} was changed after it was written (its checksum does not "
+                              "match its contents): refusing it")
+    name = path.name
+    if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != meta.get("step"):
+        raise CheckpointError(f"checkpoint {path}: {META} says step {meta.get('step')!r}, the folder is step "
+                              f"{int(name[5:])}: refusing it")
+
+
+def _problems(folder: Path, recorded: dict, names: list[str]) -> list[str]:
+    out = []
+    for n in names:
+        f, want = folder / n, recorded[n]
+        if not f.is_file():
+            out.append(f"{f} is missing")
+        elif f.stat().st_size != want["bytes"]:
+            out.append(f"{f} holds {f.stat().st_size} bytes, {want['bytes']} were written (truncated?)")
+        elif sha256_of(f) != want["sha256"]:
+            out.append(f"{f} does not match its SHA-256 digest (damaged: its bytes changed after the save)")
+    return out
+
+
+def verify(path: str | Path, meta: dict) -> None:
+    """Check every file of checkpoint ``path`` against the digests in ``meta`` (collective when
+    distributed: the ranks verify a share each and all raise the same :class:`CheckpointError`)."""
+    path = Path(path)
+    check_seal(path, meta)
+    recorded = meta.get("files")
+    rank, world = _world()
+    if recorded is None:
+        if rank == 0:
+            warnings.warn(f"checkpoint {path} has no file digests (written by an older tpkernels): it cannot be "
+                          "verified", stacklevel=3)
+        return
+    names = sorted(recorded)
+    bad = [p for part in _gather(_problems(path, recorded, names[rank::world])) for p in part]
+    extra = sorted(set(_data_files(path)) - set(recorded)) if path.is_dir() else []
+    if ".metadata" not in recorded:
+        bad.append(f"{path / '.metadata'} is not among the recorded files")
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(bad[:3])}{more}: refusing it")
+    if extra and rank == 0:
+        warnings.warn(f"checkpoint {path} holds files it did not write ({extra[:3]}); they are ignored", stacklevel=3)
+
+
+# ---- DCP metadata without running code ----
+
+def _allowed(module: str, name: str):
+    """The object an allowed global names, or None."""
+    if module == dcp_metadata.__name__:
+        obj = getattr(dcp_metadata, name, None)
+        if isinstance(obj, type) and obj.__module__ == module:  # its dataclasses and enums
+            return obj
+        return None
+    if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
+        from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: PLC0415
+
+        return _StorageInfo
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            return obj
+        return None
+    if module == "torch.serialization" and name == "_get_layout":
+        return torch.serialization._get_layout
+    if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
+        import pathlib  # noqa: PLC0415
+
+        return getattr(pathlib, name)
+    if module == "collections" and name == "OrderedDict":
+        import collections  # noqa: PLC0415
+
+        return collections.OrderedDict
+    return None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, f, where: str):
+        super().__init__(f)
+        self.where = where
+
+    def find_class(self, module, name):
+        obj = _allowed(module, name)
+        if obj is None:
+            raise CheckpointError(f"{self.where} refers to {module}.{name}, which a checkpoint's metadata never "
+                                  "holds: refusing to load it (a crafted .metadata could run code)")
+        return obj
+
+
+def read_dcp_metadata(path: str | Path) -> dcp_metadata.Metadata:
+    """The ``.metadata`` of DCP checkpoint ``path``, unpickled with the allow-list."""
+    f = Path(path) / ".metadata"
+    try:
+        with open(f, "rb") as fh:
+            md = _MetadataUnpickler(fh, str(f)).load()
+    except CheckpointError:
+        raise
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError, IndexError) as e:
+        raise CheckpointError(f"{f} is unreadable ({type(e).__name__}: {e}): refusing the checkpoint") from None
+    if not isinstance(md, dcp_metadata.Metadata):
+        raise CheckpointError(f"{f} holds a {type(md).__name__}, not DCP metadata: refusing the checkpoint")
+    return md
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, its metadata read by :func:`read_dcp_metadata` (no code runs)."""
+
+    def read_metadata(self, *args, **kwargs):
+        md = read_dcp_metadata(self.path)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = dcp_metadata.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+__all__ = ["CheckpointError", "SafeReader", "check_seal", "digest_files", "read_dcp_metadata", "seal", "sha256_of",
+           "verify"]
