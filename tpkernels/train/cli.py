@@ -28,6 +28,10 @@ def add_arguments(p) -> None:
     p.add_argument("--dry-run", action="store_true", help="validate the config and layout, print them, do not train")
     p.add_argument("--verify-step0", action="store_true",
                    help="with --nproc: check step 0's loss against the single-process model on the same batch")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="with --nproc: restart the ranks this many times after a failure (torchrun's --max-restarts); "
+                        "each restart resumes from the latest complete checkpoint in save_dir")
+    p.add_argument("--debug", action="store_true", help="show errors with their tracebacks (and the launcher's log)")
     add_flags(p)
 
 
@@ -103,6 +107,11 @@ def _world(args) -> int:
 def run(args) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc ({args.nproc}) must be a positive integer")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts ({args.max_restarts}) must be >= 0")
+    if args.max_restarts and not args.nproc:
+        raise ValueError(f"--max-restarts ({args.max_restarts}) needs --nproc (under torchrun, give torchrun's own "
+                         "--max-restarts)")
     cfg = TrainConfig.load(args.config, flag_values(args), text_overrides=True)
     if cfg.layout == "auto":
         from tpkernels.train.auto_layout import apply_plan, explain, plan_layout  # noqa: PLC0415
@@ -118,7 +127,7 @@ def run(args) -> int:
         from tpkernels.train.launch import launch  # noqa: PLC0415
 
         dry_run(cfg, args.nproc, read_data=False)  # the config's errors here, once, before any rank starts
-        history = launch(rank_main, args.nproc, cfg)[0]
+        history = launch(rank_main, args.nproc, cfg, max_restarts=args.max_restarts, quiet=not args.debug)[0]
         if args.verify_step0:
             pc = cfg.parallel_config(args.nproc)
             want = single_process_loss(cfg, pc.dp)
@@ -156,12 +165,23 @@ def run_reporting_errors(args) -> int:
     from tpkernels.train.failures import RankLostError  # noqa: PLC0415
     from tpkernels.train.launch import LaunchError  # noqa: PLC0415
 
+    from tpkernels.train.checkpoint import CheckpointSaveError  # noqa: PLC0415
+
+    if getattr(args, "debug", False):
+        return run(args)
     try:
         return run(args)
-    except (ValueError, ParallelConfigError) as e:
+    except (ValueError, ParallelConfigError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+            PermissionError) as e:
         print(f"tpkernels train: error: {e}", file=sys.stderr)
         return 2
-    except (LaunchError, FloatingPointError, RankLostError, torch.OutOfMemoryError) as e:
+    except LaunchError as e:
+        # a rank's bad input is a bad input (exit 2), said once; a rank that died is a failed run (exit 1)
+        bad_input = e.kind in ("ValueError", "ParallelConfigError", "CheckpointError", "FileNotFoundError",
+                               "NotADirectoryError", "IsADirectoryError", "PermissionError")
+        print(f"tpkernels train: error: {e.detail if bad_input else e}", file=sys.stderr)
+        return 2 if bad_input else 1
+    except (FloatingPointError, RankLostError, torch.OutOfMemoryError, CheckpointSaveError) as e:
         # a failed run: its message says where and what to do (the loss went NaN, a rank was lost, ...)
         print(f"tpkernels train: error: {e}", file=sys.stderr)
         return 1

@@ -23,7 +23,9 @@ import atexit
 import datetime
 import json
 import multiprocessing
+import logging
 import os
+import re
 import tempfile
 import uuid
 from pathlib import Path
@@ -32,10 +34,14 @@ _DONE = {"ok": False}
 
 
 class LaunchError(RuntimeError):
-    """A rank of a ``--nproc`` run failed. ``rank``, ``message``: the first failure."""
+    """A rank of a ``--nproc`` run failed. ``rank``, ``message``: the first failure; ``kind``: its
+    exception's type name (``ValueError``...) where the rank raised one, else None; ``detail``: the
+    message without that name."""
 
     def __init__(self, rank: int, message: str):
         self.rank, self.message = rank, message
+        m = re.match(r"([A-Za-z_][\w.]*(?:Error|Exception)): (.*)", message, re.S)
+        self.kind, self.detail = (m.group(1).rsplit(".", 1)[-1], m.group(2)) if m else (None, message)
         super().__init__(f"rank {rank} failed: {message}")
 
 
@@ -60,18 +66,38 @@ def worker(fn, pg_timeout_s: float, *args):
     return out
 
 
-def launch(fn, nproc: int, *args, pg_timeout_s: float = 1800.0, max_restarts: int = 0) -> list:
+def launch(fn, nproc: int, *args, pg_timeout_s: float = 1800.0, max_restarts: int = 0, quiet: bool = True) -> list:
     """``fn(*args)`` on ``nproc`` local ranks (module-level ``fn``, picklable ``args``); returns the values
-    by rank. Raises :class:`LaunchError` naming the first rank that failed."""
+    by rank. Raises :class:`LaunchError` naming the first rank that failed. ``max_restarts``: times the
+    agent restarts the whole group after a failure (torchrun's ``--max-restarts``; ``fn`` runs again
+    from its start: the trainer resumes from its latest complete checkpoint). ``quiet``: the agent's
+    own log of a failure (the rank's traceback) is not printed; the LaunchError says what failed."""
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"nproc ({nproc!r}) must be a positive integer")
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ValueError(f"max_restarts ({max_restarts!r}) must be an integer >= 0")
+    agent_log = logging.getLogger("torch.distributed.elastic")
+    level = agent_log.level
+    if quiet:
+        agent_log.setLevel(logging.CRITICAL)
+    try:
+        return _launch(fn, nproc, args, pg_timeout_s, max_restarts)
+    finally:
+        agent_log.setLevel(level)
+
+
+def _launch(fn, nproc: int, args, pg_timeout_s: float, max_restarts: int) -> list:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: PLC0415
 
-    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-        raise ValueError(f"nproc ({nproc!r}) must be a positive integer")
     # workers fork from a server that imported torch and the trainer once (a fresh interpreter per rank
     # would import them N times, seconds each); "forkserver" is one of the agent's start methods
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "tpkernels.train.trainer"])
+    # The workers' process group gets a store of its own (rank 0 hosts it), not the agent's rendezvous
+    # store: a restarted group would read the dead attempt's addresses there and fail to connect
+    # (pytorch/pytorch#135712, with gloo and NCCL alike).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     with tempfile.TemporaryDirectory(prefix="tpk_launch_") as logs:  # each rank's error.json lands here
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tpk-{uuid.uuid4().hex[:8]}",
                               rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,

@@ -1,0 +1,104 @@
+"""Faults through torch's elastic launcher, as it promises: a rank SIGKILLed in mid-step under
+``max_restarts`` restarts the group, which resumes from the latest complete checkpoint exactly; two
+launcher agents of two processes each meet by c10d rendezvous on localhost, as two nodes would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from test_train import small
+from tpkernels.train.launch import launch
+
+KW = dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2, steps=8)
+
+
+def _train(kw: dict, victim: int | None, at_step: int):
+    """One rank of a run; on the first attempt ``victim`` kills itself (SIGKILL) in mid-step
+    ``at_step``: after its backward, before the gradient reductions its peers wait in."""
+    import torch.distributed as dist
+
+    from tpkernels.train.trainer import Trainer
+
+    trainer = Trainer(small(**kw))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    finish = trainer.model.finish_grad_sync
+
+    def dying(*a, **k):
+        if attempt == 0 and dist.get_rank() == victim and trainer.step_index == at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return finish(*a, **k)
+
+    trainer.model.finish_grad_sync = dying
+    history = trainer.train()
+    weights = trainer.model.to_hf_state_dict()
+    return attempt, [h["step"] for h in history], [h["loss"] for h in history], weights
+
+
+def _merged(outs) -> dict:
+    return {k: v for o in outs for k, v in o[3].items()}
+
+
+def test_a_rank_killed_mid_step_restarts_the_group_which_resumes_exactly(tmp_path):
+    full = launch(_train, 4, KW, None, 0)
+    t0 = time.monotonic()
+    again = launch(_train, 4, {**KW, "save_dir": str(tmp_path), "save_every": 2}, 1, 5, max_restarts=1)
+    took = time.monotonic() - t0
+    assert [o[0] for o in again] == [1, 1, 1, 1], "every rank runs a second attempt"
+    assert again[0][1] == [4, 5, 6, 7], "the restart resumes from step 4, the latest complete checkpoint"
+    assert again[0][2] == full[0][2][4:], "the same losses as the uninterrupted run"
+    a, b = _merged(full), _merged(again)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the same final weights"
+    assert took < 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_launcher_agents_meet_by_c10d_rendezvous_as_two_nodes_would(tmp_path):
+    """``torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d`` twice on localhost: the demo's model at
+    TP2×PP2 (a TP group inside each "node", the pipeline across them) equals the single-process step 0."""
+    from tpkernels.train.cli import single_process_loss
+    from tpkernels.train.config import TrainConfig
+
+    root = Path(__file__).resolve().parents[1]
+    config = str(root / "python" / "configs" / "demo_llama_tp2_pp2.yaml")
+    flags = ["--steps", "2", "--warmup-steps", "1", "--progress", "false", "--save-dir", str(tmp_path / "ck"), "--save-every", "0"]
+    port = _free_port()
+    agents = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"tpk-{port}",
+               "-m", "tpkernels.train", "--config", config, *flags,
+               "--metrics-file", str(tmp_path / f"metrics{node}.jsonl")]
+        agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
+                                       env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    outs = []
+    for a in agents:
+        try:
+            outs.append(a.communicate(timeout=400))
+        finally:
+            a.kill()
+    for a, (out, err) in zip(agents, outs):
+        assert a.returncode == 0, err[-3000:]
+    lines = [json.loads(line) for n in range(2) if (tmp_path / f"metrics{n}.jsonl").is_file()
+             for line in (tmp_path / f"metrics{n}.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1], "rank 0 (on one of the agents) logs each step once"
+    os.chdir(root)  # the config's data source is the README, relative to the repository
+    cfg = TrainConfig.load(config, {"training.steps": 2, "optimizer.warmup_steps": 1})
+    want = single_process_loss(cfg, 1)
+    assert abs(lines[0]["loss"] - want) <= 1e-5 * max(1.0, abs(want)), (lines[0]["loss"], want)
+    assert (tmp_path / "ck" / "step_00000002" / "meta.json").is_file()
+    assert any("TP2 PP2 DP1 mbs2 SP: 2 steps: loss" in out for out, _ in outs)
+
