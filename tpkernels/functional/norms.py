@@ -98,6 +98,8 @@ def rms_norm_bwd(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dh: Tensor
                  backend: str | None = None) -> tuple[Tensor, Tensor]:
     """Backward launcher: dy, h, dh (..., n); rstd (rows,) -> (dx like h, dweight (n,))."""
     shape = h.shape
+    if h.numel() == 0:  # no rows: autograd's dy may be a zero-stride view the kernels refuse
+        return torch.zeros_like(h), torch.zeros_like(weight)
     args = (_rows(dy), _rows(h), weight.contiguous(), rstd.contiguous(), None if dh is None else _rows(dh))
     name = _select(h, backend)
     if name == "triton":

@@ -99,6 +99,8 @@ def swiglu_fwd(gate: Tensor, up: Tensor | None = None, *, backend: str | None = 
 def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor | None = None, *, backend: str | None = None
                ) -> tuple[Tensor, Tensor | None]:
     """Backward launcher -> (dgate, dup), or (d gate_up (..., 2f), None) for the fused input."""
+    if gate.numel() == 0:  # no rows: autograd's dy may be a zero-stride view the kernels refuse
+        return torch.zeros_like(gate), None if up is None else torch.zeros_like(up)
     g, u = _halves(gate, up)
     dy2 = _rows(dy)
     _, bwd = _kernels(backends.select(OP, gate.device, backend, dtype=gate.dtype))

@@ -119,6 +119,11 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     "sum"; "mean" over the tokens that are not ignored (as ``F.cross_entropy``).
     """
     check_loss_args(target, logits_shard.shape[:-1], label_smoothing, reduction, "logits_shard")
+    if not logits_shard.is_floating_point():
+        raise ValueError(f"logits_shard dtype ({logits_shard.dtype}) must be floating point")
+    if logits_shard.dim() == 0 or logits_shard.shape[-1] == 0:
+        raise ValueError(f"logits_shard shape {tuple(logits_shard.shape)}: its last dimension (this rank's vocabulary "
+                         "columns) must be >= 1")
     consistency.agree(tp_group, "vocab_parallel_cross_entropy", **{"logits_shard.shape": logits_shard.shape,
                                                                    "logits_shard.dtype": logits_shard.dtype})
     loss = VocabParallelCrossEntropyFunction.apply(logits_shard, target.long(), tp_group, float(label_smoothing),

@@ -37,6 +37,7 @@ from tpkernels.parallel.raise_together import raise_together
 from tpkernels.models.hf_checkpoint import Part, RandomInit, TensorSource, assemble, open_source
 from tpkernels.functional.vocab_parallel import out_of_range_targets, target_range_error
 from tpkernels.models.sequence import SequenceInfo, default_positions, positions_from_cu_seqlens
+from tpkernels.parallel import consistency
 from tpkernels.parallel.config import ParallelConfig
 from tpkernels.parallel.mappings import all_gather_dim
 from tpkernels.parallel.param_tags import tag_of
@@ -137,6 +138,7 @@ class ParallelTransformer(nn.Module):
         for vs in self.chunk_stages:
             self.chunks.append(TransformerChunk(self.ctx, self.stage_layers[vs], vs == 0, vs == self.num_virtual - 1,
                                                 config.tied_embeddings))
+        self.check_inputs = True  # see _agree_tp
         self.kv_group = None
         groups = kv_replica_groups(config.kv_heads, pc.tp)
         if groups is not None:
@@ -266,8 +268,12 @@ class ParallelTransformer(nn.Module):
         sync per step otherwise; the layers then check nothing per micro-batch."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        self._agree_tp("input_ids", input_ids)
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids dtype ({input_ids.dtype}) must be an integer type")
+        if input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: the batch and the sequence length must "
+                             "be >= 1")
         packed = cu_seqlens is not None
         if cu_seqlens is not None:
             if position_ids is not None:
@@ -295,9 +301,21 @@ class ParallelTransformer(nn.Module):
             batch["host_positions"] = position_ids.cpu()
         return batch
 
+    def _agree_tp(self, what: str, t: torch.Tensor) -> None:
+        """The TP ranks of a stage must be given the same shapes and dtypes (ranks that are not compute
+        garbage, or abort inside gloo): checked with one small collective while ``check_inputs`` is
+        on (the default; the trainer, whose batches agree by construction, checks its first step)."""
+        if self.check_inputs and self.state.tp_size > 1:
+            consistency.agree(self.state.tp_group, "ParallelTransformer inputs", force=True,
+                              **{f"{what}.shape": tuple(t.shape), f"{what}.dtype": t.dtype})
+
     def _target(self, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """The last stage's targets of a step, checked once (ids in the vocabulary or ignore_index) where
         they are, and moved to the model's device."""
+        self._agree_tp("target", target)
+        if target.dim() != 2 or target.shape[0] < 1 or target.shape[1] < 1:
+            raise ValueError(f"target shape {tuple(target.shape)}: must be (batch, seq), the batch and the sequence "
+                             "length >= 1")
         bad = out_of_range_targets(target, self.config.vocab_size, ignore_index)
         if bool(bad.any()):
             raise target_range_error(target, bad, self.config.vocab_size, ignore_index)
@@ -344,9 +362,14 @@ class ParallelTransformer(nn.Module):
         the last (None elsewhere), on the host or the device (host tensors are checked for free).
         Call :meth:`finish_grad_sync` before the optimizer step."""
         rt = runtime or self.pipeline(schedule, num_microbatches)
-        batch = self._batch(input_ids, position_ids, cu_seqlens) if self.state.is_first_stage else None
         last = stage_owner(self.num_virtual - 1, self.state.pp_size)[0] == self.state.pp_rank
-        return rt.step(batch, self._target(target) if last and target is not None else None)
+        try:
+            batch = self._batch(input_ids, position_ids, cu_seqlens) if self.state.is_first_stage else None
+            target = self._target(target) if last and target is not None else None
+        except Exception as e:
+            rt.fail(e)  # the other stages would wait for this one's activations until the timeout
+            raise
+        return rt.step(batch, target)
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor | None, target: torch.Tensor | None, position_ids=None,

@@ -78,10 +78,11 @@ def _decode(row: list[int]) -> str:
     return repr(raw[:min(v, len(raw))].decode(errors="replace"))
 
 
-def agree(group, op: str, **fields: Any) -> None:
-    """When the check is on: raise ValueError on every rank if any rank of ``group`` passed other
-    ``fields`` (shapes, dtypes, ints, strings) than rank 0. A no-op for one rank or when off."""
-    if not enabled() or not (dist.is_available() and dist.is_initialized()):
+def agree(group, op: str, *, force: bool = False, **fields: Any) -> None:
+    """When the check is on (or ``force``): raise ValueError on every rank if any rank of ``group``
+    passed other ``fields`` (shapes, dtypes, ints, strings) than rank 0. A no-op for one rank or
+    when off."""
+    if not (force or enabled()) or not (dist.is_available() and dist.is_initialized()):
         return
     world = dist.get_world_size(group)
     if world == 1:

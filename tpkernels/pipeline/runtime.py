@@ -149,6 +149,12 @@ class PipelineRuntime:
             raise
         return float(total) if return_loss else None  # the one host sync of the step
 
+    def fail(self, error: BaseException) -> None:
+        """This rank's step failed before it began (e.g. its inputs were refused): the neighbouring
+        stages, waiting for its activations or gradients, stop with its message instead of a timeout."""
+        self.p2p.abort(self._neighbours(), f"pipeline stage on rank {self.rank} raised {type(error).__name__}: "
+                                           f"{error}")
+
     def _split_batch(self, inputs: Any, targets: Any) -> tuple[list | None, list | None]:
         """Micro-batches of the inputs (first stage) and targets (last stage); errors here abort the peers."""
         xs = ys = None

@@ -27,6 +27,7 @@ from tpkernels.models.lora import apply_lora
 from tpkernels.parallel.state import ParallelState
 from tpkernels.train import checkpoint
 from tpkernels.train.config import TrainConfig
+from tpkernels.options import flatten
 from tpkernels.train.data import make_data, rows_of_dp_rank
 from tpkernels.train.failures import RankLostError, lost_ranks
 from tpkernels.parallel.trace import CommTrace
@@ -43,11 +44,29 @@ from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_opt
 from tpkernels.train.precision import DTYPES, MixedPrecision
 
 
+def agree_on_config(cfg: TrainConfig) -> None:
+    """Every rank must train the same config (a rank launched with other flags would diverge without a
+    word, or hang in a collective of another shape): one exchange at start, the same error on every
+    rank naming the first keys that differ."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    mine = flatten(cfg.to_dict())
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for r, other in enumerate(every):
+        diffs = [f"{k} ({every[0].get(k)!r} on rank 0, {other.get(k)!r} on rank {r})"
+                 for k in sorted(set(every[0]) | set(other)) if every[0].get(k) != other.get(k)]
+        if diffs:
+            raise ValueError(f"ranks disagree on the training config: {'; '.join(diffs[:4])}; every rank must be "
+                             "given the same config and flags")
+
+
 class Trainer:
     """Builds the layout, the model, the optimizer and the data of ``cfg`` (collective: every rank)."""
 
     def __init__(self, cfg: TrainConfig, *, device: torch.device | None = None):
         self.cfg = cfg.check()
+        agree_on_config(cfg)
         self.mc = cfg.model_config()
         seq = cfg.data.seq_length
         # validated as written (dp none: what the world leaves), then resolved for the world
@@ -235,6 +254,7 @@ class Trainer:
         last = steps if stop is None else min(steps, stop)
         while self.step_index < last:
             rec = self._guarded_step()
+            self.model.check_inputs = False  # checked on the first step; the batch shape never changes
             if ck.save_dir and ck.save_every and self.step_index % ck.save_every == 0:
                 self.save()
             if bar is not None:
