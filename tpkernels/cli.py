@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             print(f"wrote {export_hf(args.checkpoint, args.out)}")
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # a damaged checkpoint, an unwritable out: one line
             print(f"tpkernels export-hf: error: {e}", file=sys.stderr)
             return 2
     elif args.command == "train":

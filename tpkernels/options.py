@@ -277,6 +277,11 @@ def _load_yaml(text: str, path: Path, what: str):
     StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     try:
         return yaml.load(text, Loader=StrictLoader)  # noqa: S506  (a SafeLoader subclass)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(x for x in (e.context, e.problem) if x)
+        raise ValueError(f"{what} ({str(path)!r}) is not valid YAML{where}: {problem}") from None
     except yaml.YAMLError as e:
         raise ValueError(f"{what} ({str(path)!r}) is not valid YAML: {e}") from None
 

@@ -43,6 +43,7 @@ from tpkernels.parallel.param_tags import tag_of
 from tpkernels.parallel.raise_together import raise_together
 from tpkernels.train.checkpoint_files import CheckpointError, SafeReader, digest_files, read_dcp_metadata, seal, verify
 from tpkernels.train.config import TrainConfig
+from tpkernels.train.output_paths import path_problem
 
 KINDS = ("model", "exp_avg", "exp_avg_sq")
 _SEP = "::"
@@ -325,7 +326,12 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
 def export_hf(path: str | Path, out: str | Path) -> Path:
     """Write the weights of checkpoint ``path`` as a Hugging Face folder (config.json + safetensors)
     that ``transformers`` loads; in one process, on the CPU."""
+    problem = path_problem("out", out, "folder")
+    if problem:
+        raise ValueError(problem)
     path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint ({str(path)!r}) does not exist")
     if not (path / "meta.json").is_file():
         found = latest(path)
         if found is None:

@@ -48,8 +48,10 @@ def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
     ``read_data=False``: the data's paths, tokenizer and vocabulary only, not the tokenized corpus
     (before a launch, whose ranks each read it)."""
     from tpkernels.train.data import make_data, text_source  # noqa: PLC0415
+    from tpkernels.train.output_paths import check_output_paths  # noqa: PLC0415
 
     mc = cfg.model_config()
+    check_output_paths(cfg)
     cfg.parallel.validate(world_size=world, key_prefix="parallel.", **mc.layout_rules(cfg.data.seq_length))
     pc = cfg.parallel_config(world)
     if read_data:

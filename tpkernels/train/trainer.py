@@ -28,6 +28,7 @@ from tpkernels.parallel.state import ParallelState
 from tpkernels.train import checkpoint
 from tpkernels.train.config import TrainConfig
 from tpkernels.options import flatten
+from tpkernels.train.output_paths import check_output_paths
 from tpkernels.train.data import make_data, rows_of_dp_rank
 from tpkernels.train.failures import RankLostError, lost_ranks
 from tpkernels.parallel.trace import CommTrace
@@ -67,6 +68,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, *, device: torch.device | None = None):
         self.cfg = cfg.check()
         agree_on_config(cfg)
+        check_output_paths(cfg)  # every rank sees the same storage: the same verdict
         self.mc = cfg.model_config()
         seq = cfg.data.seq_length
         # validated as written (dp none: what the world leaves), then resolved for the world
