@@ -20,7 +20,7 @@ raises ``PipelinePeerLostError`` naming it; a wait that exceeds ``timeout_s`` ra
 from __future__ import annotations
 
 import datetime
-import pickle
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +100,23 @@ class _Meta:
     tensors: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
 
 
+def _encode_meta(meta: _Meta) -> bytes:
+    """JSON, not pickle: a peer's bytes are data, never code."""
+    return json.dumps({"spec": meta.spec, "tensors": [[list(shape), str(dtype).removeprefix("torch."), grad]
+                                                      for shape, dtype, grad in meta.tensors]}).encode()
+
+
+def _decode_meta(raw: bytes) -> _Meta:
+    d = json.loads(raw.decode())
+    dtypes = []
+    for _, name, _ in d["tensors"]:
+        dt = getattr(torch, name, None)
+        if not isinstance(dt, torch.dtype):
+            raise RuntimeError(f"a pipeline peer sent a tensor of unknown dtype {name!r}")
+        dtypes.append(dt)
+    return _Meta(d["spec"], tuple((tuple(shape), dt, bool(grad)) for (shape, _, grad), dt in zip(d["tensors"], dtypes)))
+
+
 class P2P:
     """This rank's transfers. ``send`` returns at once (the data is in flight); ``recv`` blocks for the
     data. ``wait_sends`` waits for everything still in flight. Ranks are ranks of ``group``."""
@@ -140,7 +157,7 @@ class P2P:
         meta = _Meta(spec, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors))
         payload = b""
         if self._sent_meta.get((dst, kind)) != meta:
-            payload = pickle.dumps(meta)
+            payload = _encode_meta(meta)
             self._sent_meta[(dst, kind)] = meta
         self._isend(torch.tensor([kind, mb, chunk, len(payload)], dtype=torch.int64, device=self.device), dst)
         if payload:
@@ -185,7 +202,7 @@ class P2P:
         if n_meta:
             raw = torch.empty(n_meta, dtype=torch.uint8, device=self.device)
             self._recv(raw, src, what)
-            self._recv_meta[(src, kind)] = pickle.loads(bytes(raw.cpu().tolist()))
+            self._recv_meta[(src, kind)] = _decode_meta(bytes(raw.cpu().tolist()))
         meta = self._recv_meta[(src, kind)]
         bufs = [torch.empty(s, dtype=d, device=self.device) for s, d, _ in meta.tensors]  # owned by the receiver
         for b in bufs:
