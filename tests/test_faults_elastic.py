@@ -102,3 +102,39 @@ def test_two_launcher_agents_meet_by_c10d_rendezvous_as_two_nodes_would(tmp_path
     assert (tmp_path / "ck" / "step_00000002" / "meta.json").is_file()
     assert any("TP2 PP2 DP1 mbs2 SP: 2 steps: loss" in out for out, _ in outs)
 
+
+
+def _kill_in_save_worker(rank, world, folder, victim):
+    from tpkernels.train import checkpoint
+    from tpkernels.train.failures import RankLostError
+    from tpkernels.train.trainer import Trainer
+
+    trainer = Trainer(small(tp=2, pp=2, num_microbatches=2, steps=4, save_dir=folder, save_every=2))
+    real = checkpoint.save
+
+    def dying_save(*a, **k):
+        if rank == victim and trainer.step_index == 4:
+            os._exit(3)  # dies with the save half-way: its peers are inside DCP's collectives
+        return real(*a, **k)
+
+    checkpoint.save = dying_save
+    t0 = time.monotonic()
+    try:
+        trainer.train()
+    except RankLostError as e:
+        return e.ranks, str(e), time.monotonic() - t0
+    return None, "finished", time.monotonic() - t0
+
+
+def test_a_rank_lost_during_a_save_is_named_and_the_previous_checkpoint_kept(rank_pool, tmp_path):
+    from tpkernels.parallel.local_ranks import RankExited
+    from tpkernels.train.checkpoint import latest
+
+    out = rank_pool(4).run(_kill_in_save_worker, str(tmp_path), 2, expect_exit={2}, timeout=240)
+    assert isinstance(out[2], RankExited)
+    for r in (1, 3):  # rank 0 may be blocked in a gloo send to one of them until the group's timeout
+        ranks, msg, took = out[r]
+        assert ranks == [2] and "during the checkpoint save after step 4" in msg, (r, msg)
+        assert took < 60, (r, took)
+        assert "the last complete checkpoint is" in msg and "step_00000002" in msg, msg
+    assert latest(tmp_path).name == "step_00000002"

@@ -8,6 +8,7 @@ gradient moves a weight by up to ~lr·1e-3; a wrong gradient moves many by ~lr).
 from __future__ import annotations
 
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -489,13 +490,15 @@ def _kill_worker(rank, world, kw, folder, victim, at_step):
     try:
         while trainer.step_index < trainer.cfg.training.steps:
             if rank == victim and trainer.step_index == at_step:
+                with open(os.path.join(folder, "killed_at"), "w") as f:
+                    f.write(repr(time.time()))
                 os._exit(3)  # the process dies mid-run
             trainer._guarded_step()
             if trainer.step_index % 2 == 0:
                 trainer.save()
     except RankLostError as e:
-        return e.ranks, str(e)
-    return "finished", ""
+        return e.ranks, str(e), time.time()
+    return "finished", "", time.time()
 
 
 def test_a_killed_rank_is_named_everywhere_and_the_restart_resumes(rank_pool, tmp_path):
@@ -505,10 +508,14 @@ def test_a_killed_rank_is_named_everywhere_and_the_restart_resumes(rank_pool, tm
     full = rank_pool(4).run(_ckpt_worker, kw, timeout=300)[0][0]
     out = rank_pool(4).run(_kill_worker, kw, str(tmp_path), 1, 3, expect_exit={1}, timeout=120)
     assert isinstance(out[1], RankExited)
+    killed_at = float((tmp_path / "killed_at").read_text())
     for r in (0, 2, 3):
-        ranks, msg = out[r]
+        ranks, msg, ended = out[r]
         assert ranks == [1], msg
         assert "step_00000002" in msg and "restart the job" in msg
+        # measured 3-6 s (the check-in waits 3 s): far below the process group's 1800 s
+        assert ended - killed_at < 60, (r, ended - killed_at)
+        print(f"rank {r} ended {ended - killed_at:.1f} s after the kill")
     again = rank_pool(4).run(_ckpt_worker, {**kw, "save_dir": str(tmp_path)}, timeout=300)[0]
     assert again[2].endswith("step_00000002") and again[0] == full[2:]
 

@@ -26,8 +26,8 @@ class PeerError(RuntimeError):
     """Raised on every rank when another rank's failure was not a standard error type."""
 
 
-def _rebuild(kind: str, message: str) -> BaseException:
-    cls = getattr(builtins, kind, None)
+def _rebuild(kind: str, message: str, types=()) -> BaseException:
+    cls = next((t for t in types if t.__name__ == kind), None) or getattr(builtins, kind, None)
     if isinstance(cls, type) and issubclass(cls, Exception) and cls not in (KeyError,):
         try:
             return cls(message)
@@ -39,9 +39,10 @@ def _rebuild(kind: str, message: str) -> BaseException:
 
 
 @contextlib.contextmanager
-def raise_together(what: str, group=None, *, active: bool = True):
+def raise_together(what: str, group=None, *, active: bool = True, types: tuple = ()):
     """Run the block on every rank of ``group`` (default: the world); any rank's error is raised on all.
-    ``active=False``: the block runs alone (e.g. a one-process model built inside a multi-rank job)."""
+    ``active=False``: the block runs alone (e.g. a one-process model built inside a multi-rank job).
+    ``types``: exception classes of the caller's that the other ranks raise as they are (by name)."""
     if not active or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         yield
         return
@@ -61,7 +62,7 @@ def raise_together(what: str, group=None, *, active: bool = True):
     if rank == me and failure is not None and len(failed) == 1:
         raise failure
     others = f" (and on rank(s) {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-    raise _rebuild(kind, f"{message} [{what}: rank {rank}{others}]") from failure
+    raise _rebuild(kind, f"{message} [{what}: rank {rank}{others}]", types) from failure
 
 
 __all__ = ["PeerError", "raise_together"]

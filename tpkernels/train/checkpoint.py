@@ -115,11 +115,14 @@ def _complete(tmp: Path, final: Path, meta: dict) -> None:
     """The files' digests (the ranks hash a share each), the sealed meta.json, then the atomic rename
     (rank 0), once every rank's files are written."""
     meta = seal({**meta, "files": digest_files(tmp)})
-    with raise_together("completing a checkpoint"):
+    with raise_together("completing a checkpoint", types=(CheckpointSaveError,)):
         if _rank() == 0:
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            try:
+                (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+            except OSError as e:
+                raise _failed_save(tmp, {}, e) from e
     _barrier()
 
 
@@ -152,7 +155,7 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of:
     folder = Path(folder)
     final = folder / f"step_{step:08d}"
     tmp = folder / f"step_{step:08d}.tmp"
-    with raise_together("creating the checkpoint folder"):
+    with raise_together("creating the checkpoint folder", types=(CheckpointSaveError,)):
         if _rank() == 0:
             try:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -10,6 +10,8 @@ complete checkpoint to restart from.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
 import torch.distributed as dist
@@ -41,3 +43,46 @@ def lost_ranks(wait_s: float = 3.0) -> list[int]:
         if missing:
             time.sleep(0.05)
     return missing
+
+
+def abort_process_groups() -> None:
+    """Close this rank's process groups, so that a survivor still blocked in a transfer with this rank
+    (gloo waits for a send until the group's timeout) errors at once and checks in too. The run is
+    over for this process: it raises RankLostError next."""
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception:  # noqa: BLE001  (best effort: a backend without abort keeps its timeout)
+        pass
+
+
+def register_rank() -> None:
+    """Write this rank's host and process id into the rendezvous store (once, at start), so that a
+    survivor can tell a rank that died from one that is alive but blocked in a transfer."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"tpk_pid/{dist.get_rank()}", f"{socket.gethostname()}:{os.getpid()}")
+
+
+def _alive_here(rank: int, store) -> bool:
+    """The rank runs on this host and its process still exists (a remote rank: unknown, False)."""
+    key = f"tpk_pid/{rank}"
+    if not store.check([key]):
+        return False
+    host, _, pid = store.get(key).decode().rpartition(":")
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(int(pid), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def dead_and_blocked(missing: list[int]) -> tuple[list[int], list[int]]:
+    """``missing`` split into (ranks whose process is gone or unknown, ranks alive on this host but
+    blocked: still waiting in a transfer with a lost one)."""
+    if not missing or not dist.is_initialized():
+        return missing, []
+    store = dist.distributed_c10d._get_default_store()
+    blocked = [r for r in missing if _alive_here(r, store)]
+    return [r for r in missing if r not in blocked], blocked

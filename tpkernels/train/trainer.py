@@ -30,7 +30,13 @@ from tpkernels.train.config import TrainConfig
 from tpkernels.options import flatten
 from tpkernels.train.output_paths import check_output_paths
 from tpkernels.train.data import make_data, rows_of_dp_rank
-from tpkernels.train.failures import RankLostError, lost_ranks
+from tpkernels.train.failures import (
+    RankLostError,
+    abort_process_groups,
+    dead_and_blocked,
+    lost_ranks,
+    register_rank,
+)
 from tpkernels.parallel.trace import CommTrace
 from tpkernels.train.metrics import (
     COMM_WARN,
@@ -45,13 +51,17 @@ from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_opt
 from tpkernels.train.precision import DTYPES, MixedPrecision
 
 
+RANK0_ONLY_KEYS = ("logging.metrics_file", "logging.progress", "logging.log_every")
+
+
 def agree_on_config(cfg: TrainConfig) -> None:
     """Every rank must train the same config (a rank launched with other flags would diverge without a
     word, or hang in a collective of another shape): one exchange at start, the same error on every
     rank naming the first keys that differ."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
-    mine = flatten(cfg.to_dict())
+    # what only rank 0 reads may differ (each node its own metrics path)
+    mine = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in RANK0_ONLY_KEYS}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     for r, other in enumerate(every):
@@ -74,6 +84,7 @@ class Trainer:
         # validated as written (dp none: what the world leaves), then resolved for the world
         self.state = ParallelState.create(cfg.parallel, key_prefix="parallel.", **self.mc.layout_rules(seq))
         self.pc = self.state.config
+        register_rank()
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                  else torch.device("cpu"))
         dtype = DTYPES[cfg.training.precision]
@@ -143,21 +154,32 @@ class Trainer:
 
     def _guarded_step(self) -> dict:
         """train_step, with a lost rank named on every survivor (and where to restart from)."""
+        return self._guarded(self.train_step, f"step {self.step_index}")
+
+    def _guarded_save(self) -> None:
+        """A checkpoint save (or the completion of one in flight), a lost rank named as in a step."""
+        self._guarded(self.save, f"the checkpoint save after step {self.step_index}")
+
+    def _guarded(self, fn, during: str):
         try:
-            return self.train_step()
-        except FloatingPointError:
+            return fn()
+        except (FloatingPointError, checkpoint.CheckpointSaveError, ValueError):
             raise  # every rank raises it alike: nobody is lost
         except torch.OutOfMemoryError as e:
             raise torch.OutOfMemoryError(out_of_memory_advice(self, e)) from e
         except Exception as e:
-            lost = lost_ranks()
-            if not lost:
+            missing = lost_ranks()
+            if not missing:
                 raise
+            lost, blocked = dead_and_blocked(missing)
+            abort_process_groups()
             save_dir = self.cfg.checkpoint.save_dir
             last = checkpoint.latest(save_dir) if save_dir else None
-            raise RankLostError(f"rank(s) {lost} stopped responding during step {self.step_index} "
-                                f"({self.pc.short()}); the last complete checkpoint is {last or 'none'}: restart the "
-                                f"job to resume from it ({type(e).__name__}: {str(e)[:200]})", lost) from e
+            also = f"; rank(s) {blocked} are alive but blocked waiting for a lost one (they end with the job)" \
+                if blocked else ""
+            raise RankLostError(f"rank(s) {lost or missing} stopped responding during {during} ({self.pc.short()})"
+                                f"{also}; the last complete checkpoint is {last or 'none'}: restart the job to resume "
+                                f"from it ({type(e).__name__}: {str(e)[:200]})", lost or missing) from e
 
     def _write_trace(self, tr: CommTrace) -> None:
         """Every rank's GEMM, TP-transfer and pipeline spans of this step into one Chrome trace (rank 0)."""
@@ -258,7 +280,7 @@ class Trainer:
             rec = self._guarded_step()
             self.model.check_inputs = False  # checked on the first step; the batch shape never changes
             if ck.save_dir and ck.save_every and self.step_index % ck.save_every == 0:
-                self.save()
+                self._guarded_save()
             if bar is not None:
                 bar.update(1)
                 if rec["step"] % cfg.logging.log_every == 0 or self.step_index == steps:
@@ -270,8 +292,8 @@ class Trainer:
             bar.close()
         if ck.save_dir and not (ck.save_every and self.step_index % ck.save_every == 0) and \
                 (self.history or self.resumed_from is None):
-            self.save()
-        self.finish_saving()
+            self._guarded_save()
+        self._guarded(self.finish_saving, f"the checkpoint save after step {self.step_index}")
         return self.history
 
 
