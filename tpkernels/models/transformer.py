@@ -138,7 +138,7 @@ class ParallelTransformer(nn.Module):
         for vs in self.chunk_stages:
             self.chunks.append(TransformerChunk(self.ctx, self.stage_layers[vs], vs == 0, vs == self.num_virtual - 1,
                                                 config.tied_embeddings))
-        self.check_inputs = True  # see _agree_tp
+        self.check_inputs, self._checked = True, {}  # see _agree_tp
         self.kv_group = None
         groups = kv_replica_groups(config.kv_heads, pc.tp)
         if groups is not None:
@@ -303,11 +303,14 @@ class ParallelTransformer(nn.Module):
 
     def _agree_tp(self, what: str, t: torch.Tensor) -> None:
         """The TP ranks of a stage must be given the same shapes and dtypes (ranks that are not compute
-        garbage, or abort inside gloo): checked with one small collective while ``check_inputs`` is
-        on (the default; the trainer, whose batches agree by construction, checks its first step)."""
-        if self.check_inputs and self.state.tp_size > 1:
+        garbage, or abort inside gloo): checked with one small collective on the first call and
+        whenever this rank's shape or dtype changes, while ``check_inputs`` is on (the default; the
+        trainer, whose batches agree by construction, checks its first step)."""
+        key = (tuple(t.shape), t.dtype)
+        if self.check_inputs and self.state.tp_size > 1 and self._checked.get(what) != key:
             consistency.agree(self.state.tp_group, "ParallelTransformer inputs", force=True,
-                              **{f"{what}.shape": tuple(t.shape), f"{what}.dtype": t.dtype})
+                              **{f"{what}.shape": key[0], f"{what}.dtype": key[1]})
+            self._checked[what] = key
 
     def _target(self, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """The last stage's targets of a step, checked once (ids in the vocabulary or ignore_index) where

@@ -76,14 +76,16 @@ def launch(fn, nproc: int, *args, pg_timeout_s: float = 1800.0, max_restarts: in
         raise ValueError(f"nproc ({nproc!r}) must be a positive integer")
     if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
         raise ValueError(f"max_restarts ({max_restarts!r}) must be an integer >= 0")
-    agent_log = logging.getLogger("torch.distributed.elastic")
-    level = agent_log.level
-    if quiet:
-        agent_log.setLevel(logging.CRITICAL)
+    logs = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [log.level for log in logs]
+    if quiet:  # the agent's and the process pool's own accounts of a failure (tracebacks, SIGTERMs sent)
+        for log in logs:
+            log.setLevel(logging.CRITICAL)
     try:
         return _launch(fn, nproc, args, pg_timeout_s, max_restarts)
     finally:
-        agent_log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
 
 
 def _launch(fn, nproc: int, args, pg_timeout_s: float, max_restarts: int) -> list:
