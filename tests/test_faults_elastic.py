@@ -126,11 +126,19 @@ def _kill_in_save_worker(rank, world, folder, victim):
     return None, "finished", time.monotonic() - t0
 
 
-def test_a_rank_lost_during_a_save_is_named_and_the_previous_checkpoint_kept(rank_pool, tmp_path):
+def test_a_rank_lost_during_a_save_is_named_and_the_previous_checkpoint_kept(tmp_path):
     from tpkernels.parallel.local_ranks import RankExited
+    from tpkernels.testing.distributed import RankPool
+
     from tpkernels.train.checkpoint import latest
 
-    out = rank_pool(4).run(_kill_in_save_worker, str(tmp_path), 2, expect_exit={2}, timeout=240)
+    # a pool of its own with a 30 s process-group timeout: a survivor blocked in a gloo send to a rank
+    # that left the collective waits for it (the launcher would kill it at once)
+    pool = RankPool(4, timeout=30.0).start()
+    try:
+        out = pool.run(_kill_in_save_worker, str(tmp_path), 2, expect_exit={2}, timeout=120)
+    finally:
+        pool.close()
     assert isinstance(out[2], RankExited)
     for r in (1, 3):  # rank 0 may be blocked in a gloo send to one of them until the group's timeout
         ranks, msg, took = out[r]
