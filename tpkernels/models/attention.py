@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tpkernels.functional.attention import flash_attn_func, flash_attn_varlen_func
+from tpkernels.functional.context_parallel import context_parallel_attention, zigzag_indices
 from tpkernels.functional.rotary import apply_rotary
 from tpkernels.models.context import LayerContext
 from tpkernels.models.hf_checkpoint import Part
@@ -76,7 +77,11 @@ class SelfAttention(nn.Module):
         if rope is not None:
             # positions were checked once for the step, on the host (ParallelTransformer)
             q, k = apply_rotary(q, k, rope[0], rope[1], position_ids=info.position_ids, check_positions=False)
-        if info.cu_seqlens is None:
+        ctx = self.ctx
+        if ctx.cp_size > 1:  # this rank holds a zigzag share; positions are global (rotary used them)
+            o = context_parallel_attention(q, k, v, ctx.cp_group, algo=ctx.cp_algo, causal=True, window=self.window,
+                                           doc_ids=None if info.cu_seqlens is None else self._doc_ids(info, s))
+        elif info.cu_seqlens is None:
             o = flash_attn_func(q, k, v, causal=True, window_size=self.window)
         else:
             cu, n = info.cu_seqlens, info.max_seqlen
@@ -84,6 +89,12 @@ class SelfAttention(nn.Module):
                                        v.reshape(b * s, self.nkv, self.hd), cu, cu, n, n, causal=True,
                                        window_size=self.window)
         return o.reshape(b, s, self.nq * self.hd)
+
+    def _doc_ids(self, info: SequenceInfo, s: int) -> torch.Tensor:
+        """(batch, s) ids of packed documents under CP: each token's document start in the whole
+        sequence (global index − position in its document): equal within a document on every rank."""
+        idx = zigzag_indices(s * self.ctx.cp_size, self.ctx.cp_size, self.ctx.cp_rank, device=info.position_ids.device)
+        return idx[None, :] - info.position_ids
 
     # ---- Hugging Face layout ----
     def _qkv_parts(self, tp_rank: int, param: str) -> list[Part]:

@@ -27,6 +27,10 @@ class LayerContext:
     device: torch.device | None = None
     dtype: torch.dtype | None = None
     recompute: str = "none"  # ParallelConfig.recompute: "none", "selective" (attention core), "full" (layer)
+    cp_group: object = None  # context parallelism: this rank holds a zigzag share of each sequence
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_algo: str = "ring"
 
     @property
     def names(self) -> dict[str, str]:

@@ -58,6 +58,14 @@ class SequenceInfo:
         return torch.empty(0, dtype=torch.int32, device=self.position_ids.device)
 
     @classmethod
+    def rows(cls, position_ids: torch.Tensor) -> "SequenceInfo":
+        """Each row one document, stated as boundaries (cu_seqlens at the row starts): what a CP rank
+        whose share holds no document start uses when its group's sequences are packed."""
+        b, s = position_ids.shape
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=position_ids.device)
+        return cls(position_ids, cu, s)
+
+    @classmethod
     def of(cls, position_ids: torch.Tensor) -> "SequenceInfo":
         b, s = position_ids.shape
         starts = position_ids == 0

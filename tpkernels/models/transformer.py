@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpkernels.functional.context_parallel import zigzag_indices
 from tpkernels.functional.rotary import rotary_cache
 from tpkernels.models.attention import kv_replica_groups
 from tpkernels.models.block import TransformerBlock
@@ -73,6 +74,8 @@ class TransformerChunk(nn.Module):
         if self.embedding is not None:
             ids, pos = x["input_ids"], x["position_ids"]
             info = SequenceInfo.of(x["host_positions"]).on(pos) if "host_positions" in x else SequenceInfo.dense(pos)
+            if "host_positions" in x and info.cu_seqlens is None:  # packed elsewhere in the CP group: rows as
+                info = SequenceInfo.rows(pos)                      # boundaries, so every stage masks by document
             delta, residual = self.embedding(ids, pos), None
         else:
             delta, residual, pos, cu = x
@@ -130,7 +133,8 @@ class ParallelTransformer(nn.Module):
         pc.validate(world_size=pc.world_size, **config.layout_rules(), layer_counts=layer_counts)
         self.config, self.state = config, state
         self.ctx = LayerContext(config, state.tp_group, state.tp_rank, pc.tp, pc.sequence_parallel, overlap_comm, algo,
-                                None if device is None else torch.device(device), dtype, pc.recompute)
+                                None if device is None else torch.device(device), dtype, pc.recompute,
+                                state.cp_group, state.cp_rank, pc.cp, pc.cp_algo)
         self.num_virtual = pc.pp * pc.virtual_stages
         self.stage_layers = stage_layers(config.num_layers, pc.pp, pc.virtual_stages, layer_counts)
         self.chunks = nn.ModuleList()
@@ -295,11 +299,25 @@ class ParallelTransformer(nn.Module):
         if bad_pos:
             raise ValueError(f"position_ids must be in [0, max_position_embeddings ({positions}))")
         device = self._device()
+        if self.ctx.cp_size > 1:
+            packed = self._packed_over_cp(position_ids, packed)
         batch = {"input_ids": input_ids.to(device, non_blocking=True),
                  "position_ids": position_ids.to(device, non_blocking=True).contiguous()}
         if packed:  # where documents start, found on the host: no device sync per micro-batch
             batch["host_positions"] = position_ids.cpu()
         return batch
+
+    def _packed_over_cp(self, position_ids: torch.Tensor, packed: bool) -> bool:
+        """Under CP a rank holds a zigzag share: the sequences are packed if any share's positions are
+        not its global indices (a document starts somewhere): one tiny MAX over the CP group, so every
+        CP rank masks by documents alike (see SelfAttention._doc_ids)."""
+        ctx = self.ctx
+        idx = zigzag_indices(position_ids.shape[1] * ctx.cp_size, ctx.cp_size, ctx.cp_rank)
+        mine = packed or bool((position_ids.cpu() != idx[None]).any())
+        nccl = dist.get_backend(ctx.cp_group) == "nccl"
+        flag = torch.tensor([int(mine)], device=self._device() if nccl else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.cp_group)
+        return bool(flag.item())
 
     def _agree_tp(self, what: str, t: torch.Tensor) -> None:
         """The TP ranks of a stage must be given the same shapes and dtypes (ranks that are not compute
@@ -395,8 +413,8 @@ class ParallelTransformer(nn.Module):
         params = list(self.parameters())
         finish_grad_sync(params, tp_group=st.tp_group, kv_group=self.kv_group,
                          embedding_group=st.embedding_group if tied else None)
-        if reduce_dp and st.dp_size > 1:
-            DataParallelGradReduce(params, st.dp_group, overlap=False).finish()
+        if reduce_dp and st.dp_size * st.cp_size > 1:  # CP ranks are replicas too: one reduction over both
+            DataParallelGradReduce(params, st.dp_cp_group, overlap=False).finish()
 
     def extra_repr(self) -> str:
         st = self.state

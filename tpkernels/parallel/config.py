@@ -6,9 +6,9 @@ It is also the ``parallel`` section of the training config, as is: the keys of a
 ``--parallel.<key>`` flags and the names in these messages are its field names (the trainer adds
 the ``parallel.`` prefix through ``key_prefix``).
 
-Rank order (Megatron's default): tensor-parallel ranks vary fastest, then data-parallel, then
-pipeline stages, so a TP group is ``tp`` consecutive ranks (inside one node) and a DP group
-strides by ``tp``.
+Rank order (Megatron-Core's tp-cp-dp-pp): tensor-parallel ranks vary fastest, then context-parallel,
+then data-parallel, then pipeline stages, so a TP group is ``tp`` consecutive ranks (inside one
+node), a CP group strides by ``tp`` and a DP group by ``tp · cp``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+CP_ALGOS = ("ring", "allgather", "a2a")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
@@ -65,7 +66,7 @@ class ParallelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """One training layout (world size = tp · pp · dp). Each field's ``help`` says what it is."""
+    """One training layout (world size = tp · cp · pp · dp). Each field's ``help`` says what it is."""
 
     tp: int = field(default=1, metadata={"help": "tensor-parallel size: heads and FFN columns split over tp GPUs "
                                                  "of one node"})
@@ -88,11 +89,16 @@ class ParallelConfig:
     overlap_dp: bool = field(default=True, metadata={"help": "DP gradient all-reduce in buckets during the "
                                                              "backward"})
     bucket_mb: float = field(default=25.0, metadata={"help": "DP gradient bucket size, MiB"})
+    # last, so that positional construction of the older fields keeps working
+    cp: int = field(default=1, metadata={"help": "context-parallel size: the sequence split over cp ranks "
+                                                 "(zigzag chunks), attention across them"})
+    cp_algo: str = field(default="ring", metadata={"help": "context-parallel attention: ring, allgather or a2a",
+                                                   "choices": CP_ALGOS})
 
     # ------------------------------------------------------------------ derived
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self._dp
+        return self.tp * self.cp * self.pp * self._dp
 
     @property
     def global_batch_size(self) -> int:
@@ -118,11 +124,13 @@ class ParallelConfig:
         """This layout with ``dp`` derived from the world size when it is None (world / (tp · pp))."""
         if self.dp is not None:
             return self
-        return self.replace(dp=max(1, world_size // (self.tp * self.pp)) if not self.layout_errors() else 1)
+        return self.replace(dp=max(1, world_size // (self.tp * self.cp * self.pp)) if not self.layout_errors() else 1)
 
     def short(self) -> str:
         """Compact label, e.g. ``TP4 PP2 DP8 v2 mbs1 SP rc=selective ZeRO1``."""
-        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp if self.dp is not None else 'auto'}"]
+        parts = [f"TP{self.tp}"] + ([f"CP{self.cp}" + ("" if self.cp_algo == "ring" else f"-{self.cp_algo}")]
+                                     if self.cp > 1 else []) + \
+            [f"PP{self.pp}", f"DP{self.dp if self.dp is not None else 'auto'}"]
         if self.virtual_stages > 1:
             parts.append(f"v{self.virtual_stages}")
         parts.append(f"mbs{self.micro_batch_size}")
@@ -139,7 +147,7 @@ class ParallelConfig:
         """Rules that involve only the layout itself. Messages name the keys with ``key_prefix``
         (e.g. "parallel.")."""
         k = key_prefix
-        sizes = dict(tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages,
+        sizes = dict(tp=self.tp, cp=self.cp, pp=self.pp, virtual_stages=self.virtual_stages,
                      micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches)
         if self.dp is not None:
             sizes["dp"] = self.dp
@@ -149,6 +157,8 @@ class ParallelConfig:
             errs.append(f"{k}bucket_mb ({self.bucket_mb!r}) must be a finite number > 0")
         if errs:
             return errs
+        if self.cp_algo not in CP_ALGOS:
+            errs.append(f"{k}cp_algo ({self.cp_algo!r}) must be one of {', '.join(CP_ALGOS)}")
         if self.recompute not in RECOMPUTE_CHOICES:
             errs.append(f"{k}recompute ({self.recompute!r}) must be one of {', '.join(RECOMPUTE_CHOICES)}")
         if self.sequence_parallel and self.tp == 1:
@@ -200,11 +210,18 @@ class ParallelConfig:
         elif num_layers % (pp * v):
             what = f"{k}pp ({pp})" if v == 1 else f"{k}pp ({pp}) × {k}virtual_stages ({v}) = {pp * v}"
             errs.append(f"num_layers ({num_layers}) must be divisible by {what}")
-        if seq_length is not None and self.sequence_parallel and seq_length % tp:
-            errs.append(
-                f"sequence length ({seq_length}) must be divisible by {k}tp ({tp}) "
-                f"when {k}sequence_parallel=True"
-            )
+        cp = self.cp
+        if seq_length is not None and cp > 1 and seq_length % (2 * cp):
+            errs.append(f"sequence length ({seq_length}) must be divisible by 2 × {k}cp ({2 * cp}): context "
+                        "parallelism splits it into 2·cp equal chunks (two per rank, for load balance)")
+        elif seq_length is not None and self.sequence_parallel and (seq_length // cp) % tp:
+            per = f"its share on each CP rank ({seq_length // cp})" if cp > 1 else f"sequence length ({seq_length})"
+            errs.append(f"{per} must be divisible by {k}tp ({tp}) when {k}sequence_parallel=True")
+        if cp > 1 and self.cp_algo == "a2a":
+            kv_local = max(1, kv // tp)
+            if (num_attention_heads // tp) % cp or kv_local % cp:
+                errs.append(f"{k}cp_algo 'a2a' needs the heads per TP rank ({num_attention_heads // tp}) and KV heads "
+                            f"per TP rank ({kv_local}) divisible by {k}cp ({cp}); use 'ring' or 'allgather'")
         return errs
 
     def job_errors(self, *, world_size: int | None = None, global_batch_size: int | None = None,
@@ -212,13 +229,16 @@ class ParallelConfig:
         k = key_prefix
         errs = []
         if self.dp is None:
-            if world_size is not None and world_size % (self.tp * self.pp):
-                errs.append(f"world_size ({world_size}) must be divisible by {k}tp ({self.tp}) × {k}pp ({self.pp}) "
-                            f"= {self.tp * self.pp}")
+            model = self.tp * self.cp * self.pp
+            if world_size is not None and world_size % model:
+                cp = f"{k}cp ({self.cp}) × " if self.cp > 1 else ""
+                errs.append(f"world_size ({world_size}) must be divisible by {k}tp ({self.tp}) × {cp}{k}pp ({self.pp}) "
+                            f"= {model}")
             return errs
         if world_size is not None and world_size != self.world_size:
+            cp = f"{k}cp ({self.cp}) × " if self.cp > 1 else ""
             errs.append(
-                f"world_size ({world_size}) must equal {k}tp ({self.tp}) × "
+                f"world_size ({world_size}) must equal {k}tp ({self.tp}) × {cp}"
                 f"{k}pp ({self.pp}) × {k}dp ({self.dp}) = {self.world_size}"
             )
         if global_batch_size is not None and global_batch_size != self.global_batch_size:

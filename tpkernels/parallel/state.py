@@ -55,16 +55,20 @@ def _agree_on_config(config: ParallelConfig, model_rules: dict) -> None:
 
 
 def layout_ranks(config: ParallelConfig) -> dict[str, list[list[int]]]:
-    """Every group of the layout, as lists of global ranks: "tp", "dp", "pp", "embedding"."""
-    tp, dp, pp = config.tp, config.dp, config.pp
+    """Every group of the layout, as lists of global ranks: "tp", "cp", "dp", "pp", "dp_cp" (the
+    replicas of a weight: gradients are reduced over DP and CP together) and "embedding". Rank
+    order tp-cp-dp-pp: ``rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank``."""
+    tp, cp, dp, pp = config.tp, config.cp, config.dp, config.pp
 
-    def rank(p, d, t):
-        return (p * dp + d) * tp + t
+    def rank(p, d, c, t):
+        return ((p * dp + d) * cp + c) * tp + t
 
     groups = {
-        "tp": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "tp": [[rank(p, d, c, t) for t in range(tp)] for p in range(pp) for d in range(dp) for c in range(cp)],
+        "cp": [[rank(p, d, c, t) for c in range(cp)] for p in range(pp) for d in range(dp) for t in range(tp)],
+        "dp": [[rank(p, d, c, t) for d in range(dp)] for p in range(pp) for c in range(cp) for t in range(tp)],
+        "pp": [[rank(p, d, c, t) for p in range(pp)] for d in range(dp) for c in range(cp) for t in range(tp)],
+        "dp_cp": [[rank(p, d, c, t) for d in range(dp) for c in range(cp)] for p in range(pp) for t in range(tp)],
     }
     groups["embedding"] = [[g[0], g[-1]] if pp > 1 else [g[0]] for g in groups["pp"]]
     return groups
@@ -75,13 +79,15 @@ class ParallelState:
     """This rank's place in a TP × PP × DP layout and its process groups (see the module docstring).
 
     Groups are ``None`` when torch.distributed is not initialised (one rank). ``rank`` is the
-    global rank; coordinates follow ``rank = (pp_rank · dp + dp_rank) · tp + tp_rank``.
+    global rank; coordinates follow ``rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank``.
     """
 
     config: ParallelConfig
     rank: int = 0
     tp_group: object = None
+    cp_group: object = None
     dp_group: object = None
+    dp_cp_group: object = None
     pp_group: object = None
     embedding_group: object = None
     backend: str | None = None
@@ -109,13 +115,17 @@ class ParallelState:
         state._ranks = layout_ranks(config)
         if not _initialised():
             return state
-        for name in ("tp", "dp", "pp", "embedding"):
+        for name in ("tp", "cp", "dp", "pp", "dp_cp", "embedding"):
+            if name in ("cp", "dp_cp") and config.cp == 1:  # the same ranks as none / dp: no new groups
+                continue
             mine = None
             for ranks in state._ranks[name]:  # every rank creates every group, in the same order
                 group = dist.new_group(ranks, backend=backend)
                 if state.rank in ranks:
                     mine = group
             setattr(state, f"{name}_group", mine)
+        if config.cp == 1:
+            state.dp_cp_group = state.dp_group
         return state
 
     # ---- coordinates ----
@@ -124,12 +134,20 @@ class ParallelState:
         return self.rank % self.config.tp
 
     @property
+    def cp_rank(self) -> int:
+        return self.rank // self.config.tp % self.config.cp
+
+    @property
     def dp_rank(self) -> int:
-        return self.rank // self.config.tp % self.config.dp
+        return self.rank // (self.config.tp * self.config.cp) % self.config.dp
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.config.tp * self.config.dp)
+        return self.rank // (self.config.tp * self.config.cp * self.config.dp)
+
+    @property
+    def cp_size(self) -> int:
+        return self.config.cp
 
     @property
     def tp_size(self) -> int:
@@ -153,8 +171,8 @@ class ParallelState:
 
     def group_ranks(self, name: str) -> list[int]:
         """The global ranks of this rank's ``name`` group ("tp", "dp", "pp" or "embedding")."""
-        if name not in ("tp", "dp", "pp", "embedding"):
-            raise ValueError(f"name ({name!r}) must be one of tp, dp, pp, embedding")
+        if name not in ("tp", "cp", "dp", "pp", "dp_cp", "embedding"):
+            raise ValueError(f"name ({name!r}) must be one of tp, cp, dp, pp, dp_cp, embedding")
         ranks = self._ranks or layout_ranks(self.config)
         return next(g for g in ranks[name] if self.rank in g)
 
@@ -174,22 +192,25 @@ class ParallelState:
 
     @property
     def device_mesh(self):
-        """A ``DeviceMesh`` over the same groups, dims ("pp", "dp", "tp"), for DTensor interop (built on
-        first use; no new groups)."""
+        """A ``DeviceMesh`` over the same groups, dims ("pp", "dp", "cp", "tp") ("cp" only when cp > 1),
+        for DTensor interop (built on first use; no new groups)."""
         if self._mesh is None:
             from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
 
             if not _initialised():
                 raise RuntimeError("device_mesh needs an initialised torch.distributed")
             c = self.config
-            mesh = torch.arange(c.world_size).reshape(c.pp, c.dp, c.tp)
+            dims = [("pp", c.pp, self.pp_group), ("dp", c.dp, self.dp_group)] + \
+                ([("cp", c.cp, self.cp_group)] if c.cp > 1 else []) + [("tp", c.tp, self.tp_group)]
+            mesh = torch.arange(c.world_size).reshape(*(n for _, n, _ in dims))
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            groups = [self.pp_group, self.dp_group, self.tp_group]
-            self._mesh = DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=("pp", "dp", "tp"))
+            self._mesh = DeviceMesh.from_group([g for _, _, g in dims], device_type, mesh=mesh,
+                                               mesh_dim_names=tuple(name for name, _, _ in dims))
         return self._mesh
 
     def describe(self) -> str:
-        return (f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}, "
+        cp = f", cp {self.cp_rank}/{self.cp_size}" if self.cp_size > 1 else ""
+        return (f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size}{cp}, dp {self.dp_rank}/{self.dp_size}, "
                 f"pp {self.pp_rank}/{self.pp_size} ({self.config.short()})")
 
 

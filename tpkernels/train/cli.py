@@ -58,8 +58,14 @@ def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
         make_data(cfg.data.source, cfg.data.seq_length, cfg.training.seed, mc.vocab_size, cfg.data.tokenizer)
     elif cfg.data.source != "random":
         text_source(cfg.data.source, mc.vocab_size, cfg.data.tokenizer)
+    cp = ""
+    if pc.cp > 1:
+        L = cfg.data.seq_length // (2 * pc.cp)
+        shares = ", ".join(f"CP rank {r}: [{r * L}, {(r + 1) * L}) + [{(2 * pc.cp - 1 - r) * L}, {(2 * pc.cp - r) * L})"
+                           for r in range(pc.cp))
+        cp = f"\ncontext parallel: {pc.cp} ranks, {pc.cp_algo} attention, zigzag chunks of {L} tokens: {shares}"
     return (f"model: {mc.describe()}\nlayout: {pc.short()} on {world} rank(s), schedule {pc.pipeline_schedule}, "
-            f"global batch {pc.global_batch_size} × {cfg.data.seq_length} tokens\nconfig: {cfg.dumps()}")
+            f"global batch {pc.global_batch_size} × {cfg.data.seq_length} tokens{cp}\nconfig: {cfg.dumps()}")
 
 
 def single_process_loss(cfg: TrainConfig, dp: int) -> float:
@@ -71,7 +77,7 @@ def single_process_loss(cfg: TrainConfig, dp: int) -> float:
     from tpkernels.train.trainer import Trainer  # noqa: PLC0415
 
     one = dataclasses.replace(
-        cfg, parallel=cfg.parallel.replace(tp=1, pp=1, dp=1, virtual_stages=1, sequence_parallel=False, schedule=None,
+        cfg, parallel=cfg.parallel.replace(tp=1, cp=1, pp=1, dp=1, virtual_stages=1, sequence_parallel=False, schedule=None,
                                            num_microbatches=cfg.parallel.num_microbatches * dp),
         checkpoint=dataclasses.replace(cfg.checkpoint, save_dir=None))
     trainer = Trainer(one)

@@ -27,6 +27,7 @@ from tpkernels.models.lora import apply_lora
 from tpkernels.parallel.state import ParallelState
 from tpkernels.train import checkpoint
 from tpkernels.train.config import TrainConfig
+from tpkernels.functional.context_parallel import zigzag_split
 from tpkernels.options import flatten
 from tpkernels.train.output_paths import check_output_paths
 from tpkernels.train.data import make_data, rows_of_dp_rank
@@ -104,9 +105,10 @@ class Trainer:
                                         zero1_group=self.state.dp_group if self.pc.zero1 else None)
         self.master_of = self.mp.master_of if self.mp else {}
         # registered after MixedPrecision's hooks: it sees the fp32 main_grad already accumulated
-        self.dp_reduce = DataParallelGradReduce(list(self.model.parameters()), self.state.dp_group,
+        # CP ranks hold replicas of the weights like DP ranks: their gradients are averaged over both
+        self.dp_reduce = DataParallelGradReduce(list(self.model.parameters()), self.state.dp_cp_group,
                                                 self.pc.bucket_mb, overlap=self.pc.overlap_dp) \
-            if self.pc.dp > 1 else None
+            if self.pc.dp * self.pc.cp > 1 else None
         self.data = make_data(cfg.data.source, seq, cfg.training.seed, self.mc.vocab_size, cfg.data.tokenizer)
         loss_fn = None
         if self.mp is not None and self.mp.scaling:  # fp16: backward of the scaled loss
@@ -202,6 +204,10 @@ class Trainer:
         ids, pos = self.data.batch(self.step_index, gb)
         ids, pos = rows_of_dp_rank(ids, st.dp_rank, self.pc.dp), rows_of_dp_rank(pos, st.dp_rank, self.pc.dp)
         target = next_token_targets(ids, pos)
+        if self.pc.cp > 1:  # this CP rank's zigzag share of every sequence, targets made on the whole one
+            if pos is None:  # the rank's share needs its global positions (rotary, the causal mask)
+                pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+            ids, pos, target = (zigzag_split(t, self.pc.cp, st.cp_rank, dim=1) for t in (ids, pos, target))
         # ids, positions and targets stay on the host: the model checks them there once for the step
         # (no device sync) and moves them to the device itself
         opt = cfg.optimizer
@@ -242,10 +248,11 @@ class Trainer:
                 mp.step(self.optimizer)
             else:
                 self.optimizer.step()
-        if self.pc.dp > 1:
+        replicas = self.pc.dp * self.pc.cp
+        if replicas > 1:  # the mean over DP replicas and CP shares (equal token counts)
             t = torch.tensor([loss], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, group=st.dp_group)
-            loss = t.item() / self.pc.dp
+            dist.all_reduce(t, group=st.dp_cp_group)
+            loss = t.item() / replicas
         if not math.isfinite(loss):  # every rank has the same loss (the pipeline and DP share it): all stop
             last = checkpoint.latest(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else None
             raise FloatingPointError(f"loss is {loss} at step {self.step_index} ({self.pc.short()}); last good "
