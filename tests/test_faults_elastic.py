@@ -60,6 +60,15 @@ def test_a_rank_killed_mid_step_restarts_the_group_which_resumes_exactly(tmp_pat
     assert took < 600
 
 
+def _wait_listening(port: int, proc, limit_s: float = 120.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -84,10 +93,12 @@ def test_two_launcher_agents_meet_by_c10d_rendezvous_as_two_nodes_would(tmp_path
                "--metrics-file", str(tmp_path / f"metrics{node}.jsonl")]
         agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
                                        env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        if node == 0:  # the first agent hosts the rendezvous store: the second joins once it listens
+            _wait_listening(port, agents[0])
     outs = []
     for a in agents:
         try:
-            outs.append(a.communicate(timeout=400))
+            outs.append(a.communicate(timeout=600))
         finally:
             a.kill()
     for a, (out, err) in zip(agents, outs):
