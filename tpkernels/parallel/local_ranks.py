@@ -101,31 +101,10 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, pg_timeout
         call_id, fn, args, kwargs = task
         try:
             out = fn(rank, world_size, *args, **kwargs)
-            _release_groups()
             results.put((rank, "ok", (call_id, out)))
         except BaseException as e:
             results.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
     _exit(results)
-
-
-def _release_groups() -> None:
-    """Destroy the process groups a call created, once every rank has finished it (a barrier on the
-    world, which stays). Each call builds its layout's groups anew, and gloo keeps polling threads
-    per group: hundreds of idle groups from earlier calls swamp a small machine's CPUs."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    try:
-        groups = [g for g in list(dist.distributed_c10d._world.pg_map) if g is not dist.group.WORLD]
-    except AttributeError:  # a torch without the registry: keep them
-        return
-    if not groups:
-        return
-    dist.barrier()
-    for g in groups:
-        try:
-            dist.destroy_process_group(g)
-        except (RuntimeError, ValueError):
-            pass
 
 
 def _exit(results: mp.Queue) -> None:
