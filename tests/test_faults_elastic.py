@@ -49,15 +49,12 @@ def _merged(outs) -> dict:
 
 def test_a_rank_killed_mid_step_restarts_the_group_which_resumes_exactly(tmp_path):
     full = launch(_train, 4, KW, None, 0)
-    t0 = time.monotonic()
     again = launch(_train, 4, {**KW, "save_dir": str(tmp_path), "save_every": 2}, 1, 5, max_restarts=1)
-    took = time.monotonic() - t0
     assert [o[0] for o in again] == [1, 1, 1, 1], "every rank runs a second attempt"
     assert again[0][1] == [4, 5, 6, 7], "the restart resumes from step 4, the latest complete checkpoint"
     assert again[0][2] == full[0][2][4:], "the same losses as the uninterrupted run"
     a, b = _merged(full), _merged(again)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the same final weights"
-    assert took < 600
 
 
 def _wait_listening(port: int, proc, limit_s: float = 120.0) -> None:

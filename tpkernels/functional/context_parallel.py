@@ -183,14 +183,23 @@ def _pairs(q_idx: Tensor, k_idx: Tensor, o: _Opts):
             yield slice(a * L, (a + 1) * L), slice(b * L, (b + 1) * L), o.causal and kb == qa
 
 
-def _block_fwd(q, k, v, q_idx, k_idx, q_doc, k_doc, o: _Opts):
-    """(o fp32, lse fp32) of queries against one K/V block, or None when nothing is visible."""
+def _block_mask(q_idx, k_idx, q_doc, k_doc, o: _Opts):
+    """None when no query of the block sees a key; else the (b or 1, sq, sk) mask, or True for a
+    plain block (the kernels mask it themselves)."""
     if _nothing_visible(q_idx, k_idx, o.causal, o.window):
         return None
+    if o.plain:
+        return True
+    mask = _visible(q_idx, k_idx, q_doc, k_doc, o.causal, o.window)
+    return mask if bool(mask.any()) else None
+
+
+def _block_fwd(q, k, v, q_idx, k_idx, q_doc, k_doc, o: _Opts):
+    """(o fp32, lse fp32) of queries against one K/V block, or None when nothing is visible."""
+    mask = _block_mask(q_idx, k_idx, q_doc, k_doc, o)
+    if mask is None:
+        return None
     if not o.plain:
-        mask = _visible(q_idx, k_idx, q_doc, k_doc, o.causal, o.window)
-        if not bool(mask.any()):
-            return None
         return _masked_block_fwd(q, k, v, mask, o.scale, o.softcap)
     out, lse = _empty_out(q)
     for qs, ks, causal in _pairs(q_idx, k_idx, o):
@@ -209,12 +218,10 @@ def _empty_out(q: Tensor) -> tuple[Tensor, Tensor]:
 
 def _block_bwd(do, q, k, v, out, lse, q_idx, k_idx, q_doc, k_doc, o: _Opts):
     """(dq, dk, dv) fp32 of one block, or None when nothing is visible."""
-    if _nothing_visible(q_idx, k_idx, o.causal, o.window):
+    mask = _block_mask(q_idx, k_idx, q_doc, k_doc, o)
+    if mask is None:
         return None
     if not o.plain:
-        mask = _visible(q_idx, k_idx, q_doc, k_doc, o.causal, o.window)
-        if not bool(mask.any()):
-            return None
         return _masked_block_bwd(do, q, k, v, out, lse, mask, o.scale, o.softcap)
     a = _acc(q)
     dq, dk, dv = (torch.zeros(t.shape, dtype=a, device=t.device) for t in (q, k, v))
