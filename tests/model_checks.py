@@ -70,6 +70,7 @@ def all_stages(sd: dict) -> dict:
 
 def parity_worker(rank, world, folder, layout: dict, seed: int, schedule: str = "1f1b", overlap: bool = True,
                   layer_counts=None, batch: int = 4, seq: int = 12):
+    from tpkernels.functional.context_parallel import zigzag_split
     from tpkernels.models import ParallelTransformer, next_token_targets
     from tpkernels.parallel import ParallelConfig
     from tpkernels.parallel.state import ParallelState
@@ -83,12 +84,15 @@ def parity_worker(rank, world, folder, layout: dict, seed: int, schedule: str = 
     model = ParallelTransformer.from_hf(folder, state, overlap_comm=overlap, layer_counts=layer_counts)
     rows = slice(state.dp_rank * batch // pc.dp, (state.dp_rank + 1) * batch // pc.dp)
     my_ids = ids[rows]
-    loss = model.step(my_ids, next_token_targets(my_ids), schedule=schedule)
+    targets = next_token_targets(my_ids)
+    cp = pc.cp
+    share = (lambda t: zigzag_split(t, cp, state.cp_rank, dim=1)) if cp > 1 else (lambda t: t)  # noqa: E731
+    loss = model.step(share(my_ids), share(targets), schedule=schedule)  # positions: the zigzag's, by default
     model.finish_grad_sync()
-    if pc.dp > 1:
+    if pc.dp * cp > 1:  # each CP rank's loss is its part of the token mean: average them with DP's
         t = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(t, group=state.dp_group)
-        loss = t.item() / pc.dp
+        dist.all_reduce(t, group=state.dp_cp_group)
+        loss = t.item() / (pc.dp * cp)
     assert abs(loss - ref_loss.item()) < 1e-5, (loss, ref_loss.item())
 
     grads = all_stages(model.to_hf_state_dict("grad"))
@@ -98,10 +102,13 @@ def parity_worker(rank, world, folder, layout: dict, seed: int, schedule: str = 
 
     if pc.pp == 1:  # logits (the last stage only exists alone without PP), and gradients through them
         model.zero_grad(set_to_none=True)
-        logits = model(my_ids)
-        torch.testing.assert_close(logits.detach(), ref_logits[rows], rtol=1e-5, atol=1e-5)
-        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                          my_ids[:, 1:].reshape(-1)).backward()
+        logits = model(share(my_ids))
+        torch.testing.assert_close(logits.detach(), share(ref_logits[rows]), rtol=1e-5, atol=1e-5)
+        # this rank's token sum over the replica's token count, × CP: the DP × CP mean is the token mean
+        local = share(targets)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), local.reshape(-1),
+                                          ignore_index=-100, reduction="sum").mul(
+            cp / int((targets != -100).sum())).backward()
         model.finish_grad_sync()
         grads = model.to_hf_state_dict("grad")
         for name, want in ref_grads.items():

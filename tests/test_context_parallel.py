@@ -12,6 +12,7 @@ import torch
 
 from tpkernels.functional.context_parallel import (
     context_parallel_attention,
+    window_sources,
     zigzag_indices,
     zigzag_merge,
     zigzag_split,
@@ -156,3 +157,32 @@ def test_bad_inputs_are_refused_on_every_rank(rank_pool, case, message):
 
     out = rank_pool(2).run(_bad_worker, case, timeout=60)
     assert all(m is not None and re.search(message, m) for m in out), out
+
+
+def test_a_window_within_a_chunk_needs_only_the_neighbours_blocks():
+    # CP4, chunks of 6: rank 0 holds chunks 0 and 7, rank 1 chunks 1 and 6, rank 2 2 and 5, rank 3 3 and 4
+    assert window_sources(48, 4, True, (3, 0)) == [[1], [0, 2], [1, 3], [2]]
+    assert window_sources(48, 4, True, (-1, 0)) is None  # causal, no window: every block is needed
+    assert window_sources(48, 4, False, (2, 2)) == [[1], [0, 2], [1, 3], [2]]
+
+
+def _bytes_worker(rank, world, window, seed):
+    from tpkernels.parallel.trace import CommTrace  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 12, 2, 8, generator=g).requires_grad_() for _ in range(3))
+    with CommTrace() as tr:
+        o = context_parallel_attention(q, k, v, None, causal=True, window=window)
+        o.sum().backward()
+    return sum(s.args.get("bytes", 0) for s in tr.spans if s.cat == "comm")
+
+
+def test_blocks_outside_the_window_are_never_sent(rank_pool, fresh_seed):
+    """CP4: with a 3-token window a rank sends its K/V to at most its two neighbours (and their
+    dK/dV back) instead of passing every block around the ring."""
+    ring = rank_pool(4).run(_bytes_worker, (-1, -1), fresh_seed % 1000, timeout=120)
+    windowed = rank_pool(4).run(_bytes_worker, (3, 0), fresh_seed % 1000, timeout=120)
+    kv = 2 * 12 * 2 * 8 * 4  # one rank's K and V, fp32
+    assert all(r >= 3 * kv for r in ring), ring  # three hops of K/V forward alone
+    assert all(0 < w <= 2 * kv + 2 * 2 * kv for w in windowed), windowed  # ≤ 2 readers: K/V there, dK/dV back
+    assert sum(windowed) < sum(ring) / 2

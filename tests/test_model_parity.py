@@ -23,12 +23,15 @@ GRID = {
     "tp2pp2-zb": (dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=4), "zb-h1", True, None),
     "dp2tp2-sp": (dict(tp=2, dp=2, sequence_parallel=True, num_microbatches=2), "1f1b", True, None),
     "pp3-uneven": (dict(pp=3, num_microbatches=4), "1f1b", True, [1, 2, 1]),
+    "cp2": (dict(cp=2, num_microbatches=2), "1f1b", True, None),
+    "tp2cp2-sp": (dict(tp=2, cp=2, sequence_parallel=True, num_microbatches=2), "1f1b", True, None),
+    "cp2pp2-zb": (dict(cp=2, pp=2, num_microbatches=4), "zb-h1", True, None),
 }
-FAST = ["tp1pp1", "tp2-sp", "pp2-v2", "tp2pp2-zb", "dp2tp2-sp"]  # every family; the rest of the grid on Llama
+FAST = ["tp1pp1", "tp2-sp", "pp2-v2", "tp2pp2-zb", "dp2tp2-sp", "cp2", "tp2cp2-sp"]  # every family; the rest of the grid on Llama
 
 
 def _world(layout):
-    return layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
+    return layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1) * layout.get("cp", 1)
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from tpkernels.functional.attention import attention_bwd, attention_fwd, flash_attn_func, lse_dtype
 from tpkernels.parallel.mappings import all_gather_dim, gather_from_sequence_parallel
+from tpkernels.parallel.trace import CommSpan, gemm_span
 
 ALGOS = ("ring", "allgather", "a2a")
 
@@ -254,18 +255,22 @@ def _ring_peers(group) -> tuple[int, int, int, int]:
     return r, n, dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
 
 
-def _exchange(tensors: list[Tensor], nxt: int, prv: int, group):
+def _exchange(tensors: list[Tensor], nxt: int, prv: int, group, name: str = "cp ring K/V"):
     """Post sends of ``tensors`` to ``nxt`` and receives of the same shapes from ``prv``; returns
-    (works, received buffers)."""
-    bufs = [torch.empty_like(t) for t in tensors]
+    (works, received buffers). The transfer is a span of an active CommTrace (the trainer's
+    comm/compute ratio counts it) from posting to :func:`_wait`."""
+    bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors] + \
         [dist.P2POp(dist.irecv, b, prv, group) for b in bufs]
-    return dist.batch_isend_irecv(ops), bufs
+    span = CommSpan(name, tensors[0].device.type, bytes=sum(t.numel() * t.element_size() for t in tensors))
+    return (dist.batch_isend_irecv(ops), span), bufs
 
 
 def _wait(works) -> None:
-    for w in works:
+    reqs, span = works
+    for w in reqs:
         w.wait()
+    span.done()
 
 
 class _RingAttention(torch.autograd.Function):
@@ -277,7 +282,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             pending = _exchange(cur, nxt, prv, group) if step < n - 1 else None  # the next block in flight
             kdoc = cur[3] if q_doc is not None else None
-            res = _block_fwd(q, cur[0], cur[1], q_idx, cur[2], q_doc, kdoc, opts)
+            with gemm_span("cp attention block", q.device.type, step=step):
+                res = _block_fwd(q, cur[0], cur[1], q_idx, cur[2], q_doc, kdoc, opts)
             if res is not None:
                 _merge_(out, lse, *res)
             if pending is not None:
@@ -303,18 +309,122 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             pending = _exchange(cur, nxt, prv, group) if step < n - 1 else None
             kdoc = cur[3] if doc is not None else None
-            g = _block_bwd(do, q, cur[0], cur[1], o, lse, q_idx, cur[2], doc, kdoc, opts)
+            with gemm_span("cp attention block backward", q.device.type, step=step):
+                g = _block_bwd(do, q, cur[0], cur[1], o, lse, q_idx, cur[2], doc, kdoc, opts)
             if g is not None:
                 dq += g[0]
                 acc[0] += g[1]
                 acc[1] += g[2]
             # the accumulators travel with their block; after the last step one more hop brings them home
-            works, acc = _exchange(acc, nxt, prv, group)
+            works, acc = _exchange(acc, nxt, prv, group, "cp ring dK/dV")
             _wait(works)
             if pending is not None:
                 _wait(pending[0])
                 cur = pending[1]
         return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None, None
+
+
+# ---- a sliding window: only the blocks it reaches ----
+
+def window_sources(seqlen: int, cp: int, causal: bool, window: tuple[int, int]) -> list[list[int]] | None:
+    """For each CP rank, the other ranks whose K/V block any of its queries can see under the
+    window (decided from positions alone; documents only remove more), or None when every rank
+    needs every block (then the ring is the better schedule)."""
+    L = seqlen // (2 * cp)
+    halves = [(zigzag_indices(seqlen, cp, r)[:L], zigzag_indices(seqlen, cp, r)[L:]) for r in range(cp)]
+
+    def sees(r: int, j: int) -> bool:  # per chunk pair: a rank's two chunks lie far apart
+        return any(not _nothing_visible(qa, kb, causal, window) for qa in halves[r] for kb in halves[j])
+
+    need = [[j for j in range(cp) if j != r and sees(r, j)] for r in range(cp)]
+    return None if all(len(x) == cp - 1 for x in need) else need
+
+
+def _direct(sends: list[tuple[int, list[Tensor]]], recvs: list[tuple[int, list[Tensor]]], group, name: str,
+            device_type: str):
+    """Post every send (peer, tensors) and receive (peer, like-shaped templates) at once; returns the
+    works and the received buffers by peer."""
+    ops, got = [], {}
+    for peer, ts in sends:
+        ops += [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, peer), group) for t in ts]
+    for peer, like in recvs:
+        got[peer] = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
+        ops += [dist.P2POp(dist.irecv, b, dist.get_global_rank(group, peer), group) for b in got[peer]]
+    nbytes = sum(t.numel() * t.element_size() for _, ts in sends for t in ts)
+    span = CommSpan(name, device_type, bytes=nbytes)
+    return ((dist.batch_isend_irecv(ops) if ops else []), span), got
+
+
+class _WindowAttention(torch.autograd.Function):
+    """Each rank sends its K/V only to the ranks whose queries its window reaches (at most the two
+    zigzag neighbours' chunks for a window within a chunk) and computes only those blocks, instead
+    of passing every block around the ring. Received blocks are kept for the backward, which sends
+    their dK/dV straight back to their owners."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_idx, q_doc, group, opts: _Opts, need: list[list[int]]):
+        r, n = dist.get_rank(group), dist.get_world_size(group)
+        seqlen = q.shape[1] * n
+        mine = [k, v] + ([q_doc] if q_doc is not None else [])
+        readers = [d for d in range(n) if r in need[d]]
+        works, got = _direct([(d, mine) for d in readers], [(j, mine) for j in need[r]], group, "cp window K/V",
+                              q.device.type)
+        out, lse = _empty_out(q)
+        with gemm_span("cp attention block", q.device.type, src=r):
+            res = _block_fwd(q, k, v, q_idx, q_idx, q_doc, q_doc, opts)
+        if res is not None:
+            _merge_(out, lse, *res)
+        _wait(works)
+        for j in need[r]:
+            kj, vj, *dj = got[j]
+            with gemm_span("cp attention block", q.device.type, src=j):
+                res = _block_fwd(q, kj, vj, q_idx, zigzag_indices(seqlen, n, j, q.device), q_doc,
+                                 dj[0] if dj else None, opts)
+            if res is not None:
+                _merge_(out, lse, *res)
+        o = out.to(q.dtype)
+        blocks = [t for j in need[r] for t in got[j]]
+        ctx.save_for_backward(q, k, v, o, lse, q_idx, *([q_doc] if q_doc is not None else []), *blocks)
+        ctx.group, ctx.opts, ctx.need, ctx.has_doc = group, opts, need, q_doc is not None
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, q_idx, *rest = ctx.saved_tensors
+        doc = rest[0] if ctx.has_doc else None
+        rest = rest[1:] if ctx.has_doc else rest
+        group, opts, need = ctx.group, ctx.opts, ctx.need
+        r, n = dist.get_rank(group), dist.get_world_size(group)
+        seqlen = q.shape[1] * n
+        per = 3 if ctx.has_doc else 2
+        a = _acc(q)
+        do = do.contiguous()
+        dq = torch.zeros(q.shape, dtype=a, device=q.device)
+        dk = torch.zeros(k.shape, dtype=a, device=k.device)
+        dv = torch.zeros(v.shape, dtype=a, device=v.device)
+        g = _block_bwd(do, q, k, v, o, lse, q_idx, q_idx, doc, doc, opts)
+        if g is not None:
+            dq += g[0]
+            dk += g[1]
+            dv += g[2]
+        back = []
+        for i, j in enumerate(need[r]):
+            kj, vj, *dj = rest[i * per:(i + 1) * per]
+            g = _block_bwd(do, q, kj, vj, o, lse, q_idx, zigzag_indices(seqlen, n, j, q.device), doc,
+                           dj[0] if dj else None, opts)
+            if g is None:
+                g = (None, torch.zeros_like(kj, dtype=a), torch.zeros_like(vj, dtype=a))
+            else:
+                dq += g[0]
+            back.append((j, [g[1], g[2]]))
+        readers = [d for d in range(n) if r in need[d]]
+        works, got = _direct(back, [(d, [dk, dv]) for d in readers], group, "cp window dK/dV", q.device.type)
+        _wait(works)
+        for d in readers:
+            dk += got[d][0]
+            dv += got[d][1]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 # ---- all-gather and all-to-all ----
@@ -361,15 +471,21 @@ def _a2a(x: Tensor, group, to_heads: bool) -> Tensor:
     if to_heads:  # split heads into n groups, send group j to rank j, receive every rank's sequence
         b, s, h, d = x.shape
         send = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()  # (n, b, s, h/n, d)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
+        recv = _all_to_all(send, group)
         return recv.permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)  # sequence rank-major
     b, ns, hn, d = x.shape
     s = ns // n
     send = x.reshape(b, n, s, hn, d).permute(1, 0, 2, 3, 4).contiguous()  # (n, b, s, h/n, d)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    recv = _all_to_all(send, group)
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s, n * hn, d)
+
+
+def _all_to_all(send: Tensor, group) -> Tensor:
+    recv = torch.empty_like(send)
+    span = CommSpan("cp all_to_all", send.device.type, bytes=send.numel() * send.element_size())
+    dist.all_to_all_single(recv, send, group=group)
+    span.done()
+    return recv
 
 
 # ---- the op ----
@@ -417,7 +533,11 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group, *, algo: 
     doc = None if doc_ids is None else doc_ids.to(torch.int64)
     plain = window == (-1, 0 if causal else -1) and doc is None
     opts = _Opts(scale, causal, window, softcap, s_local // 2, plain)
-    if algo == "ring" and n > 1:
+    windowed = window[0] >= 0 or (not causal and window[1] >= 0)
+    need = window_sources(seqlen, n, causal, window) if algo == "ring" and n > 1 and windowed else None
+    if need is not None:  # a window that leaves blocks out: send and compute only what it reaches
+        o, lse = _WindowAttention.apply(q, k, v, q_idx, doc, group, opts, need)
+    elif algo == "ring" and n > 1:
         o, lse = _RingAttention.apply(q, k, v, q_idx, doc, group, opts)
     elif algo == "a2a" and n > 1:  # every rank then holds the whole sequence for h/cp heads
         qh, kh, vh = (_AllToAll.apply(t, group, True) for t in (q, k, v))
@@ -484,4 +604,5 @@ def _lse_back(lse_h: Tensor, group, n: int) -> Tensor:
     return _a2a(x.contiguous(), group, False)[..., 0].transpose(1, 2)
 
 
-__all__ = ["ALGOS", "check_zigzag", "context_parallel_attention", "zigzag_indices", "zigzag_merge", "zigzag_split"]
+__all__ = ["ALGOS", "check_zigzag", "context_parallel_attention", "window_sources", "zigzag_indices", "zigzag_merge",
+           "zigzag_split"]

@@ -283,6 +283,10 @@ class ParallelTransformer(nn.Module):
             if position_ids is not None:
                 raise ValueError("give position_ids or cu_seqlens, not both")
             position_ids = positions_from_cu_seqlens(cu_seqlens, *input_ids.shape)
+        elif position_ids is None and self.ctx.cp_size > 1:  # this CP rank's zigzag share of whole sequences
+            ctx = self.ctx
+            position_ids = zigzag_indices(input_ids.shape[1] * ctx.cp_size, ctx.cp_size, ctx.cp_rank).expand(
+                input_ids.shape)
         elif position_ids is None:
             position_ids = default_positions(input_ids)
         else:  # the user's positions: packed when they restart inside a row
@@ -351,7 +355,10 @@ class ParallelTransformer(nn.Module):
                 cu_seqlens: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
         """Without pipeline parallelism: the loss if ``target`` (batch, seq) is given (next-token ids,
         ``tpkernels.models.next_token_targets``), else the logits (batch, seq, vocab_size).
-        input_ids (batch, seq); packed documents: position_ids restarting at 0, or cu_seqlens."""
+        input_ids (batch, seq); packed documents: position_ids restarting at 0, or cu_seqlens. With
+        context parallelism, input_ids is this CP rank's zigzag share (``zigzag_split(ids, cp, cp_rank)``)
+        and the positions default to its global ones; the loss is this rank's part (the mean over
+        the CP group is the whole sequences' token mean)."""
         self._single_stage()
         y = self.chunks[0](self._batch(input_ids, position_ids, cu_seqlens))
         return self.head.logits(y) if target is None else self.head.loss(y, self._target(target))

@@ -81,7 +81,7 @@ class ParallelConfig:
                                                                      "sequence over the TP group"})
     recompute: str = field(default="none", metadata={"help": "activation recompute: none, selective (attention "
                                                              "core) or full (whole layer)", "choices": RECOMPUTE_CHOICES})
-    zero1: bool = field(default=False, metadata={"help": "shard the optimizer states over DP (ZeRO stage 1)"})
+    zero1: bool = field(default=False, metadata={"help": "shard the optimizer states over DP × CP (ZeRO stage 1)"})
     schedule: str | None = field(default=None, metadata={
         "help": "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1; none: interleaved with virtual stages, "
                 "else 1f1b", "choices": SCHEDULES})

@@ -24,6 +24,7 @@ from tpkernels.dtypes import widen
 from tpkernels.parallel import consistency
 from tpkernels.parallel.collectives import all_gather_into, reduce_scatter_into
 from tpkernels.parallel.groups import group_rank_size
+from tpkernels.parallel.trace import CommSpan
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -32,7 +33,9 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
         return x
     consistency.agree(group, "all_reduce", **{"x.shape": x.shape, "x.dtype": x.dtype})
     y = widen(x).clone()
+    span = CommSpan("all_reduce", x.device.type, bytes=y.numel() * y.element_size())
     dist.all_reduce(y, group=group)
+    span.done()
     return y.to(x.dtype)
 
 
@@ -43,7 +46,9 @@ def all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     consistency.agree(group, "all_gather", **{"x.shape": x.shape, "x.dtype": x.dtype, "dim": dim})
     xm = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * xm.shape[0],) + tuple(xm.shape[1:]), dtype=x.dtype, device=x.device)
+    span = CommSpan("all_gather", x.device.type, bytes=out.numel() * out.element_size())
     all_gather_into(out, xm, group)
+    span.done()
     return out.movedim(0, dim)
 
 
@@ -55,7 +60,9 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     check_divisible(x.shape[dim], world, f"dim {dim} of the input")
     xm = widen(x).movedim(dim, 0).contiguous()
     out = torch.empty((xm.shape[0] // world,) + tuple(xm.shape[1:]), dtype=xm.dtype, device=x.device)
+    span = CommSpan("reduce_scatter", x.device.type, bytes=xm.numel() * xm.element_size())
     reduce_scatter_into(out, xm, group)
+    span.done()
     return out.to(x.dtype).movedim(0, dim)
 
 

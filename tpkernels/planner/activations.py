@@ -14,6 +14,12 @@ softmax output (2), its dropout mask (1) and the dropout output (2). This module
 terms but sizes them from the model, so that GQA (smaller K/V), SwiGLU (three MLP tensors of
 ffn width), models without dropout and FlashAttention (no scores stored) are counted right; for
 GPT shapes it reduces exactly to the formulas above (tests/test_planner_memory.py checks this).
+
+Context parallelism (``cp`` > 1) gives each rank s/cp of the sequence: every term scales with the
+local tokens, except the scores (local queries × all keys, so a·s/h keeps the full s). The
+``allgather`` algorithm keeps the gathered K/V of the whole sequence for the backward (cp × the
+local K/V); ``ring`` holds two K/V blocks in flight and fp32 dK/dV accumulators, ``a2a`` the
+head-sharded copies of q, k, v and the output, both only while the layer's attention runs.
 """
 
 from __future__ import annotations
@@ -53,16 +59,25 @@ def layer_activation_terms(model: ModelConfig, *, dropout: bool, flash_attention
 
 
 def layer_activations(model: ModelConfig, *, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
-                      recompute: str, flash_attention: bool) -> LayerActivations:
+                      recompute: str, flash_attention: bool, cp: int = 1, cp_algo: str = "ring") -> LayerActivations:
+    """``seq`` is the whole sequence; with ``cp`` > 1 this rank holds seq / cp of it."""
     terms = layer_activation_terms(model, dropout=model.dropout > 0, flash_attention=flash_attention)
-    sbh = float(seq) * micro_batch * model.hidden_size
+    sbh = float(seq) / cp * micro_batch * model.hidden_size
     a_s_over_h = model.num_attention_heads * seq / model.hidden_size
     replicated = terms["replicated"] / (tp if sequence_parallel else 1)
     kv_replication = 1.0
     if tp > model.kv_heads:  # each TP rank keeps one whole KV head: K and V are not split further
         kv_replication = tp / model.kv_heads
     kv_part = 4.0 * model.kv_dim / model.hidden_size
-    split = (terms["split"] - kv_part + kv_part * kv_replication) / tp
+    local_kv = kv_part * kv_replication / tp
+    split = terms["split"] / tp - kv_part / tp + local_kv
+    transient = 0.0
+    if cp > 1 and cp_algo == "allgather":
+        split += (cp - 1) * local_kv  # the whole sequence's K/V, kept for the backward
+    elif cp > 1 and cp_algo == "ring":
+        transient = local_kv * (1.0 + 2.0 + 2.0)  # the next block in flight, fp32 dK/dV and the ones in flight
+    elif cp > 1:  # a2a: q, k, v and the output, head-sharded
+        transient = 2.0 * (2.0 * model.q_dim / model.hidden_size / tp) + local_kv
     scores = terms["scores"] * a_s_over_h / tp
     produced = sbh * (replicated + split + scores)
     if recompute == "none":
@@ -74,4 +89,4 @@ def layer_activations(model: ModelConfig, *, seq: int, micro_batch: int, tp: int
         peak = produced
     else:
         raise ValueError(f"recompute ({recompute!r}) must be one of none, selective, full")
-    return LayerActivations(stored=stored, produced=produced, recompute_peak=peak)
+    return LayerActivations(stored=stored, produced=produced, recompute_peak=peak + sbh * transient)

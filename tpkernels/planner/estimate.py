@@ -71,7 +71,7 @@ class Estimate:
         c = self.config
         return {
             "layout": c.short(),
-            "tp": c.tp, "pp": c.pp, "dp": c.dp, "virtual_stages": c.virtual_stages,
+            "tp": c.tp, "cp": c.cp, "cp_algo": c.cp_algo, "pp": c.pp, "dp": c.dp, "virtual_stages": c.virtual_stages,
             "micro_batch_size": c.micro_batch_size, "num_microbatches": c.num_microbatches,
             "sequence_parallel": c.sequence_parallel, "recompute": c.recompute, "zero1": c.zero1,
             "schedule": self.time.schedule, "fits": self.fits, "step_time_s": self.step_time,

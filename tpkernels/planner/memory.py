@@ -2,7 +2,8 @@
 
 Bytes per trained parameter (mixed precision, Megatron-style): 16-bit weights (2) + fp32 gradients
 (4) + fp32 master weights and Adam moments (12) = 18; with ZeRO-1 the 12 are sharded over DP:
-6 + 12/DP. LoRA keeps the frozen base weights at 2 bytes/param and trains only the adapters.
+6 + 12/DP (over DP × CP with context parallelism: the weights are replicated over CP, so the
+trainer shards their states over the DP × CP group, as Megatron's distributed optimizer does). LoRA keeps the frozen base weights at 2 bytes/param and trains only the adapters.
 
 Activations follow tpkernels.planner.activations. Pipeline stage k holds the activations of the
 micro-batches it has run forward but not yet backward: p − k under 1F1B, and
@@ -95,7 +96,7 @@ class MemoryBreakdown:
 
 def stage_memory(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, stage: int) -> MemoryBreakdown:
     params = stage_params_per_rank(model, cfg, stage)
-    opt_bytes = train.optimizer_state_bytes / (cfg.dp if cfg.zero1 else 1)
+    opt_bytes = train.optimizer_state_bytes / (cfg.dp * cfg.cp if cfg.zero1 else 1)
     if train.finetune == "full":
         weights, grads, optim = 2.0 * params, 4.0 * params, opt_bytes * params
     else:
@@ -103,12 +104,12 @@ def stage_memory(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, 
         weights, grads, optim = 2.0 * (params + adapters), 4.0 * adapters, opt_bytes * adapters
     act = layer_activations(model, seq=train.seq_length, micro_batch=cfg.micro_batch_size, tp=cfg.tp,
                             sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
-                            flash_attention=train.flash_attention)
+                            flash_attention=train.flash_attention or cfg.cp > 1, cp=cfg.cp, cp_algo=cfg.cp_algo)
     activations = inflight_layers(model, cfg, stage) * act.stored + act.recompute_peak
     logits = 0.0
     if stage == cfg.pp - 1:
         # 16-bit logits plus the fp32 copy the vocab-parallel cross-entropy works on, for one micro-batch.
-        logits = 6.0 * train.seq_length * cfg.micro_batch_size * model.padded_vocab(cfg.tp) / cfg.tp
+        logits = 6.0 * train.seq_length / cfg.cp * cfg.micro_batch_size * model.padded_vocab(cfg.tp) / cfg.tp
     return MemoryBreakdown(stage, weights, grads, optim, activations, logits, float(RUNTIME_RESERVED_BYTES))
 
 

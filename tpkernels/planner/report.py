@@ -9,7 +9,7 @@ from tpkernels.planner.search import Explanation, Plan
 
 COMPONENTS = {
     "gemm": "GEMM compute", "elementwise": "memory-bound kernels", "tp_exposed": "exposed TP communication",
-    "p2p": "pipeline send/recv", "bubble": "pipeline bubble", "dp_exposed": "exposed DP gradient reduction",
+    "cp_exposed": "exposed context-parallel K/V exchange", "p2p": "pipeline send/recv", "bubble": "pipeline bubble", "dp_exposed": "exposed DP gradient reduction",
     "optimizer": "optimizer step",
 }
 
@@ -49,12 +49,16 @@ def table(rows: list[Estimate]) -> str:
     for i, e in enumerate(rows, 1):
         c, t = e.config, e.time
         body.append((
-            str(i), f"TP{c.tp} PP{c.pp} DP{c.dp}", t.schedule, str(c.virtual_stages), str(c.micro_batch_size),
+            str(i), f"TP{c.tp} " + (f"CP{c.cp}" + ("" if c.cp_algo == "ring" else f"-{c.cp_algo}") + " "
+                                    if c.cp > 1 else "") + f"PP{c.pp} DP{c.dp}", t.schedule, str(c.virtual_stages), str(c.micro_batch_size),
             str(c.num_microbatches), "on" if c.sequence_parallel else "off", c.recompute, "on" if c.zero1 else "off",
             f"{e.memory.total / GIB:.1f}/{e.memory_capacity_gib:.3g}", f"{e.step_time:.3g}", _pct(e.mfu),
             f"{e.model_tflops_per_gpu:.0f}", _pct(t.bubble / t.total), _pct(t.tp_exposed / t.total),
             _pct(t.dp_exposed / t.total), _pct(t.comm_ratio),
         ))
+    if any(e.config.cp > 1 for e in rows):  # the K/V exchange, beside TP's and DP's
+        head = head[:15] + ("CP exposed",) + head[15:]
+        body = [r[:15] + (_pct(e.time.cp_exposed / e.time.total),) + r[15:] for r, e in zip(body, rows)]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     fmt = lambda r: "  ".join(x.rjust(w) if j not in (1, 2, 7) else x.ljust(w) for j, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body)])
@@ -84,6 +88,10 @@ def why(a: Estimate) -> str:
     if a.config.tp > 1:
         hidden = 1 - t.tp_exposed / t.tp_comm if t.tp_comm else 0
         parts.append(f"TP{a.config.tp} stays inside a node and {_pct(hidden)} of its communication is hidden")
+    if a.config.cp > 1:
+        hidden = 1 - t.cp_exposed / t.cp_comm if t.cp_comm else 0
+        parts.append(f"CP{a.config.cp} ({a.config.cp_algo}) splits each sequence over {a.config.cp} GPUs, dividing "
+                     f"the activations by {a.config.cp}, and {_pct(hidden)} of its K/V exchange is hidden")
     if a.config.pp > 1:
         parts.append(f"{a.config.num_microbatches} micro-batches over {a.config.pp} stages"
                      + (f" × {a.config.virtual_stages} chunks" if a.config.virtual_stages > 1 else "")

@@ -8,7 +8,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tpkernels.parallel import RECOMPUTE_CHOICES, SCHEDULES, ParallelConfig
+from tpkernels.parallel import CP_ALGOS, RECOMPUTE_CHOICES, SCHEDULES, ParallelConfig
 from tpkernels.planner.efficiency import Efficiency, calibrated_for
 from tpkernels.planner.estimate import Estimate, estimate, layout_errors
 from tpkernels.planner.hardware import ClusterSpec
@@ -18,8 +18,13 @@ from tpkernels.planner.workload import TrainingSetup
 
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL_STAGES = 8
-FIXABLE = ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "sequence_parallel", "recompute", "zero1",
-           "schedule")
+FIXABLE = ("tp", "cp", "cp_algo", "pp", "dp", "virtual_stages", "micro_batch_size", "sequence_parallel", "recompute",
+           "zero1", "schedule")
+# Context parallelism is searched for long sequences only: below this, SP and recompute hold the
+# activations and CP's K/V exchange costs more than it saves. Each CP rank keeps at least
+# CP_MIN_TOKENS_PER_RANK tokens (fewer would leave the ring's hops nothing to hide behind).
+CP_MIN_SEQ = 16384
+CP_MIN_TOKENS_PER_RANK = 2048
 
 
 def divisors(n: int) -> list[int]:
@@ -48,6 +53,16 @@ class Plan:
         return self.ranked[0] if self.ranked else None
 
 
+def cp_choices(train: TrainingSetup, ranks: int) -> list[int]:
+    """Context-parallel sizes worth scoring when ``ranks`` GPUs are left after TP: 1, and for a
+    sequence of at least CP_MIN_SEQ tokens each divisor that splits it into 2·cp equal chunks of
+    at least CP_MIN_TOKENS_PER_RANK / 2 tokens."""
+    if train.seq_length < CP_MIN_SEQ:
+        return [1]
+    return [c for c in divisors(ranks) if c == 1 or (train.seq_length % (2 * c) == 0
+                                                     and train.seq_length // c >= CP_MIN_TOKENS_PER_RANK)]
+
+
 def candidate_configs(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, fixed: dict | None = None):
     """Yield every ParallelConfig of this job's search space (valid or not), honouring ``fixed``."""
     fixed = {k: v for k, v in (fixed or {}).items() if k != "schedule"}
@@ -62,22 +77,27 @@ def candidate_configs(model: ModelConfig, train: TrainingSetup, cluster: Cluster
     # With FlashAttention the scores are never stored, so "selective" would equal "none".
     rcs = [r for r in RECOMPUTE_CHOICES if not (train.flash_attention and r == "selective")]
     for tp in choices("tp", [d for d in divisors(n) if d <= cluster.gpus_per_node]):
-        pps = [d for d in divisors(n // tp) if d <= model.num_layers] if n % tp == 0 else [1]
-        for pp in choices("pp", pps):
-            dp = max(1, n // (tp * pp))  # a fixed tp/pp that does not divide n fails the world-size rule
-            if "dp" in fixed and fixed["dp"] != dp:
-                continue
-            per_replica = train.global_batch // dp  # a remainder fails the global-batch rule
-            knobs = itertools.product(
-                choices("virtual_stages", [1] + [v for v in range(2, MAX_VIRTUAL_STAGES + 1)
-                                                 if pp > 1 and model.num_layers % (pp * v) == 0]),
-                choices("micro_batch_size", [d for d in divisors(max(per_replica, 1)) if d <= MAX_MICRO_BATCH]),
-                choices("sequence_parallel", [False, True] if tp > 1 else [False]),
-                choices("recompute", rcs),
-                choices("zero1", [False, True] if dp > 1 else [False]),
-            )
-            for v, mbs, sp, rc, z in knobs:
-                yield ParallelConfig(tp, pp, dp, v, mbs, max(1, per_replica // mbs), sp, rc, z)
+        for cp in choices("cp", cp_choices(train, n // tp) if n % tp == 0 else [1]):
+            rest = n // (tp * cp) if n % (tp * cp) == 0 else 0
+            pps = [d for d in divisors(rest) if d <= model.num_layers] if rest else [1]
+            algos = choices("cp_algo", list(CP_ALGOS) if cp > 1 else ["ring"])
+            for pp, algo in itertools.product(choices("pp", pps), algos):
+                # a fixed tp/cp/pp that does not divide n fails the world-size rule
+                dp = max(1, n // (tp * cp * pp))
+                if "dp" in fixed and fixed["dp"] != dp:
+                    continue
+                per_replica = train.global_batch // dp  # a remainder fails the global-batch rule
+                knobs = itertools.product(
+                    choices("virtual_stages", [1] + [v for v in range(2, MAX_VIRTUAL_STAGES + 1)
+                                                     if pp > 1 and model.num_layers % (pp * v) == 0]),
+                    choices("micro_batch_size", [d for d in divisors(max(per_replica, 1)) if d <= MAX_MICRO_BATCH]),
+                    choices("sequence_parallel", [False, True] if tp > 1 else [False]),
+                    choices("recompute", rcs),
+                    choices("zero1", [False, True] if dp * cp > 1 else [False]),
+                )
+                for v, mbs, sp, rc, z in knobs:
+                    yield ParallelConfig(tp, pp, dp, v, mbs, max(1, per_replica // mbs), sp, rc, z, cp=cp,
+                                         cp_algo=algo)
 
 
 def schedules_for(cfg: ParallelConfig, fixed: dict | None = None) -> list[ParallelConfig]:
@@ -95,7 +115,8 @@ def plan(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, eff: Ef
          fixed: dict | None = None, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Plan:
     """Score every valid configuration; keep per layout (TP, PP, DP) the fastest one that fits
     (virtual stages, micro-batch size, SP, recompute, ZeRO-1 and the schedule are that layout's
-    knobs). ``eff`` defaults to the constants calibrated for the cluster's GPU generation."""
+    knobs; with context parallelism the layout is (TP, CP, PP, DP) and the CP algorithm a knob).
+    ``eff`` defaults to the constants calibrated for the cluster's GPU generation."""
     eff = eff or calibrated_for(cluster.gpu)
     if fixed and "schedule" in fixed and fixed["schedule"] not in SCHEDULES:
         raise ValueError(f"schedule ({fixed['schedule']!r}) must be one of {', '.join(SCHEDULES)}")
@@ -112,7 +133,7 @@ def plan(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, eff: Ef
             continue
         est = estimate(model, train, cluster, cfg, eff, memory_margin)
         result.evaluated += 1
-        key = (cfg.tp, cfg.pp, cfg.dp)
+        key = (cfg.tp, cfg.cp, cfg.pp, cfg.dp)
         if est.fits:
             if key not in best or est.step_time < best[key].step_time:
                 best[key] = est
@@ -126,7 +147,7 @@ def plan(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, eff: Ef
 
 
 _KEYS = {
-    "tp": "tp", "pp": "pp", "dp": "dp", "v": "virtual_stages", "vpp": "virtual_stages",
+    "tp": "tp", "cp": "cp", "cp_algo": "cp_algo", "pp": "pp", "dp": "dp", "v": "virtual_stages", "vpp": "virtual_stages",
     "virtual_stages": "virtual_stages", "mbs": "micro_batch_size", "micro_batch_size": "micro_batch_size",
     "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel", "recompute": "recompute",
     "rc": "recompute", "zero1": "zero1", "zero": "zero1", "schedule": "schedule",
@@ -153,6 +174,10 @@ def parse_layout(text: str) -> dict:
             if value.lower() not in _TRUE + _FALSE:
                 raise ValueError(f"{key} ({value!r}) must be on or off")
             out[field_name] = value.lower() in _TRUE
+        elif field_name == "cp_algo":
+            if value.lower() not in CP_ALGOS:
+                raise ValueError(f"{key} ({value!r}) must be one of {', '.join(CP_ALGOS)}")
+            out[field_name] = value.lower()
         elif field_name == "schedule":
             if value.lower() not in SCHEDULES:
                 raise ValueError(f"{key} ({value!r}) must be one of {', '.join(SCHEDULES)}")
@@ -188,9 +213,9 @@ def explain(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, layo
     req = parse_layout(layout) if isinstance(layout, str) else dict(layout)
     label = layout if isinstance(layout, str) else ",".join(f"{k}={v}" for k, v in req.items())
     cfg_fields = dict(req)
-    tp, pp = req.get("tp", 1), req.get("pp", 1)
-    if "dp" not in req and cluster.num_gpus % (tp * pp) == 0:
-        cfg_fields["dp"] = cluster.num_gpus // (tp * pp)
+    tp, pp, cp = req.get("tp", 1), req.get("pp", 1), req.get("cp", 1)
+    if "dp" not in req and cluster.num_gpus % (tp * cp * pp) == 0:
+        cfg_fields["dp"] = cluster.num_gpus // (tp * cp * pp)
     dp = cfg_fields.get("dp", 1)
     mbs = req.get("micro_batch_size", 1)
     m = train.global_batch // (dp * mbs) if train.global_batch % (dp * mbs) == 0 else 0
@@ -199,7 +224,7 @@ def explain(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, layo
     if "dp" not in cfg_fields and not probe.layout_errors():
         errors = [e for e in errors if not e.startswith("world_size")]
         errors.insert(0, f"world_size ({cluster.num_gpus}) must be divisible by tp ({tp}) × "
-                         f"pp ({pp}) = {tp * pp}")
+                         + (f"cp ({cp}) × " if cp > 1 else "") + f"pp ({pp}) = {tp * cp * pp}")
     if m == 0 and not any("global_batch_size" in e for e in errors):
         errors.append(f"global_batch_size ({train.global_batch}) must be divisible by micro_batch_size ({mbs}) × "
                       f"dp ({dp}) = {mbs * dp}")

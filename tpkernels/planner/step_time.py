@@ -18,9 +18,13 @@ Per micro-batch on the slowest pipeline stage (the last one also runs the output
              chunked GEMMs, but never more than the linear GEMMs' own time.
   P2P        one activation forward and one gradient backward per model chunk, 1/t of it per
              TP rank (Narayanan et al.'s scatter/gather), not hidden.
+  CP         context parallelism splits every sequence over cp ranks: each rank runs the linear
+             layers and memory-bound kernels on s/cp tokens and 1/cp of the (load-balanced)
+             attention core, and exchanges K/V with its CP group every layer (context_parallel.py:
+             the ring's hops hide behind the attention blocks they feed; all-gather and a2a do not).
 Step = the engine's simulated makespan of the schedule (pipeline_bubble.py: GPipe, 1F1B,
        interleaved, ZB-H1 with its split weight gradient) over those per-micro-batch costs
-     + exposed DP communication (collectives.py: hierarchical across nodes; the gradient
+     + exposed DP communication over DP × CP (collectives.py: hierarchical across nodes; the gradient
        reduction bucketed behind the last micro-batch's backward, the ZeRO-1 weight all-gather
        behind the first forward, when the software overlaps them)
      + optimizer step (memory-bound).
@@ -33,6 +37,7 @@ from dataclasses import asdict, dataclass
 from tpkernels.parallel import ParallelConfig
 from tpkernels.planner.activations import layer_activations
 from tpkernels.planner.collectives import exposed_after_overlap, group_collective_time
+from tpkernels.planner.context_parallel import cp_attention_comm
 from tpkernels.planner.efficiency import Efficiency
 from tpkernels.planner.gemm_model import gemm_time, linear_time
 from tpkernels.planner.hardware import ClusterSpec
@@ -63,6 +68,8 @@ class StepTime:
     dp_exposed: float
     optimizer: float
     schedule: str = "none"
+    cp_comm: float = 0.0  # context-parallel K/V exchange, total (hidden + exposed)
+    cp_exposed: float = 0.0
 
     @property
     def compute(self) -> float:
@@ -70,12 +77,13 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_exposed + self.p2p + self.bubble + self.dp_exposed + self.optimizer
+        return (self.compute + self.tp_exposed + self.cp_exposed + self.p2p + self.bubble + self.dp_exposed
+                + self.optimizer)
 
     @property
     def comm_ratio(self) -> float:
         """All communication time (hidden or not) over compute time."""
-        return (self.tp_comm + self.p2p + self.dp_comm) / self.compute
+        return (self.tp_comm + self.cp_comm + self.p2p + self.dp_comm) / self.compute
 
     def as_dict(self) -> dict[str, float]:
         d = asdict(self)
@@ -90,12 +98,13 @@ def _linear_shapes(model: ModelConfig, t: int) -> list[tuple[float, float]]:
 
 
 def _attention_time(model: ModelConfig, train: TrainingSetup, b: int, s: int, t: int, cluster: ClusterSpec,
-                    eff: Efficiency) -> tuple[float, float]:
-    """(forward, backward) seconds of one layer's attention core on one TP rank."""
+                    eff: Efficiency, cp: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's attention core on one TP rank (and 1/cp of the
+    sequence's queries against all of its keys: the zigzag split balances the causal work)."""
     precision = "bf16" if train.precision == "fp8" else train.precision
-    if train.flash_attention:
+    if train.flash_attention or cp > 1:  # context parallelism always runs the FlashAttention-style blocks
         _, core = model.forward_flops_per_layer(b, s)
-        fwd = core / t / (cluster.gpu.peak_tflops(precision) * 1e12 * eff.attention)
+        fwd = core / t / cp / (cluster.gpu.peak_tflops(precision) * 1e12 * eff.attention)
         return fwd, 2.5 * fwd
     heads, d = model.num_attention_heads / t, model.dhead
     fwd = (gemm_time(s, s, d, cluster.gpu, eff, precision, batch=b * heads)  # QKᵀ
@@ -106,15 +115,19 @@ def _attention_time(model: ModelConfig, train: TrainingSetup, b: int, s: int, t:
 def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec,
                      eff: Efficiency, last_stage: bool) -> dict[str, float]:
     """Seconds of one micro-batch on one GPU of a stage: forward, input-gradient, weight-gradient."""
-    t, b, s = cfg.tp, cfg.micro_batch_size, train.seq_length
-    tokens = b * s
+    t, b, s, cp = cfg.tp, cfg.micro_batch_size, train.seq_length, cfg.cp
+    tokens = b * (s // cp)  # this rank's share of the sequence (s divides by 2·cp: a layout rule)
     layers = model.num_layers / cfg.pp
     gpu, frozen = cluster.gpu, train.finetune == "lora"
     lin_f = lin_b = lin_w = 0.0
     for k, n in _linear_shapes(model, t):
         f_, b_, w_ = linear_time(tokens, k, n, gpu, eff, train.precision, weight_grad=not frozen)
         lin_f, lin_b, lin_w = lin_f + f_, lin_b + b_, lin_w + w_
-    att_f, att_b = _attention_time(model, train, b, s, t, cluster, eff)
+    att_f, att_b = _attention_time(model, train, b, s, t, cluster, eff, cp)
+    cpc = cp_attention_comm(model, cfg, s, train.activation_bytes, att_f, att_b, cluster, eff)
+    passes_f = 2 if cfg.recompute == "full" else 1  # full recompute exchanges K/V again
+    cp_comm = layers * (passes_f * cpc["fwd"] + cpc["bwd"])
+    cp_exposed = layers * (passes_f * cpc["fwd_exposed"] + cpc["bwd_exposed"])
     fwd_rc = {"full": lin_f + att_f, "selective": 0.0 if train.flash_attention else att_f, "none": 0.0}[cfg.recompute]
     f = layers * (lin_f + att_f)
     bwd_in = layers * (lin_b + att_b + fwd_rc)  # recompute runs just before the backward that needs it
@@ -130,7 +143,8 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
     gemm = f + bwd_in + bwd_w
 
     act = layer_activations(model, seq=s, micro_batch=b, tp=t, sequence_parallel=cfg.sequence_parallel,
-                            recompute="none", flash_attention=train.flash_attention)
+                            recompute="none", flash_attention=train.flash_attention or cp > 1, cp=cp,
+                            cp_algo=cfg.cp_algo)
     passes = 4.0 if cfg.recompute == "full" else 3.0  # forward = 1, backward = 2 (in units of forward traffic)
     elementwise = layers * act.produced * train.activation_bytes / 2.0 * eff.elementwise_traffic * passes / 3.0 \
         / (gpu.hbm_gbs * 1e9 * eff.hbm)
@@ -141,7 +155,7 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
 
     tp_comm = tp_exposed = 0.0
     if t > 1:
-        msg = train.activation_bytes * s * b * model.hidden_size
+        msg = train.activation_bytes * tokens * model.hidden_size
         one = group_collective_time("all_gather", msg, t, 1, cluster, eff)  # = one reduce-scatter
         fwd_recompute = cfg.recompute == "full"
         if cfg.sequence_parallel:
@@ -159,8 +173,8 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
     if cfg.pp > 1:
         # Each TP rank sends only its 1/t slice (already sharded with SP; otherwise Megatron's
         # scatter/gather optimisation: slice, send, all-gather over the intra-node link).
-        msg = train.activation_bytes * s * b * model.hidden_size
-        neighbour_span = cfg.tp * cfg.dp + 1  # the next stage starts tp·dp ranks further
+        msg = train.activation_bytes * tokens * model.hidden_size
+        neighbour_span = cfg.tp * cfg.cp * cfg.dp + 1  # the next stage starts tp·cp·dp ranks further
         bw = cluster.group_bandwidth_gbs(neighbour_span) * 1e9 * eff.link
         one = msg / t / bw + eff.p2p_latency_s
         if t > 1 and not cfg.sequence_parallel:
@@ -170,32 +184,35 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
     compute = gemm + elementwise
     # Elementwise work, exposed TP communication and P2P are charged to forward and backward in
     # proportion to their GEMM time, so the schedule simulation sees whole-pass costs.
-    extra = elementwise + tp_exposed + p2p
+    extra = elementwise + tp_exposed + cp_exposed + p2p
     scale = 1.0 + extra / gemm
     return {"gemm": gemm, "elementwise": elementwise, "tp_comm": tp_comm, "tp_exposed": tp_exposed, "p2p": p2p,
-            "f": f * scale, "b": bwd_in * scale, "w": bwd_w * scale, "total": compute + tp_exposed + p2p,
-            "p2p_one": p2p_one}
+            "cp_comm": cp_comm, "cp_exposed": cp_exposed,
+            "f": f * scale, "b": bwd_in * scale, "w": bwd_w * scale,
+            "total": compute + tp_exposed + cp_exposed + p2p, "p2p_one": p2p_one}
 
 
 def _dp_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec, eff: Efficiency,
              slow: dict[str, float]) -> tuple[float, float, float]:
-    """(total DP communication, exposed part, trained parameters per rank) of one step."""
+    """(total DP communication, exposed part, trained parameters per rank) of one step. The
+    gradients are reduced over DP × CP (CP replicates the weights), whose members are tp apart."""
     trained = max(stage_params_per_rank(model, cfg, 0), stage_params_per_rank(model, cfg, cfg.pp - 1))
     if train.finetune == "lora":
         trained = lora_params_per_rank(model, cfg, train.lora_rank)
-    if cfg.dp == 1:
+    group = cfg.dp * cfg.cp
+    if group == 1:
         return 0.0, 0.0, trained
     # fp16 gradients are reduced in fp16 (Megatron 2021); bf16 training reduces the fp32 main grads.
     grad_bytes = trained * (2.0 if train.precision == "fp16" else 4.0)
     kind = "reduce_scatter" if cfg.zero1 else "all_reduce"
-    grads = group_collective_time(kind, grad_bytes, cfg.dp, cfg.tp, cluster, eff)
+    grads = group_collective_time(kind, grad_bytes, group, cfg.tp, cluster, eff)
     buckets = max(1, round(grad_bytes / eff.dp_bucket_bytes))
     # The reduction overlaps the last micro-batch's backward on this rank.
     grads_exposed = (exposed_after_overlap(grads, slow["b"] + slow["w"], buckets) if train.overlap_grad_reduce
                      else grads)
     weights = weights_exposed = 0.0
     if cfg.zero1:  # each rank updated 1/dp of the weights; gather the 16-bit result
-        weights = group_collective_time("all_gather", trained * 2.0, cfg.dp, cfg.tp, cluster, eff)
+        weights = group_collective_time("all_gather", trained * 2.0, group, cfg.tp, cluster, eff)
         weights_exposed = (exposed_after_overlap(weights, slow["f"], buckets) if train.overlap_param_gather
                            else weights)
     return grads + weights, grads_exposed + weights_exposed, trained
@@ -221,10 +238,11 @@ def step_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, clu
         bubble = bubble_time(schedule, p, m, v, slow["f"] / v, (slow["b"] if split else slow["b"] + slow["w"]) / v,
                              slow["w"] / v if split else 0.0, comm)
     dp_comm, dp_exposed, trained = _dp_time(model, train, cfg, cluster, eff, slow)
-    opt_params = trained / (cfg.dp if cfg.zero1 else 1)
+    opt_params = trained / (cfg.dp * cfg.cp if cfg.zero1 else 1)
     optimizer = opt_params * eff.optimizer_bytes_per_param / (cluster.gpu.hbm_gbs * 1e9 * eff.hbm)
     return StepTime(
         gemm=m * slow["gemm"], elementwise=m * slow["elementwise"], tp_comm=m * slow["tp_comm"],
         tp_exposed=m * slow["tp_exposed"], p2p=m * slow["p2p"], bubble=bubble, dp_comm=dp_comm,
         dp_exposed=dp_exposed, optimizer=optimizer, schedule=schedule if p > 1 else "none",
+        cp_comm=m * slow["cp_comm"], cp_exposed=m * slow["cp_exposed"],
     )

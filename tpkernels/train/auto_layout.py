@@ -1,5 +1,6 @@
-"""``layout: auto``: the planner picks TP, PP, DP, virtual stages, micro-batching, SP, recompute and
-ZeRO-1 for the world size and the device found, and the run uses its choice.
+"""``layout: auto``: the planner picks TP, CP, PP, DP, virtual stages, micro-batching, SP, recompute
+and ZeRO-1 for the world size and the device found, and the run uses its choice (CP only for long
+sequences, or the ``parallel.cp`` the config sets).
 
 GPUs: the planner's preset for the device name (calibrated on published runs). CPUs: the GEMM,
 copy and gloo all-reduce rates measured here (``tpkernels plan --measure``). The global batch is
@@ -44,7 +45,9 @@ def plan_layout(cfg: TrainConfig, world: int):
         cluster = ClusterSpec(gpu_preset("A100-80GB"), gpus_per_node=world, nodes=1)
         cluster, eff, _ = calibrate(cluster, calibrated_for(cluster.gpu),
                                     measure(spec, train, micro_batch_size=pc.micro_batch_size))
-    p = plan(spec, train, cluster, eff)
+    # CP is searched for long sequences; a cp the user set is kept (the planner picks the rest)
+    fixed = {"cp": pc.cp, "cp_algo": pc.cp_algo} if pc.cp > 1 else None
+    p = plan(spec, train, cluster, eff, fixed=fixed)
     if p.best is None:
         from tpkernels.planner.report import no_fit_message  # noqa: PLC0415
 

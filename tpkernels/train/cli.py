@@ -92,7 +92,7 @@ def prediction_report(predicted: dict, history: list[dict]) -> str:
     comm = sorted(h["comm_ratio"] for h in steps)[len(steps) // 2]
     return (f"planner vs measured ({predicted['layout']}): step {predicted['step_s']:.3g} s vs {measured:.3g} s "
             f"(median), bubble {100 * predicted['bubble']:.0f}% vs {100 * bubble:.0f}% (rank 0's idle share), "
-            f"comm/compute {100 * predicted['comm_ratio']:.0f}% vs {100 * comm:.0f}% (worst rank, exposed TP)")
+            f"comm/compute {100 * predicted['comm_ratio']:.0f}% vs {100 * comm:.0f}% (worst rank, exposed TP and CP)")
 
 
 def rank_main(cfg: TrainConfig) -> list[dict]:

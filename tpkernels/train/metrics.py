@@ -7,8 +7,9 @@ GPU's dense bf16 peak from the planner's hardware table (matched by device name)
 the fp32 GEMM rate this rank measures at start-up (a 1024³ matmul), so CPU MFU is labelled
 "vs measured GEMM": it says how much of the machine's matmul speed the step achieves.
 
-Communication/compute: the TP transfers of the step (``CommTrace`` spans of every GEMM-comm op)
-that no GEMM hid, over the rest of the step; the worst rank's is reported (one all-reduce of one
+Communication/compute: the TP and CP transfers of the step (``CommTrace`` spans of every GEMM-comm
+op, of the TP/SP mappings' collectives and of context-parallel attention's K/V exchanges) that no
+GEMM or attention block hid, over the rest of the step; the worst rank's is reported (one all-reduce of one
 number), and above 30% the run warns to lower parallel.tp, as practitioners do. The
 bubble is this rank's idle share of its pipeline actions' span (the timeline of the runtime).
 """
@@ -59,7 +60,7 @@ COMM_WARN = 0.30
 
 
 def exposed_comm_ratio(trace, step_s: float) -> float:
-    """Exposed TP communication / the rest of the step, from a CommTrace of the step."""
+    """Exposed TP and CP communication / the rest of the step, from a CommTrace of the step."""
     from tpkernels.parallel.trace import _merge  # noqa: PLC0415
 
     total = sum(e - s for s, e in _merge(trace.intervals("comm")))

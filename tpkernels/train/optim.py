@@ -73,7 +73,7 @@ def make_optimizer(params, lr: float, weight_decay: float, betas: tuple[float, f
                    zero1_group=None):
     """AdamW over ``params`` (the model's, or their fp32 masters); 1-D tensors without weight decay.
 
-    ``zero1_group``: shard the optimizer states over this (data-parallel) group with torch's
+    ``zero1_group``: shard the optimizer states over this (data-parallel, DP × CP) group with torch's
     ``ZeroRedundancyOptimizer`` (ZeRO stage 1): each DP rank keeps the AdamW states of its share of
     the parameters, steps them, and broadcasts the updated values. It composes with TP/PP as is:
     the gradients it sees are already complete (``finish_grad_sync``), and it only partitions the

@@ -102,7 +102,7 @@ class Trainer:
             if dtype != torch.float32 else None
         params = self.mp.masters if self.mp else list(self.model.parameters())
         self.optimizer = make_optimizer(params, opt.lr, opt.weight_decay, (opt.beta1, opt.beta2), opt.adam_eps,
-                                        zero1_group=self.state.dp_group if self.pc.zero1 else None)
+                                        zero1_group=self.state.dp_cp_group if self.pc.zero1 else None)
         self.master_of = self.mp.master_of if self.mp else {}
         # registered after MixedPrecision's hooks: it sees the fp32 main_grad already accumulated
         # CP ranks hold replicas of the weights like DP ranks: their gradients are averaged over both
