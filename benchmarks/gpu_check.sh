@@ -86,6 +86,13 @@ timeout $(cap 40) $PY benchmarks/bench_gemm_comm.py --reps 5 --mode virtual --sh
   --tag cuda_reducer 2>&1 | tee -a "$OUT/bench_gemm_comm_movers.log" | tail -4
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+# context parallelism on one GPU: every CP rank's attention forward in turn (zigzag vs the plain ring),
+# Llama-3-8B heads (32/8, headdim 128) at a 32k sequence; target: zigzag at CP 8 >= 90% of the whole
+# sequence's attention rate / 8 (ring-flash-attention: zigzag 93.6%, plain ring 68.8% on 8×H800)
+timeout $(cap 60) $PY benchmarks/bench_context_parallel.py --mode virtual --seq 32768 --cp 2 4 8 --reps 5 \
+  2>&1 | tee "$OUT/bench_context_parallel.log" | tail -6
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
 # a whole training step: transformers (SDPA) vs transformers + apply_kernels vs ParallelTransformer, 2 Llama-3-8B layers
 timeout $(cap 60) $PY benchmarks/bench_models.py --reps 3 2>&1 | tee "$OUT/bench_models.log" | tail -8
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

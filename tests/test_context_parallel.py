@@ -161,9 +161,9 @@ def test_bad_inputs_are_refused_on_every_rank(rank_pool, case, message):
 
 def test_a_window_within_a_chunk_needs_only_the_neighbours_blocks():
     # CP4, chunks of 6: rank 0 holds chunks 0 and 7, rank 1 chunks 1 and 6, rank 2 2 and 5, rank 3 3 and 4
-    assert window_sources(48, 4, True, (3, 0)) == [[1], [0, 2], [1, 3], [2]]
+    assert window_sources(48, 4, True, (3, 0)) == ((1,), (0, 2), (1, 3), (2,))
     assert window_sources(48, 4, True, (-1, 0)) is None  # causal, no window: every block is needed
-    assert window_sources(48, 4, False, (2, 2)) == [[1], [0, 2], [1, 3], [2]]
+    assert window_sources(48, 4, False, (2, 2)) == ((1,), (0, 2), (1, 3), (2,))
 
 
 def _bytes_worker(rank, world, window, seed):
@@ -186,3 +186,35 @@ def test_blocks_outside_the_window_are_never_sent(rank_pool, fresh_seed):
     assert all(r >= 3 * kv for r in ring), ring  # three hops of K/V forward alone
     assert all(0 < w <= 2 * kv + 2 * 2 * kv for w in windowed), windowed  # ≤ 2 readers: K/V there, dK/dV back
     assert sum(windowed) < sum(ring) / 2
+
+
+def _compiled_worker(rank, world, algo, seed):
+    torch.manual_seed(seed + rank)
+    q = torch.randn(1, 8, 4, 8, requires_grad=True)
+    k, v = (torch.randn(1, 8, 2, 8, requires_grad=True) for _ in range(2))
+
+    def f(q, k, v):
+        return context_parallel_attention(q, k, v, None, algo=algo).square().sum()
+
+    f(q, k, v).backward()
+    want = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v).backward()
+    return [float((a - t.grad).abs().max()) for a, t in zip(want, (q, k, v))]
+
+
+@pytest.mark.parametrize("algo", ["ring", "allgather", "a2a"])
+def test_the_registered_op_traces_whole_under_torch_compile(rank_pool, algo, fresh_seed):
+    """One opaque op (fake shapes, autograd) with collectives inside: fullgraph compiles, same gradients."""
+    for errs in rank_pool(2).run(_compiled_worker, algo, fresh_seed % 1000, timeout=240):
+        assert max(errs) < 1e-6, errs
+
+
+def test_opcheck_on_one_rank(fresh_seed):
+    torch.manual_seed(fresh_seed)
+    q = torch.randn(2, 6, 4, 8, requires_grad=True)
+    k, v = (torch.randn(2, 6, 2, 8, requires_grad=True) for _ in range(2))
+    args = (q, k, v, None, "", "ring", 8 ** -0.5, True, -1, 0, 0.0, True)
+    torch.library.opcheck(torch.ops.tpkernels.cp_attention_forward.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

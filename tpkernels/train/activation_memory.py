@@ -4,6 +4,8 @@
         loss = model(ids, target=targets); loss.backward()
     saved.peak_bytes        # the most bytes held at once between a forward and its backward
 
+    measure_training(cfg)   # one rank: train cfg, return its losses, step time and peak activations
+
 On GPUs ``torch.cuda.max_memory_allocated`` sees everything (weights, optimizer states, workspaces);
 CPUs have no allocator statistics, and a process's peak RSS is dominated by the libraries and
 allocator caching. What parallelism changes is what autograd saves, so this counts that: every
@@ -74,4 +76,22 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
 
-__all__ = ["SavedActivations"]
+def measure_training(cfg) -> dict:
+    """Train ``cfg`` (a TrainConfig) on this rank and report {"losses", "step_s" (the median after
+    the first step, which pays for warm-up), "comm_ratio" (median), "peak_bytes" (the most bytes of
+    saved activations held at once), "cuda_peak_bytes" (the allocator's peak on a GPU, else 0)}."""
+    from tpkernels.train.trainer import Trainer  # noqa: PLC0415
+
+    trainer = Trainer(cfg)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with SavedActivations(trainer.model.parameters()) as saved:
+        history = trainer.train()
+    later = history[1:] or history
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"losses": [h["loss"] for h in history], "step_s": median([h["step_s"] for h in later]),
+            "comm_ratio": median([h["comm_ratio"] for h in later]), "peak_bytes": saved.peak_bytes,
+            "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0}
+
+
+__all__ = ["SavedActivations", "measure_training"]
