@@ -106,3 +106,16 @@ def test_dry_run_prints_the_chunk_layout(capsys):
                  "--heads", "4", "--kv-heads", "2", "--ffn", "48", "--vocab", "97", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "context parallel: 3 ranks, ring attention, zigzag chunks of 4 tokens: CP rank 0: [0, 4) + [20, 24)" in out
+
+
+def _comm_worker(rank, world, kw):
+    from tpkernels.train.trainer import Trainer
+
+    return [h["comm_ratio"] for h in Trainer(small(**kw)).train()]
+
+
+def test_the_cp_exchange_counts_in_the_comm_compute_ratio(rank_pool):
+    """The ring's K/V hops are traced like TP's transfers: a CP2 run reports communication; CP1 none."""
+    assert all(r == 0 for r in _comm_worker(0, 1, dict(steps=2)))
+    for ratios in rank_pool(2).run(_comm_worker, dict(cp=2, steps=2), timeout=300):
+        assert all(r > 0 for r in ratios), ratios

@@ -8,7 +8,16 @@ import pytest
 
 from tpkernels.planner import ClusterSpec, TrainingSetup, gpu_preset, model_preset, plan
 from tpkernels.planner.report import no_fit_message
-from tpkernels.planner.calibration import a100_rows, error, h100_rows, predict, rank_of_published, search, table_rows
+from tpkernels.planner.calibration import (
+    a100_rows,
+    error,
+    h100_rows,
+    held_out_rows,
+    predict,
+    rank_of_published,
+    search,
+    table_rows,
+)
 
 A100_ROWS, H100_ROWS = a100_rows(), h100_rows()
 ROWS = table_rows()
@@ -45,6 +54,21 @@ def test_h100_rows_reproduce_the_tables_flops_per_token():
         per_token = m.model_flops_per_step(1, row.training.seq_length) / row.training.seq_length
         published = row.published_tflops_per_gpu * 1e12 / (row.training.tokens / row.published_step_s / row.gpus)
         assert per_token == pytest.approx(published, rel=0.02), row.model
+
+
+def test_held_out_cp_rows_are_predicted_within_15_percent():
+    """NeMo's two CP2 rows, never fitted on: the CP model (the ring's hops, DP × CP reduction) must not
+    be far off. Today the planner is 11–12% pessimistic on both; the LLAMA2-7B row at 4k, without CP,
+    is 8% pessimistic too (attention at long sequences, not the exchange, is the larger part)."""
+    rows = held_out_rows()
+    assert [(r.model, r.config.cp) for r in rows] == [("LLAMA3-8B@8", 2), ("LLAMA3-70B@64", 2)]
+    for row in rows:
+        m = row.spec
+        per_token = m.model_flops_per_step(1, row.training.seq_length) / row.training.seq_length
+        published = row.published_tflops_per_gpu * 1e12 / (row.training.tokens / row.published_step_s / row.gpus)
+        assert per_token == pytest.approx(published, rel=0.02), row.model
+        assert abs(error(row)) <= 0.15, (row.model, error(row))
+        assert predict(row).time.cp_comm > 0
 
 
 def test_hardware_flops_match_the_papers_formula():

@@ -150,12 +150,21 @@ def _(do, q, k, v, o, lse, extras, doc_ids, group_name, algo, scale, causal, win
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _shape_only(t: Tensor) -> Tensor:
+    """A stand-in of ``t``'s shape holding one element: what the backward needs of a tensor it never reads."""
+    return t.new_empty(()).expand(t.shape)
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, doc_ids, *args = inputs
+    q, k, v, doc_ids, group_name, algo, *args = inputs
     o, lse, extras = output
-    ctx.n_extras = len(extras)
+    if extras:  # all-gather (or one rank) keeps K/V in sequence order, a2a the head-sharded tensors
+        k, v = _shape_only(k), _shape_only(v)
+    if len(extras) == 5:  # a2a: its backward reads only the head-sharded tensors
+        q, o, lse = _shape_only(q), _shape_only(o), _shape_only(lse)
     ctx.has_doc = doc_ids is not None
     ctx.save_for_backward(q, k, v, o, lse, *([doc_ids] if doc_ids is not None else []), *extras)
+    args = [group_name, algo, *args]
     ctx.args = tuple(args[:-1])  # group_name, algo, scale, causal, window_left, window_right, softcap
 
 

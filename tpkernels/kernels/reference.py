@@ -290,8 +290,23 @@ def _cpu_mask(bounds: tuple[int, int], seqlen_q: int, seqlen_k: int, like: Tenso
     return False, mask, keep.any(-1)
 
 
+def _bottom_right_causal(bounds: tuple[int, int], seqlen_q: int, seqlen_k: int) -> bool:
+    """Causal, no window, fewer queries than keys: the keys before the last seqlen_q are seen whole and
+    the last seqlen_q form a top-left causal square, two maskless calls of torch's kernel instead of
+    one with an explicit (sq, sk) mask (several times slower; chunked prefill and context-parallel
+    blocks ask for this shape)."""
+    return bounds[0] < 0 and bounds[1] == 0 and 0 < seqlen_q < seqlen_k
+
+
 def _cpu_fwd(q, k, v, scale, bounds) -> tuple[Tensor, Tensor]:
     sq, sk = q.shape[1], k.shape[1]
+    if _bottom_right_causal(bounds, sq, sk):
+        past = sk - sq
+        o1, l1 = _cpu_fwd(q, k[:, :past], v[:, :past], scale, (-1, -1))
+        o2, l2 = _cpu_fwd(q, k[:, past:], v[:, past:], scale, (-1, 0))
+        lse = torch.logaddexp(l1, l2)  # every row sees its diagonal key: finite
+        w1, w2 = (torch.exp(x - lse).transpose(1, 2)[..., None] for x in (l1, l2))
+        return (o1 * w1 + o2 * w2).to(q.dtype).contiguous(), lse
     is_causal, mask, seen = _cpu_mask(bounds, sq, sk, q)
     o, lse = _torch_cpu_kernel()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, is_causal,
                                  attn_mask=mask, scale=scale)
@@ -304,6 +319,12 @@ def _cpu_fwd(q, k, v, scale, bounds) -> tuple[Tensor, Tensor]:
 
 def _cpu_bwd(do, q, k, v, o, lse, scale, bounds) -> tuple[Tensor, Tensor, Tensor]:
     sq, sk = q.shape[1], k.shape[1]
+    if _bottom_right_causal(bounds, sq, sk):  # each part's gradients given the whole softmax (o, lse)
+        past = sk - sq
+        dq1, dk1, dv1 = _cpu_bwd(do, q, k[:, :past], v[:, :past], o, lse, scale, (-1, -1))
+        dq2, dk2, dv2 = _cpu_bwd(do, q, k[:, past:], v[:, past:], o, lse, scale, (-1, 0))
+        dq = (dq1.to(lse.dtype) + dq2.to(lse.dtype)).to(q.dtype)  # lse: fp32, or fp64 for fp64
+        return dq, torch.cat([dk1, dk2], 1), torch.cat([dv1, dv2], 1)
     is_causal, mask, seen = _cpu_mask(bounds, sq, sk, q)
     lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # back to the kernel's convention
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
