@@ -122,3 +122,16 @@ def test_layout_strings_and_named_errors():
     odd = layout_errors(LLAMA70, TrainingSetup(8, 131070), H100x64, ParallelConfig(tp=8, dp=4, cp=2,
                                                                                    num_microbatches=2))
     assert any("sequence length (131070) must be divisible by 2 × cp (4)" in e for e in odd), odd
+
+
+def test_layout_auto_takes_the_planners_cp_layout():
+    """``layout: auto`` turns the planner's best estimate into the run's parallel section, CP included."""
+    from tpkernels.train import TrainConfig
+    from tpkernels.train.auto_layout import apply_plan
+
+    found = plan(LLAMA70, TrainingSetup(8, 524288), H100x64)
+    cfg = TrainConfig.from_values({"layout": "auto", "parallel.overlap_dp": False})
+    out = apply_plan(cfg, found.best)
+    assert out.layout == "manual" and out.parallel.cp == found.best.config.cp > 1
+    assert out.parallel.cp_algo == found.best.config.cp_algo and out.parallel.overlap_dp is False
+    assert out.predicted["layout"] == out.parallel.short() and "CP" in out.predicted["layout"]
