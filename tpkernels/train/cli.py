@@ -95,10 +95,18 @@ def prediction_report(predicted: dict, history: list[dict]) -> str:
             f"comm/compute {100 * predicted['comm_ratio']:.0f}% vs {100 * comm:.0f}% (worst rank, exposed TP and CP)")
 
 
-def rank_main(cfg: TrainConfig) -> list[dict]:
-    """What each rank runs, under torchrun or the ``--nproc`` launcher: train, report on rank 0."""
+def rank_main(cfg: TrainConfig, candidates=None) -> list[dict]:
+    """What each rank runs, under torchrun or the ``--nproc`` launcher: train, report on rank 0.
+    ``candidates`` (layout auto with autotune): the layouts of the trial phase."""
     from tpkernels.train.trainer import Trainer  # noqa: PLC0415
 
+    if candidates:
+        from tpkernels.train.autotune import train_autotuned  # noqa: PLC0415
+
+        history = train_autotuned(cfg, candidates)
+        if int(os.environ.get("RANK", 0)) == 0 and history:
+            print(f"autotuned run: {_summary(history)}", flush=True)
+        return history
     trainer = Trainer(cfg)
     history = trainer.train()
     if trainer.is_logger and history:
@@ -121,13 +129,21 @@ def run(args) -> int:
         raise ValueError(f"--max-restarts ({args.max_restarts}) needs --nproc (under torchrun, give torchrun's own "
                          "--max-restarts)")
     cfg = TrainConfig.load(args.config, flag_values(args), text_overrides=True)
+    candidates = None
     if cfg.layout == "auto":
         from tpkernels.train.auto_layout import apply_plan, explain, plan_layout  # noqa: PLC0415
 
         best, p = plan_layout(cfg, _world(args))
+        if cfg.autotune.candidates:
+            from tpkernels.train.autotune import candidates_from_plan, trial_budget  # noqa: PLC0415
+
+            candidates = candidates_from_plan(cfg, p, trial_budget(cfg, cfg.autotune.candidates))
         cfg = apply_plan(cfg, best)
         if int(os.environ.get("RANK", 0)) == 0:
             print(explain(p), flush=True)
+            if candidates:
+                print(f"autotune: trying {', '.join(c.parallel.short() for c in candidates)} on these ranks",
+                      flush=True)
     if args.dry_run:
         print(dry_run(cfg, _world(args)))
         return 0
@@ -135,7 +151,8 @@ def run(args) -> int:
         from tpkernels.train.launch import launch  # noqa: PLC0415
 
         dry_run(cfg, args.nproc, read_data=False)  # the config's errors here, once, before any rank starts
-        history = launch(rank_main, args.nproc, cfg, max_restarts=args.max_restarts, quiet=not args.debug)[0]
+        history = launch(rank_main, args.nproc, cfg, candidates, max_restarts=args.max_restarts,
+                         quiet=not args.debug)[0]
         if args.verify_step0:
             pc = cfg.parallel_config(args.nproc)
             want = single_process_loss(cfg, pc.dp)
@@ -156,11 +173,11 @@ def run(args) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
         try:
-            rank_main(cfg)
+            rank_main(cfg, candidates)
         finally:
             dist.destroy_process_group()
         return 0
-    rank_main(cfg)
+    rank_main(cfg, candidates)
     return 0
 
 

@@ -79,6 +79,15 @@ class LoggingSection:
     trace_step: int = opt(1, "the step the trace records")
 
 
+@dataclass(frozen=True)
+class AutotuneSection:
+    candidates: int = opt(0, "layout auto: run the planner's best K layouts on these ranks, then go on with the "
+                             "fastest measured (0: off)")
+    steps: int = opt(2, "timed steps per candidate, after its first (warm-up) step; every trial step trains")
+    max_share: float = opt(0.5, "the trial phase may use at most this share of training.steps (fewer candidates "
+                                "otherwise)")
+
+
 def _parallel_default() -> ParallelConfig:
     return ParallelConfig(dp=None)  # dp: what the world size leaves
 
@@ -93,6 +102,7 @@ class TrainConfig:
     data: DataSection = section(DataSection, "tokens")
     checkpoint: CheckpointSection = section(CheckpointSection, "checkpoints")
     logging: LoggingSection = section(LoggingSection, "progress, metrics, traces")
+    autotune: AutotuneSection = section(AutotuneSection, "layout auto: measure the planner's best layouts in the run")
     # set by the job itself (layout auto: the planner's step time, bubble, comm ratio), not a key
     predicted: dict | None = dataclasses.field(default=None, metadata={"internal": True})
 
@@ -154,6 +164,16 @@ class TrainConfig:
         for f in ("beta1", "beta2"):
             if not 0 <= getattr(o, f) < 1:
                 errs.append(f"optimizer.{f} ({getattr(o, f)}) must be in [0, 1)")
+        at = self.autotune
+        if at.candidates < 0:
+            errs.append(f"autotune.candidates ({at.candidates}) must be an integer >= 0")
+        if at.steps < 1:
+            errs.append(f"autotune.steps ({at.steps}) must be a positive integer")
+        if not 0 < at.max_share <= 1:
+            errs.append(f"autotune.max_share ({at.max_share!r}) must be in (0, 1]")
+        if at.candidates and self.layout != "auto":
+            errs.append(f"autotune.candidates ({at.candidates}) needs layout: auto (the planner proposes the "
+                        f"candidates), not {self.layout!r}")
         errs += self.model.errors("model.")
         errs += self.parallel.layout_errors("parallel.")
         return errs
@@ -212,6 +232,7 @@ ALIASES: dict[str, str] = {
     "tokenizer": "data.tokenizer", "seq_length": "data.seq_length", "seq_len": "data.seq_length",
     **{f.name: f"checkpoint.{f.name}" for f in dataclasses.fields(CheckpointSection)},
     **{f.name: f"logging.{f.name}" for f in dataclasses.fields(LoggingSection)},
+    "autotune": "autotune.candidates", "autotune_steps": "autotune.steps",
 }
 # flags only (a file's `model:` / `data:` is its section, or the old string: see _old_sections)
 FLAG_ALIASES = {**ALIASES, "model": "model.name", "data": "data.source"}
@@ -226,5 +247,5 @@ def flag_values(args) -> dict:
     return options.flag_values(args, TrainConfig)
 
 
-__all__ = ["ALIASES", "CheckpointSection", "DataSection", "LAYOUTS", "LoggingSection", "OptimizerSection",
+__all__ = ["ALIASES", "AutotuneSection", "CheckpointSection", "DataSection", "LAYOUTS", "LoggingSection", "OptimizerSection",
            "PRECISIONS", "TrainConfig", "TrainingSection", "add_flags", "flag_values"]

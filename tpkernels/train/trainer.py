@@ -76,7 +76,9 @@ def agree_on_config(cfg: TrainConfig) -> None:
 class Trainer:
     """Builds the layout, the model, the optimizer and the data of ``cfg`` (collective: every rank)."""
 
-    def __init__(self, cfg: TrainConfig, *, device: torch.device | None = None):
+    def __init__(self, cfg: TrainConfig, *, device: torch.device | None = None, resume_dir: str | Path | None = None):
+        """``resume_dir``: start from the latest complete checkpoint there instead of ``checkpoint.save_dir``'s
+        (the autotune trial phase hands its state on this way; saves still go to ``save_dir``)."""
         self.cfg = cfg.check()
         agree_on_config(cfg)
         check_output_paths(cfg)  # every rank sees the same storage: the same verdict
@@ -124,8 +126,9 @@ class Trainer:
         self._warned = False
         self._pending, self._ckpt_group = None, None
         ck = cfg.checkpoint
-        if ck.save_dir and ck.resume:
-            found = checkpoint.resume(ck.save_dir, self.model, self.optimizer, self.master_of)
+        source = resume_dir or (ck.save_dir if ck.resume else None)
+        if source:
+            found = checkpoint.resume(source, self.model, self.optimizer, self.master_of)
             if found is not None:
                 path, meta = found
                 self.step_index, self.resumed_from = int(meta["step"]), path

@@ -1,0 +1,120 @@
+"""The autotune trial phase: candidates train the run's own steps, one after another, then the fastest
+goes on; the losses and final weights equal a run at one fixed layout (no step lost or repeated);
+a candidate every rank refuses is reported and skipped; bad autotune settings are named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train import SMALL, small
+from tpkernels.parallel import ParallelConfig
+
+# one global batch of 4 sequences at every layout, as the planner's candidates share it
+CANDIDATES = [ParallelConfig(tp=2, pp=2, dp=1, num_microbatches=4, sequence_parallel=True),
+              ParallelConfig(tp=1, pp=1, dp=4, num_microbatches=1),
+              ParallelConfig(tp=1, pp=2, dp=2, num_microbatches=2, schedule="zb-h1")]
+
+
+def _cands(pcs):
+    from tpkernels.train.autotune import Candidate, label
+
+    return [Candidate(pc, {"step_s": 0.1 * (i + 1), "bubble": 0.0, "comm_ratio": 0.0, "memory_gib": 1.0,
+                           "layout": label(pc)}) for i, pc in enumerate(pcs)]
+
+
+def _autotune_worker(rank, world, kw, pcs, save_dir):
+    from model_checks import all_stages
+    from tpkernels.train.autotune import train_autotuned
+    from tpkernels.train.trainer import Trainer
+
+    cfg = small(**kw, **{"layout": "auto", "autotune.candidates": len(pcs), "autotune.steps": 1},
+                **({"checkpoint.save_dir": save_dir} if save_dir else {}))
+    history = train_autotuned(cfg, _cands(pcs))
+    weights = None
+    if save_dir:  # the run's own checkpoint holds the final state: read it back at one layout
+        probe = Trainer(small(**kw, tp=1, pp=1, num_microbatches=1, **{"checkpoint.save_dir": save_dir}))
+        weights = all_stages(probe.model.to_hf_state_dict())
+    return [h["step"] for h in history], [h["loss"] for h in history], weights
+
+
+def _reference(steps):
+    from model_checks import all_stages
+    from tpkernels.train.trainer import Trainer
+
+    t = Trainer(small(steps=steps, num_microbatches=4))
+    h = t.train()
+    return [x["loss"] for x in h], all_stages(t.model.to_hf_state_dict())
+
+
+def test_trial_phase_trains_the_run_and_equals_a_fixed_layout(rank_pool, tmp_path):
+    """Three layouts take steps 0-1, 2-3 and 4-5, the fastest takes 6-9: every step once, the losses
+    and final weights of the single-process run (each layout equals it to fp32 reduction order)."""
+    want_loss, want_w = _reference(10)
+    out = rank_pool(4).run(_autotune_worker, dict(steps=10), CANDIDATES, str(tmp_path / "ck"), timeout=400)
+    for steps, losses, weights in out:
+        assert steps == list(range(10)), steps
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_loss), rtol=1e-5, atol=1e-6)
+    weights = out[0][2]
+    for k in want_w:
+        torch.testing.assert_close(weights[k], want_w[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    assert not (tmp_path / "ck" / "autotune").exists()  # the trial folder is removed
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step_00000010"]
+
+
+def test_a_layout_every_rank_refuses_is_skipped(rank_pool, tmp_path):
+    bad = ParallelConfig(tp=3, pp=1, dp=1, num_microbatches=4)  # 4 heads do not split over 3 (world 4 either)
+    out = rank_pool(4).run(_autotune_worker, dict(steps=6, metrics_file=str(tmp_path / "m.jsonl")),
+                           [bad, CANDIDATES[1]], None, timeout=300)
+    want_loss, _ = _reference(6)
+    for steps, losses, _ in out:
+        assert steps == list(range(6))
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_loss), rtol=1e-5, atol=1e-6)
+    records = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    summary = next(r for r in records if "autotune" in r)
+    status = {r["layout"]: r["status"] for r in summary["autotune"]}
+    assert status[bad.short()].startswith("skipped: ") and "tp" in status[bad.short()], status
+    assert summary["winner"] == CANDIDATES[1].short() and 0 < summary["trial_share"] <= 1
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"autotune.candidates": 3}, r"autotune.candidates \(3\) needs layout: auto"),
+    ({"layout": "auto", "autotune.candidates": 2, "autotune.steps": 0}, r"autotune.steps \(0\) must be a positive"),
+    ({"layout": "auto", "autotune.candidates": -1}, r"autotune.candidates \(-1\) must be an integer >= 0"),
+    ({"layout": "auto", "autotune.max_share": 1.5}, r"autotune.max_share \(1.5\) must be in \(0, 1\]"),
+])
+def test_bad_autotune_settings_are_named(values, message):
+    from tpkernels.train import TrainConfig
+
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_values({**SMALL, **values})
+
+
+def test_budget_leaves_the_winner_steps():
+    from tpkernels.train.autotune import trial_budget
+
+    cfg = small(steps=12, **{"layout": "auto", "autotune.candidates": 5, "autotune.steps": 2})
+    assert trial_budget(cfg, 5) == 2  # half of 12 steps, 3 per candidate
+    assert trial_budget(small(steps=2, **{"layout": "auto", "autotune.candidates": 3}), 3) == 1
+
+
+def test_cli_autotunes_on_spawned_ranks(tmp_path):
+    """`tpkernels train --layout auto --autotune 3 --nproc 4`: the table, the winner, the metrics record."""
+    metrics = tmp_path / "m.jsonl"
+    args = ["--layout", "auto", "--autotune", "3", "--nproc", "4", "--layers", "2", "--hidden", "32", "--heads", "4",
+            "--kv-heads", "2", "--ffn", "48", "--vocab", "97", "--seq-length", "16", "--steps", "20",
+            "--num-microbatches", "4", "--progress", "false", "--metrics-file", str(metrics)]
+    r = subprocess.run([sys.executable, "-m", "tpkernels.train", *args], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "autotune: " in r.stdout and "← fastest measured" in r.stdout and "continuing with " in r.stdout, r.stdout
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [x["step"] for x in records if "step" in x] == list(range(20))
+    summary = next(x for x in records if "autotune" in x)
+    assert len(summary["autotune"]) == 3 and summary["trial_steps"] == 9  # 3 × (1 + 2) of the 20 steps
+    assert summary["winner"] in {x["layout"] for x in summary["autotune"]}

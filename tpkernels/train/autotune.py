@@ -1,0 +1,232 @@
+"""``layout: auto`` with ``autotune.candidates: K``: measure the planner's best K layouts in the run
+that trains, then go on with the fastest.
+
+    tpkernels train --layout auto --autotune 3 --nproc 4 ...
+
+The trial phase trains: candidate 1 runs steps 0 … N (its first step is a warm-up, the next N
+``autotune.steps`` are timed), candidate 2 resumes from there and runs the next N + 1, and so on;
+the winner resumes from the last trial and trains to the end. Each switch goes through a
+checkpoint in a trial folder (reshardable, exact: weights, AdamW moments, step, loss scale), and
+the data of step k is the same at every layout, so no step is lost or repeated and the losses are
+those of a run at one fixed layout, to fp32 reduction order (tests/test_autotune.py).
+
+A candidate that every rank refuses before it starts (a layout rule, or on GPUs a predicted memory
+above what the device has free) is reported and skipped. A failure inside a step (one rank out of
+memory while the others wait in a collective) ends the run as any failure does: the rank that fails
+cannot tell the others to skip without a collective they are not in.
+
+Why not DeepSpeed's autotuner: it launches a short job per configuration and restarts, so nothing
+it measures trains the model and its search starts again on every launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tpkernels.parallel import ParallelConfig
+from tpkernels.parallel.config import ParallelConfigError
+from tpkernels.train import checkpoint
+from tpkernels.train.config import TrainConfig
+from tpkernels.train.metrics import MetricsFile
+
+# what the planner does not choose: the user's (or the default) communication knobs stay
+KEPT = ("overlap_comm", "overlap_dp", "bucket_mb")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    parallel: ParallelConfig
+    predicted: dict  # the planner's step_s, bubble, comm_ratio, memory_gib, layout
+
+
+def candidates_from_plan(cfg: TrainConfig, p, k: int) -> list[Candidate]:
+    """The plan's ``k`` fastest layouts (one setting each), with the config's communication knobs."""
+    out = []
+    for est in p.ranked[:k]:
+        parallel = est.config.replace(**{f: getattr(cfg.parallel, f) for f in KEPT})
+        out.append(Candidate(parallel, {"step_s": est.step_time, "bubble": est.bubble_fraction,
+                                        "comm_ratio": est.time.comm_ratio, "memory_gib": est.memory.total / 2**30,
+                                        "layout": label(parallel)}))
+    return out
+
+
+def label(pc: ParallelConfig) -> str:
+    """The layout and, with a pipeline, its schedule: two candidates may differ in the schedule only."""
+    return pc.short() + (f" {pc.pipeline_schedule}" if pc.pp > 1 else "")
+
+
+def trial_budget(cfg: TrainConfig, n: int) -> int:
+    """How many of ``n`` candidates fit in ``autotune.max_share`` of the run's steps, leaving the winner
+    at least one step (at least one candidate)."""
+    per = 1 + cfg.autotune.steps
+    room = min(cfg.autotune.max_share * cfg.training.steps, cfg.training.steps - 1)
+    return max(1, min(n, int(room) // per))
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agree(flag: bool) -> bool:
+    """True on every rank when it is true on every rank."""
+    if _world()[1] == 1:
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _trial_folder(cfg: TrainConfig) -> Path:
+    """The folder trial checkpoints go to, emptied: under save_dir when there is one (every rank of a
+    multi-node job sees it); else a temporary folder made by rank 0, whose path every rank takes (one
+    node: they share /tmp). The run removes it at the end."""
+    rank, world = _world()
+    if cfg.checkpoint.save_dir:
+        name = [str(Path(cfg.checkpoint.save_dir) / "autotune")]
+        if rank == 0:  # a crashed run's trials would be resumed as if they were this one's
+            shutil.rmtree(name[0], ignore_errors=True)
+    else:
+        name = [tempfile.mkdtemp(prefix="tpk_autotune_") if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(name, src=0)
+    return Path(name[0])
+
+
+def _fits_here(c: Candidate) -> bool:
+    """On a GPU: the planner's memory for the candidate is within what the device has free (every rank)."""
+    if not torch.cuda.is_available():
+        return True
+    free, _ = torch.cuda.mem_get_info()
+    return _agree(c.predicted["memory_gib"] * 2**30 <= free)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def _shared(obj):
+    """Rank 0's ``obj`` on every rank (the ranks time their own steps: they must pick one winner)."""
+    box = [obj]
+    if _world()[1] > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def train_autotuned(cfg: TrainConfig, cands: list[Candidate]) -> list[dict]:
+    """Every rank: the trial phase over ``cands`` (already cut to the budget), then the winner to the
+    last step. Returns the history of every step, trial steps included."""
+    from tpkernels.train.trainer import Trainer  # noqa: PLC0415
+
+    t_start = time.perf_counter()
+    rank, world = _world()
+    cands = _shared(list(cands))  # under torchrun each rank planned for itself: rank 0's list for all
+    folder = _trial_folder(cfg)
+    ck, steps, per = cfg.checkpoint, cfg.training.steps, 1 + cfg.autotune.steps
+    off = dataclasses.replace(cfg.autotune, candidates=0)  # each trial and the winner run one fixed layout
+    # a resumed run goes on from its own latest checkpoint, the trial phase included
+    source = Path(ck.save_dir) if ck.save_dir and ck.resume and checkpoint.latest(ck.save_dir) else None
+    history: list[dict] = []
+    rows: list[dict] = []
+    first = step = None
+    for i, c in enumerate(cands):
+        row = {"candidate": i, "layout": label(c.parallel), "predicted_step_s": c.predicted["step_s"],
+               "predicted_bubble": c.predicted["bubble"], "predicted_comm_ratio": c.predicted["comm_ratio"]}
+        if step is not None and step >= steps:
+            break
+        if not _fits_here(c):
+            rows.append({**row, "status": f"skipped: the planner's {c.predicted['memory_gib']:.1f} GiB per GPU "
+                                           "exceeds the free device memory"})
+            continue
+        trial_cfg = dataclasses.replace(
+            cfg, layout="manual", parallel=c.parallel, predicted=None, autotune=off,
+            checkpoint=dataclasses.replace(ck, save_dir=str(folder), save_every=0, resume=False, async_save=False),
+            logging=dataclasses.replace(cfg.logging, progress=False, trace=None))
+        try:
+            trainer = Trainer(trial_cfg, resume_dir=source)
+        except (ParallelConfigError, ValueError) as e:  # every rank refuses the same layout alike
+            rows.append({**row, "status": "skipped: " + " ".join(str(e).split())[:200]})
+            continue
+        step = trainer.step_index
+        first = step if first is None else first
+        trainer.cfg = dataclasses.replace(trial_cfg, training=dataclasses.replace(
+            trial_cfg.training, stop_at_step=min(step + per, steps)))
+        h = trainer.train()  # saves its last step into the trial folder: the next layout starts there
+        step, source = trainer.step_index, folder
+        timed = h[1:] or h
+        gb = trainer.pc.global_batch_size * cfg.data.seq_length
+        measured = _median([r["step_s"] for r in timed])
+        rows.append({**row, "status": "ok", "steps": f"{h[0]['step']}-{h[-1]['step']}" if h else "-",
+                     "measured_step_s": measured, "bubble": _median([r["bubble"] for r in timed]),
+                     "comm_ratio": _median([r["comm_ratio"] for r in timed]), "tokens_per_s": gb / measured})
+        history += h
+        del trainer
+        gc.collect()
+    rows = _shared(rows)
+    measured = [r for r in rows if r["status"] == "ok"]
+    if not measured:
+        raise RuntimeError("autotune: every candidate was skipped: " + "; ".join(f"{r['layout']}: {r['status']}"
+                                                                                  for r in rows))
+    best = min(measured, key=lambda r: r["measured_step_s"])
+    winner = cands[best["candidate"]]
+    t_trials = time.perf_counter() - t_start
+    if rank == 0:
+        print(report(rows, best, first, step, cfg), flush=True)
+    final_cfg = dataclasses.replace(cfg, layout="manual", parallel=winner.parallel, autotune=off,
+                                    predicted={**winner.predicted, "layout": label(winner.parallel)})
+    trainer = Trainer(final_cfg, resume_dir=source)
+    history += trainer.train()
+    if ck.save_dir and not trainer.history:  # the trials ran to the end: their last checkpoint is the run's
+        if rank == 0:
+            done = checkpoint.latest(folder)
+            shutil.copytree(done, Path(ck.save_dir) / done.name, dirs_exist_ok=True)
+        if world > 1:
+            dist.barrier()
+    del trainer
+    total = time.perf_counter() - t_start
+    summary = {"autotune": rows, "winner": best["layout"], "trial_steps": step - first, "trial_s": t_trials,
+               "run_s": total, "trial_share": t_trials / total}
+    if rank == 0:
+        MetricsFile(cfg.logging.metrics_file).write(summary)
+        print(f"autotune: the trial phase ({step - first} steps) took {t_trials:.1f} s of the run's {total:.1f} s "
+              f"({100 * t_trials / total:.0f}%); each of its steps trained the model", flush=True)
+    if world > 1:
+        dist.barrier()  # every rank has loaded the last trial before its folder goes
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    return history
+
+
+def report(rows: list[dict], best: dict, first: int, step: int, cfg: TrainConfig) -> str:
+    """The trial phase's table: predicted and measured step, bubble, comm/compute, tokens/s, the winner."""
+    head = ("layout", "steps", "predicted s", "measured s", "bubble", "comm/comp", "tokens/s", "")
+    body = []
+    for r in rows:
+        if r["status"] != "ok":
+            body.append((r["layout"], "-", f"{r['predicted_step_s']:.3g}", "-", "-", "-", "-", r["status"]))
+            continue
+        body.append((r["layout"], r["steps"], f"{r['predicted_step_s']:.3g}", f"{r['measured_step_s']:.3g}",
+                     f"{100 * r['bubble']:.0f}%", f"{100 * r['comm_ratio']:.0f}%", f"{r['tokens_per_s']:.0f}",
+                     "← fastest measured" if r is best else ""))
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    lines = [f"autotune: {len(rows)} candidate(s), 1 warm-up + {cfg.autotune.steps} timed step(s) each; steps "
+             f"{first}-{step - 1} of {cfg.training.steps} trained on the way"]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in [head, *body]]
+    predicted_best = min(rows, key=lambda r: r["predicted_step_s"])["layout"]
+    why = ("the planner's first choice, confirmed" if best["layout"] == predicted_best else
+           f"measured faster than the planner's first choice {predicted_best}")
+    lines.append(f"continuing with {best['layout']}: {why}")
+    return "\n".join(lines)
+
+
+__all__ = ["Candidate", "candidates_from_plan", "label", "report", "train_autotuned", "trial_budget"]
