@@ -6,6 +6,8 @@
 * Tests marked ``cuda`` skip without a GPU (they run in benchmarks/gpu_check.sh).
 * The cross-rank check (TPKERNELS_CHECK_RANKS=1) is on: ranks that pass different shapes or
   dtypes to a collective op fail with a clear error instead of a wrong result or a hang.
+* The planner's fitted corrections go to a temporary cache folder (TPKERNELS_CACHE_DIR), never the
+  user's: an autotune test must not change another test's plan.
 * Every test gets fresh random inputs: the global seed comes from os.urandom and is printed
   when the test fails, so a failure can be replayed with TPK_SEED=<seed>.
 """
@@ -14,12 +16,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
 os.environ.setdefault("TPKERNELS_CHECK_RANKS", "1")  # inherited by the rank pools' workers
+# the planner's per-machine corrections (autotune writes them): a folder of this session's, not the user's
+os.environ["TPKERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpk_test_cache_")
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -70,6 +70,8 @@ class PlanConfig:
     memory_margin: float = opt(DEFAULT_MEMORY_MARGIN, "fraction of GPU memory kept free")
     measure: bool = opt(False, "time one layer's GEMMs, memory copies and a collective here, and plan with "
                                "those rates")
+    no_cache: bool = opt(False, "ignore the corrections autotune trials measured on this machine "
+                                "(tpkernels.planner.fit)")
 
     def errors(self) -> list[str]:
         """Each value that breaks its rule, naming the key (types were checked when read)."""
@@ -172,6 +174,15 @@ def run(args) -> int:
             for n in notes:
                 print("  " + n)
             print()
+    from tpkernels.planner.fit import load as load_fit, machine_key  # noqa: PLC0415
+
+    key = machine_key("cpu" if cluster.gpu.generation == "cpu" else cluster.gpu.name, cluster.num_gpus)
+    cached = None if cfg.no_cache else load_fit(key)
+    if cached is not None:
+        eff = cached[0].apply(eff)
+        if not cfg.json:
+            print(f"using the corrections autotune measured on {key} ({cached[1].get('date', '?')}): "
+                  f"{cached[0].describe()}; --no-cache ignores them\n")
     if explain_layout is not None:
         x = explain(model, train, cluster, cfg.explain, eff, cfg.memory_margin)
         if cfg.json:
@@ -182,6 +193,7 @@ def run(args) -> int:
             print(format_explanation(x))
         return 0 if not x.errors else 2
     p = plan(model, train, cluster, eff, fixed=fixed, memory_margin=cfg.memory_margin)
+    p.machine_key, p.fit_used = key, cached
     print(json.dumps(plan_as_dict(p, cfg.top), indent=2) if cfg.json else format_plan(p, cfg.top))
     return 0 if p.ranked else 3
 

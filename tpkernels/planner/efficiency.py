@@ -73,6 +73,13 @@ class Efficiency:
     # Bytes read + written per trained parameter by the optimizer step (Adam: 16-bit weight, fp32
     # grad, master, two moments read; weight, master and moments written).
     optimizer_bytes_per_param: float = 34.0
+    # --- corrections measured on one machine (tpkernels.planner.fit: fitted to autotune trials) ---
+    # Compute-bound parts (GEMMs, memory-bound kernels, the bubble, the optimizer) × compute_scale,
+    # exposed communication × comm_scale, and a fixed cost per step (host work, per-rank overhead
+    # that no parallelism divides) added.
+    compute_scale: float = 1.0
+    comm_scale: float = 1.0
+    step_overhead_s: float = 0.0
 
     def replace(self, **changes) -> "Efficiency":
         return dataclasses.replace(self, **changes)

@@ -10,7 +10,7 @@ from tpkernels.planner.search import Explanation, Plan
 COMPONENTS = {
     "gemm": "GEMM compute", "elementwise": "memory-bound kernels", "tp_exposed": "exposed TP communication",
     "cp_exposed": "exposed context-parallel K/V exchange", "p2p": "pipeline send/recv", "bubble": "pipeline bubble", "dp_exposed": "exposed DP gradient reduction",
-    "optimizer": "optimizer step",
+    "optimizer": "optimizer step", "overhead": "fixed per-step overhead (measured here)",
 }
 
 
@@ -153,6 +153,7 @@ def plan_as_dict(p: Plan, top: int = 10) -> dict:
                     "intra_node_gbs": c.intra_gbs, "inter_node_gbs": c.inter_gbs},
         "training": t.__dict__, "efficiency": p.efficiency.__dict__, "fixed": p.fixed,
         "evaluated": p.evaluated, "rejected": dict(p.rejected),
+        "corrections": ({"machine": p.machine_key, **p.fit_used[1]} if p.fit_used else None),
         "ranked": [e.as_dict() for e in p.ranked[:top]],
         "explanation": explanation_paragraph(p),
     }

@@ -47,6 +47,8 @@ class Plan:
     rejected: Counter = field(default_factory=Counter)  # rule -> configurations that broke it
     too_big: list[Estimate] = field(default_factory=list)  # valid layouts that do not fit, smallest first
     fixed: dict = field(default_factory=dict)
+    machine_key: str | None = None  # the machine whose fitted corrections may apply (tpkernels.planner.fit)
+    fit_used: tuple | None = None  # (Fit, its cache record) when the plan used them
 
     @property
     def best(self) -> Estimate | None:

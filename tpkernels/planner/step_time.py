@@ -27,7 +27,9 @@ Step = the engine's simulated makespan of the schedule (pipeline_bubble.py: GPip
      + exposed DP communication over DP × CP (collectives.py: hierarchical across nodes; the gradient
        reduction bucketed behind the last micro-batch's backward, the ZeRO-1 weight all-gather
        behind the first forward, when the software overlaps them)
-     + optimizer step (memory-bound).
+     + optimizer step (memory-bound)
+     + a fixed per-step overhead, and compute / communication scaled, where this machine's
+       autotune trials fitted them (Efficiency.compute_scale, comm_scale, step_overhead_s: fit.py).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class StepTime:
     schedule: str = "none"
     cp_comm: float = 0.0  # context-parallel K/V exchange, total (hidden + exposed)
     cp_exposed: float = 0.0
+    overhead: float = 0.0  # fixed per-step cost measured on this machine (Efficiency.step_overhead_s)
 
     @property
     def compute(self) -> float:
@@ -78,7 +81,7 @@ class StepTime:
     @property
     def total(self) -> float:
         return (self.compute + self.tp_exposed + self.cp_exposed + self.p2p + self.bubble + self.dp_exposed
-                + self.optimizer)
+                + self.optimizer + self.overhead)
 
     @property
     def comm_ratio(self) -> float:
@@ -240,9 +243,10 @@ def step_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, clu
     dp_comm, dp_exposed, trained = _dp_time(model, train, cfg, cluster, eff, slow)
     opt_params = trained / (cfg.dp * cfg.cp if cfg.zero1 else 1)
     optimizer = opt_params * eff.optimizer_bytes_per_param / (cluster.gpu.hbm_gbs * 1e9 * eff.hbm)
+    a, c = eff.compute_scale, eff.comm_scale  # a machine's measured corrections (1, 1 unless fitted)
     return StepTime(
-        gemm=m * slow["gemm"], elementwise=m * slow["elementwise"], tp_comm=m * slow["tp_comm"],
-        tp_exposed=m * slow["tp_exposed"], p2p=m * slow["p2p"], bubble=bubble, dp_comm=dp_comm,
-        dp_exposed=dp_exposed, optimizer=optimizer, schedule=schedule if p > 1 else "none",
-        cp_comm=m * slow["cp_comm"], cp_exposed=m * slow["cp_exposed"],
+        gemm=a * m * slow["gemm"], elementwise=a * m * slow["elementwise"], tp_comm=c * m * slow["tp_comm"],
+        tp_exposed=c * m * slow["tp_exposed"], p2p=c * m * slow["p2p"], bubble=a * bubble, dp_comm=c * dp_comm,
+        dp_exposed=c * dp_exposed, optimizer=a * optimizer, schedule=schedule if p > 1 else "none",
+        cp_comm=c * m * slow["cp_comm"], cp_exposed=c * m * slow["cp_exposed"], overhead=eff.step_overhead_s,
     )

@@ -21,6 +21,8 @@ from tpkernels.train.config import TrainConfig
 def plan_layout(cfg: TrainConfig, world: int):
     """(the planner's best Estimate, its Plan) for ``cfg`` on ``world`` ranks of this machine's device."""
     from tpkernels.planner import ClusterSpec, TrainingSetup, calibrated_for, gpu_preset, plan  # noqa: PLC0415
+    from tpkernels.planner.fit import load as load_fit  # noqa: PLC0415
+    from tpkernels.planner.fit import machine_key  # noqa: PLC0415
     from tpkernels.planner.measure import calibrate, measure, preset_for_device  # noqa: PLC0415
 
     spec = cfg.model_config()
@@ -41,10 +43,15 @@ def plan_layout(cfg: TrainConfig, world: int):
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8)))
         cluster = ClusterSpec(gpu, gpus_per_node=per_node, nodes=max(1, world // per_node))
         eff = calibrated_for(gpu)
+        key = machine_key(gpu.name, world)
     else:  # a CPU box: the planner runs on the rates measured here
         cluster = ClusterSpec(gpu_preset("A100-80GB"), gpus_per_node=world, nodes=1)
         cluster, eff, _ = calibrate(cluster, calibrated_for(cluster.gpu),
                                     measure(spec, train, micro_batch_size=pc.micro_batch_size))
+        key = machine_key("cpu", world)
+    cached = load_fit(key) if cfg.autotune.cache else None
+    if cached is not None:  # what earlier autotune trials on this machine measured
+        eff = cached[0].apply(eff)
     # CP is searched for long sequences; a cp the user set is kept (the planner picks the rest)
     fixed = {"cp": pc.cp, "cp_algo": pc.cp_algo} if pc.cp > 1 else None
     p = plan(spec, train, cluster, eff, fixed=fixed)
@@ -52,6 +59,7 @@ def plan_layout(cfg: TrainConfig, world: int):
         from tpkernels.planner.report import no_fit_message  # noqa: PLC0415
 
         raise ValueError(f"layout auto: {no_fit_message(p)}")
+    p.machine_key, p.fit_used = key, cached
     return p.best, p
 
 
@@ -70,4 +78,9 @@ def apply_plan(cfg: TrainConfig, best) -> TrainConfig:
 def explain(p) -> str:
     from tpkernels.planner.report import explanation_paragraph  # noqa: PLC0415
 
-    return "layout auto: " + explanation_paragraph(p)
+    text = "layout auto: " + explanation_paragraph(p)
+    used = p.fit_used
+    if used is not None:
+        text += (f" (with this machine's measured corrections from {used[1].get('date', '?')}: {used[0].describe()};"
+                 " autotune.cache false ignores them)")
+    return text

@@ -49,12 +49,16 @@ class Candidate:
 
 def candidates_from_plan(cfg: TrainConfig, p, k: int) -> list[Candidate]:
     """The plan's ``k`` fastest layouts (one setting each), with the config's communication knobs."""
+    from tpkernels.planner.fit import components  # noqa: PLC0415
+
     out = []
     for est in p.ranked[:k]:
         parallel = est.config.replace(**{f: getattr(cfg.parallel, f) for f in KEPT})
+        compute, comm = components(est.time, p.efficiency)
         out.append(Candidate(parallel, {"step_s": est.step_time, "bubble": est.bubble_fraction,
                                         "comm_ratio": est.time.comm_ratio, "memory_gib": est.memory.total / 2**30,
-                                        "layout": label(parallel)}))
+                                        "layout": label(parallel), "compute_s": compute, "comm_s": comm,
+                                        "machine": p.machine_key}))
     return out
 
 
@@ -182,6 +186,9 @@ def train_autotuned(cfg: TrainConfig, cands: list[Candidate]) -> list[dict]:
     t_trials = time.perf_counter() - t_start
     if rank == 0:
         print(report(rows, best, first, step, cfg), flush=True)
+        refit = learn(cfg, cands, rows)
+        if refit:
+            print(refit, flush=True)
     final_cfg = dataclasses.replace(cfg, layout="manual", parallel=winner.parallel, autotune=off,
                                     predicted={**winner.predicted, "layout": label(winner.parallel)})
     trainer = Trainer(final_cfg, resume_dir=source)
@@ -207,6 +214,21 @@ def train_autotuned(cfg: TrainConfig, cands: list[Candidate]) -> list[dict]:
     return history
 
 
+def learn(cfg: TrainConfig, cands: list[Candidate], rows: list[dict]) -> str | None:
+    """Fit the planner's corrections to the measured trials and keep them for this machine (rank 0);
+    returns what it says, or None (cache off, no machine, no measurement)."""
+    from tpkernels.planner import fit as fitting  # noqa: PLC0415
+
+    key = cands[0].predicted.get("machine") if cands else None
+    ok = [(cands[r["candidate"]].predicted, r["measured_step_s"]) for r in rows if r["status"] == "ok"]
+    if not (cfg.autotune.cache and key and ok and all("compute_s" in p for p, _ in ok)):
+        return None
+    f = fitting.fit([(p["compute_s"], p["comm_s"], t) for p, t in ok])
+    path = fitting.save(key, f, layouts=[p["layout"] for p, _ in ok], model=cfg.model.name,
+                        seq_length=cfg.data.seq_length)
+    return f"planner refit for {key}: {f.describe()}; kept in {path} for the next plan on this machine"
+
+
 def report(rows: list[dict], best: dict, first: int, step: int, cfg: TrainConfig) -> str:
     """The trial phase's table: predicted and measured step, bubble, comm/compute, tokens/s, the winner."""
     head = ("layout", "steps", "predicted s", "measured s", "bubble", "comm/comp", "tokens/s", "")
@@ -229,4 +251,4 @@ def report(rows: list[dict], best: dict, first: int, step: int, cfg: TrainConfig
     return "\n".join(lines)
 
 
-__all__ = ["Candidate", "candidates_from_plan", "label", "report", "train_autotuned", "trial_budget"]
+__all__ = ["Candidate", "candidates_from_plan", "label", "learn", "report", "train_autotuned", "trial_budget"]

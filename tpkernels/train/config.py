@@ -86,6 +86,8 @@ class AutotuneSection:
     steps: int = opt(2, "timed steps per candidate, after its first (warm-up) step; every trial step trains")
     max_share: float = opt(0.5, "the trial phase may use at most this share of training.steps (fewer candidates "
                                 "otherwise)")
+    cache: bool = opt(True, "layout auto: plan with this machine's corrections fitted by earlier trials, and keep "
+                            "the new fit (tpkernels.planner.fit)")
 
 
 def _parallel_default() -> ParallelConfig:

@@ -1,0 +1,90 @@
+"""The planner's per-machine corrections: fitted to measured layouts, kept in a cache by machine,
+used by `tpkernels plan` (which says so) unless --no-cache, and written by an autotuned run."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tpkernels.cli import main
+from tpkernels.planner import ClusterSpec, TrainingSetup, gpu_preset, model_preset, plan
+from tpkernels.planner import fit as fitting
+from tpkernels.planner.efficiency import H100_CALIBRATED
+
+
+def test_fit_recovers_known_corrections(fresh_seed):
+    rng = random.Random(fresh_seed)
+    a, c, g = rng.uniform(0.5, 2.0), rng.uniform(0.5, 3.0), rng.uniform(0.0, 0.05)
+    samples = [(comp, comm, a * comp + c * comm + g)
+               for comp, comm in ((rng.uniform(0.05, 0.3), rng.uniform(0.0, 0.1)) for _ in range(5))]
+    f = fitting.fit(samples)
+    assert f.compute_scale == pytest.approx(a, rel=0.05) and f.comm_scale == pytest.approx(c, rel=0.1)
+    assert f.step_overhead_s == pytest.approx(g, abs=0.01) and f.worst_error < 0.02 and f.n == 5
+
+
+def test_a_term_the_trials_did_not_exercise_stays_put():
+    f = fitting.fit([(0.1, 0.0, 0.08), (0.2, 0.0, 0.16), (0.3, 0.0, 0.24)])  # no communication measured
+    assert f.comm_scale == pytest.approx(1.0, abs=1e-6) and f.compute_scale == pytest.approx(0.8, rel=0.02)
+    with pytest.raises(ValueError, match="at least one measured step time"):
+        fitting.fit([(0.1, 0.0, float("nan"))])
+
+
+def test_corrections_change_the_planners_step_time():
+    m, t, cl = model_preset("Llama-3-8B"), TrainingSetup(64, 4096), ClusterSpec(gpu_preset("H100-SXM"), 8, 2)
+    base = plan(m, t, cl, H100_CALIBRATED, fixed={"tp": 2, "pp": 1})
+    f = fitting.Fit(1.5, 2.0, 0.25)
+    fixed = plan(m, t, cl, f.apply(H100_CALIBRATED), fixed={"tp": 2, "pp": 1})
+    b, x = base.best.time, fixed.best.time
+    assert x.gemm == pytest.approx(1.5 * b.gemm) and x.tp_exposed == pytest.approx(2.0 * b.tp_exposed)
+    assert x.overhead == 0.25 and x.total > b.total
+    compute, comm = fitting.components(x, f.apply(H100_CALIBRATED))
+    assert compute == pytest.approx(b.gemm + b.elementwise + b.bubble + b.optimizer)
+
+
+def test_cache_round_trip_and_plan_says_it_uses_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TPKERNELS_CACHE_DIR", str(tmp_path))
+    key = fitting.machine_key("H100-SXM", 16)
+    assert fitting.load(key) is None
+    path = fitting.save(key, fitting.Fit(1.25, 1.5, 0.5, 3, 0.04), layouts=["TP2 PP1 DP8 mbs1"])
+    assert path == tmp_path / "planner_fits.json" and json.loads(path.read_text())[key]["n"] == 3
+    f, rec = fitting.load(key)
+    assert (f.compute_scale, f.comm_scale, f.step_overhead_s) == (1.25, 1.5, 0.5) and rec["layouts"]
+    argv = ["plan", "--model", "Llama-3-8B", "--gpu", "H100-SXM", "--nodes", "2", "--global-batch", "64",
+            "--seq-len", "4096", "--json", "--top", "1"]
+    assert main(argv) == 0
+    used = json.loads(capsys.readouterr().out)
+    assert used["corrections"]["machine"] == key and used["efficiency"]["compute_scale"] == 1.25
+    assert main(argv + ["--no-cache"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["corrections"] is None and plain["efficiency"]["compute_scale"] == 1.0
+    assert used["ranked"][0]["step_time_s"] > plain["ranked"][0]["step_time_s"] + 0.4  # +0.5 s overhead alone
+    assert main(argv[:-3] + ["--top", "1"]) == 0
+    assert "using the corrections autotune measured on H100-SXM, 16 GPUs" in capsys.readouterr().out
+    path.write_text("{not json")
+    assert fitting.load(key) is None  # a damaged cache is ignored, not fatal
+
+
+def test_an_autotuned_run_keeps_its_fit_for_the_next_plan(tmp_path):
+    """`tpkernels train --layout auto --autotune 3 --nproc 4` fits and keeps the corrections; the next
+    layout-auto run on this machine plans with them and says so."""
+    env = {**__import__("os").environ, "TPKERNELS_CACHE_DIR": str(tmp_path)}
+    args = ["--layout", "auto", "--autotune", "3", "--nproc", "4", "--layers", "2", "--hidden", "32", "--heads", "4",
+            "--kv-heads", "2", "--ffn", "48", "--vocab", "97", "--seq-length", "16", "--steps", "20",
+            "--num-microbatches", "4", "--progress", "false"]
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "tpkernels.train", *args], capture_output=True, text=True, timeout=300,
+                       cwd=root, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "planner refit for cpu " in r.stdout and ", 4 ranks:" in r.stdout, r.stdout
+    data = json.loads((tmp_path / "planner_fits.json").read_text())
+    (key, rec), = data.items()
+    assert rec["n"] >= 1 and len(rec["layouts"]) == rec["n"] and rec["compute_scale"] > 0
+    again = subprocess.run([sys.executable, "-m", "tpkernels.train", *args[:4], *args[6:], "--nproc", "4",
+                            "--steps", "2"], capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "with this machine's measured corrections" in again.stdout, again.stdout

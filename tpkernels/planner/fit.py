@@ -1,0 +1,131 @@
+"""The planner learns from the layouts a run measured: three corrections fitted to the autotune
+trials, kept per machine, used by every later plan on that machine.
+
+    measured step ≈ compute_scale · (GEMMs + memory-bound kernels + bubble + optimizer)
+                  + comm_scale · (exposed TP, CP, P2P and DP communication) + step_overhead_s
+
+The first term says how fast this machine really computes against the planner's rates, the second
+how fast its links are, the third what a step costs whatever the layout (Python and launch work,
+per-rank overhead that TP or PP does not divide, ranks waiting for a core). The fit is a least-squares
+solve on relative errors with a small pull toward (1, 1, 0), so that two or three trials cannot send
+a term the trials did not exercise (no communication: comm_scale stays near 1) far off.
+
+The cache is one JSON file (``$TPKERNELS_CACHE_DIR``, else ``$XDG_CACHE_HOME/tpkernels``, else
+``~/.cache/tpkernels``: ``planner_fits.json``), keyed by the machine: the planner's GPU name and
+the GPU count, or the CPU and the rank count (:func:`machine_key`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpkernels.planner.efficiency import Efficiency
+
+PULL = 0.001  # weight of the (1, 1, 0) prior against one trial's relative error
+
+
+@dataclass(frozen=True)
+class Fit:
+    compute_scale: float
+    comm_scale: float
+    step_overhead_s: float
+    n: int = 0  # trials it was fitted on
+    worst_error: float = 0.0  # the largest |relative error| left on those trials
+
+    def apply(self, eff: Efficiency) -> Efficiency:
+        return eff.replace(compute_scale=self.compute_scale, comm_scale=self.comm_scale,
+                           step_overhead_s=self.step_overhead_s)
+
+    def describe(self) -> str:
+        return (f"compute ×{self.compute_scale:.3g}, communication ×{self.comm_scale:.3g}, "
+                f"+{1e3 * self.step_overhead_s:.3g} ms per step (fitted on {self.n} measured layout(s), worst "
+                f"residual {100 * self.worst_error:.1f}%)")
+
+
+def components(time, eff: Efficiency) -> tuple[float, float]:
+    """(compute, exposed communication) seconds of a StepTime made with ``eff``, without its corrections."""
+    compute = time.gemm + time.elementwise + time.bubble + time.optimizer
+    comm = time.tp_exposed + time.cp_exposed + time.p2p + time.dp_exposed
+    return compute / eff.compute_scale, comm / eff.comm_scale
+
+
+def fit(samples: list[tuple[float, float, float]]) -> Fit:
+    """``samples``: (compute s, exposed comm s, measured s) per trial, at uncorrected rates."""
+    import torch  # noqa: PLC0415  (a 3×3 solve; torch is here anyway)
+
+    samples = [(c, m, t) for c, m, t in samples if t > 0 and math.isfinite(t)]
+    if not samples:
+        raise ValueError("fit needs at least one measured step time > 0")
+    rows = [[c / t, m / t, 1.0 / t] for c, m, t in samples]
+    rhs = [1.0] * len(rows)
+    w = math.sqrt(PULL)
+    typical = sorted(t for _, _, t in samples)[len(samples) // 2]
+    # the prior: scales 1, overhead 0 (measured in units of a typical step)
+    rows += [[w, 0.0, 0.0], [0.0, w, 0.0], [0.0, 0.0, w / typical]]
+    rhs += [w, w, 0.0]
+    a = torch.tensor(rows, dtype=torch.float64)
+    b = torch.tensor(rhs, dtype=torch.float64)[:, None]
+    x = torch.linalg.lstsq(a, b).solution[:, 0].tolist()
+    if x[2] < 0:  # no negative overhead: refit without it
+        x = torch.linalg.lstsq(a[:, :2], b).solution[:, 0].tolist() + [0.0]
+    cs, ms, g = max(0.05, min(20.0, x[0])), max(0.05, min(20.0, x[1])), max(0.0, x[2])
+    worst = max(abs((cs * c + ms * m + g) / t - 1) for c, m, t in samples)
+    return Fit(cs, ms, g, len(samples), worst)
+
+
+def machine_key(device: str, ranks: int) -> str:
+    """``device``: the planner's GPU name (``H100-SXM``), or "cpu" for this host's CPU."""
+    if device == "cpu":
+        return f"cpu {platform.machine()} {os.cpu_count()} cores, {ranks} ranks"
+    return f"{device}, {ranks} GPUs"
+
+
+def cache_path() -> Path:
+    root = os.environ.get("TPKERNELS_CACHE_DIR")
+    if root:
+        return Path(root) / "planner_fits.json"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tpkernels" / "planner_fits.json"
+
+
+def _read() -> dict:
+    try:
+        data = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def load(key: str) -> tuple[Fit, dict] | None:
+    """The fit kept for ``key`` and its record (date, layouts), or None (no cache, unreadable, absent)."""
+    rec = _read().get(key)
+    if not isinstance(rec, dict):
+        return None
+    try:
+        f = Fit(float(rec["compute_scale"]), float(rec["comm_scale"]), float(rec["step_overhead_s"]),
+                int(rec.get("n", 0)), float(rec.get("worst_error", 0.0)))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return f, rec
+
+
+def save(key: str, f: Fit, **context) -> Path:
+    """Keep ``f`` for ``key`` (replacing the machine's previous fit); returns the file."""
+    data = _read()
+    data[key] = {"compute_scale": f.compute_scale, "comm_scale": f.comm_scale, "step_overhead_s": f.step_overhead_s,
+                 "n": f.n, "worst_error": f.worst_error, "date": datetime.date.today().isoformat(), **context}
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path
+
+
+__all__ = ["Fit", "cache_path", "components", "fit", "load", "machine_key", "save"]
