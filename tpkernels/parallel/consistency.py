@@ -94,7 +94,11 @@ def agree(group, op: str, *, force: bool = False, **fields: Any) -> None:
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
     from tpkernels.parallel.collectives import all_gather_into  # noqa: PLC0415  (collectives imports nothing of ours)
 
+    from tpkernels.parallel.trace import CommSpan  # noqa: PLC0415
+
+    span = CommSpan(f"rank check ({op})", dev.type, bytes=everyone.numel() * 8)  # waiting for a late rank is comm
     all_gather_into(everyone, mine.to(dev), group)
+    span.done()
     rows = everyone.cpu().view(world, len(names), _WIDTH).tolist()
     for r in range(1, world):
         for i, name in enumerate(names):

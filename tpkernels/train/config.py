@@ -88,6 +88,10 @@ class AutotuneSection:
                                 "otherwise)")
     cache: bool = opt(True, "layout auto: plan with this machine's corrections fitted by earlier trials, and keep "
                             "the new fit (tpkernels.planner.fit)")
+    monitor_every: int = opt(0, "every N steps, compare each rank's phase times with the first N steps' and report "
+                                "a sustained slowdown: which rank, which phase (0: off)")
+    slowdown: float = opt(0.2, "the step-time increase (a fraction) the monitor reports")
+    sustain: int = opt(2, "monitor windows in a row the slowdown must last")
 
 
 def _parallel_default() -> ParallelConfig:
@@ -171,6 +175,11 @@ class TrainConfig:
             errs.append(f"autotune.candidates ({at.candidates}) must be an integer >= 0")
         if at.steps < 1:
             errs.append(f"autotune.steps ({at.steps}) must be a positive integer")
+        if at.monitor_every < 0 or at.sustain < 1:
+            errs.append(f"autotune.monitor_every ({at.monitor_every}) must be >= 0 and autotune.sustain ({at.sustain}) "
+                        ">= 1")
+        if not at.slowdown > 0:
+            errs.append(f"autotune.slowdown ({at.slowdown!r}) must be > 0")
         if not 0 < at.max_share <= 1:
             errs.append(f"autotune.max_share ({at.max_share!r}) must be in (0, 1]")
         if at.candidates and self.layout != "auto":

@@ -59,13 +59,35 @@ class MetricsFile:
 COMM_WARN = 0.30
 
 
-def exposed_comm_ratio(trace, step_s: float) -> float:
-    """Exposed TP and CP communication / the rest of the step, from a CommTrace of the step."""
+def exposed_comm_s(trace) -> float:
+    """Seconds of TP and CP communication that no GEMM hid, from a CommTrace of the step."""
     from tpkernels.parallel.trace import _merge  # noqa: PLC0415
 
     total = sum(e - s for s, e in _merge(trace.intervals("comm")))
-    exposed = total * (1.0 - trace.hidden_comm_fraction())
+    return total * (1.0 - trace.hidden_comm_fraction())
+
+
+def exposed_comm_ratio(trace, step_s: float) -> float:
+    """Exposed TP and CP communication / the rest of the step, from a CommTrace of the step."""
+    exposed = exposed_comm_s(trace)
     return exposed / max(step_s - exposed, 1e-9)
+
+
+PHASES = ("compute", "tp_comm", "p2p_wait", "dp_reduce", "other")
+
+
+def step_phases(step_s: float, fwd_bwd_s: float, tp_comm_s: float, dp_s: float, timeline=None) -> dict:
+    """This rank's step in seconds by phase: ``tp_comm`` the exposed TP/CP transfers, ``p2p_wait`` the
+    pipeline's idle time between its actions (waiting for a neighbour stage), ``dp_reduce`` the
+    wait for the data-parallel gradient reduction after the backward, ``compute`` the rest of the
+    forward and backward, ``other`` the optimizer step and host work."""
+    wait = 0.0
+    if timeline:
+        span = max(e for _, _, e in timeline) - min(s for _, s, _ in timeline)
+        wait = max(0.0, span - sum(e - s for _, s, e in timeline))
+    compute = max(0.0, fwd_bwd_s - tp_comm_s - wait)
+    return {"compute": compute, "tp_comm": tp_comm_s, "p2p_wait": wait, "dp_reduce": dp_s,
+            "other": max(0.0, step_s - fwd_bwd_s - dp_s)}
 
 
 def idle_share(timeline) -> float:

@@ -39,10 +39,12 @@ from tpkernels.train.failures import (
     register_rank,
 )
 from tpkernels.parallel.trace import CommTrace
+from tpkernels.train.slowdown import SlowdownMonitor
 from tpkernels.train.metrics import (
     COMM_WARN,
     MetricsFile,
-    exposed_comm_ratio,
+    exposed_comm_s,
+    step_phases,
     idle_share,
     peak_flops,
     step_trace_events,
@@ -125,6 +127,9 @@ class Trainer:
         self.metrics = MetricsFile(cfg.logging.metrics_file if self.state.rank == 0 else None)
         self._warned = False
         self._pending, self._ckpt_group = None, None
+        at = cfg.autotune
+        self.monitor = SlowdownMonitor(at.monitor_every, at.slowdown, at.sustain) if at.monitor_every else None
+        self.slowdowns: list = []
         ck = cfg.checkpoint
         source = resume_dir or (ck.save_dir if ck.resume else None)
         if source:
@@ -228,15 +233,19 @@ class Trainer:
         with CommTrace() as tr:
             loss = self.model.step(ids if st.is_first_stage else None, target, position_ids=pos,
                                    runtime=self.runtime)
-        comm = torch.tensor([exposed_comm_ratio(tr, time.perf_counter() - t_step)], dtype=torch.float64,
+        t_fb = time.perf_counter() - t_step
+        exposed = exposed_comm_s(tr)
+        comm = torch.tensor([exposed / max(t_fb - exposed, 1e-9)], dtype=torch.float64,
                             device=self.device)  # NCCL reduces device tensors only
         if dist.is_initialized() and dist.get_world_size() > 1:  # the worst rank's
             dist.all_reduce(comm, op=dist.ReduceOp.MAX)
         if cfg.logging.trace and self.step_index == cfg.logging.trace_step:
             self._write_trace(tr)
+        t_dp = time.perf_counter()
         if self.dp_reduce is not None:
             self.dp_reduce.finish()
         self.model.finish_grad_sync(reduce_dp=False)
+        t_dp = time.perf_counter() - t_dp
         skipped = False
         if mp is not None and mp.scaling:
             loss /= mp.scale
@@ -264,7 +273,8 @@ class Trainer:
         rec = {"step": self.step_index, "loss": loss, "lr": lr, "grad_norm": norm, "step_s": dt,
                "tokens_per_s": gb * cfg.data.seq_length / dt, "skipped": skipped,
                "mfu": self.step_flops / (dt * self.pc.world_size * self.peak),
-               "comm_ratio": float(comm), "bubble": idle_share(self.runtime.timeline)}
+               "comm_ratio": float(comm), "bubble": idle_share(self.runtime.timeline),
+               "phases": step_phases(dt, t_fb, exposed, t_dp, self.runtime.timeline if self.pc.pp > 1 else None)}
         if rec["comm_ratio"] > COMM_WARN and not self._warned and self.is_logger:
             self._warned = True
             print(f"warning: communication/compute {100 * rec['comm_ratio']:.0f}% > {100 * COMM_WARN:.0f}% on the "
@@ -289,6 +299,13 @@ class Trainer:
         while self.step_index < last:
             rec = self._guarded_step()
             self.model.check_inputs = False  # checked on the first step; the batch shape never changes
+            if self.monitor is not None:
+                found = self.monitor.observe(rec)
+                if found is not None:
+                    self.slowdowns.append(found)
+                    self.metrics.write({"slowdown": found.as_dict(), "layout": self.pc.short()})
+                    if self.is_logger:
+                        print(found.text, flush=True)
             if ck.save_dir and ck.save_every and self.step_index % ck.save_every == 0:
                 self._guarded_save()
             if bar is not None:
