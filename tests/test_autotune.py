@@ -116,5 +116,7 @@ def test_cli_autotunes_on_spawned_ranks(tmp_path):
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [x["step"] for x in records if "step" in x] == list(range(20))
     summary = next(x for x in records if "autotune" in x)
-    assert len(summary["autotune"]) == 3 and summary["trial_steps"] == 9  # 3 × (1 + 2) of the 20 steps
+    tried = summary["autotune"]  # 3 by the planner's rank, maybe a 4th the refit planner prefers
+    assert [r["why"] for r in tried[:3]] == ["planner's rank"] * 3 and len(tried) in (3, 4)
+    assert summary["trial_steps"] == 3 * len(tried)  # (1 + 2) steps each, of the 20
     assert summary["winner"] in {x["layout"] for x in summary["autotune"]}

@@ -127,9 +127,11 @@ def _shared(obj):
     return box[0]
 
 
-def train_autotuned(cfg: TrainConfig, cands: list[Candidate]) -> list[dict]:
-    """Every rank: the trial phase over ``cands`` (already cut to the budget), then the winner to the
-    last step. Returns the history of every step, trial steps included."""
+def train_autotuned(cfg: TrainConfig, cands: list[Candidate], tries: int | None = None) -> list[dict]:
+    """Every rank: the trial phase over the first ``tries`` of ``cands`` (the planner's ranking; all of
+    them by default), then, when the corrections fitted to those trials make the planner prefer an
+    untried candidate, that one too (steps permitting); then the fastest measured to the last step.
+    Returns the history of every step, trial steps included."""
     from tpkernels.train.trainer import Trainer  # noqa: PLC0415
 
     t_start = time.perf_counter()
@@ -137,46 +139,63 @@ def train_autotuned(cfg: TrainConfig, cands: list[Candidate]) -> list[dict]:
     cands = _shared(list(cands))  # under torchrun each rank planned for itself: rank 0's list for all
     folder = _trial_folder(cfg)
     ck, steps, per = cfg.checkpoint, cfg.training.steps, 1 + cfg.autotune.steps
+    tries = len(cands) if tries is None else tries
     off = dataclasses.replace(cfg.autotune, candidates=0)  # each trial and the winner run one fixed layout
     # a resumed run goes on from its own latest checkpoint, the trial phase included
     source = Path(ck.save_dir) if ck.save_dir and ck.resume and checkpoint.latest(ck.save_dir) else None
     history: list[dict] = []
     rows: list[dict] = []
-    first = step = None
-    for i, c in enumerate(cands):
+    state = {"first": None, "step": None, "source": source}
+
+    def trial(i: int, c: Candidate, why: str) -> None:
+        """Train candidate ``i`` for 1 + autotune.steps steps from where the last one stopped."""
         row = {"candidate": i, "layout": label(c.parallel), "predicted_step_s": c.predicted["step_s"],
-               "predicted_bubble": c.predicted["bubble"], "predicted_comm_ratio": c.predicted["comm_ratio"]}
-        if step is not None and step >= steps:
-            break
+               "predicted_bubble": c.predicted["bubble"], "predicted_comm_ratio": c.predicted["comm_ratio"],
+               "why": why}
         if not _fits_here(c):
             rows.append({**row, "status": f"skipped: the planner's {c.predicted['memory_gib']:.1f} GiB per GPU "
                                            "exceeds the free device memory"})
-            continue
+            return
         trial_cfg = dataclasses.replace(
             cfg, layout="manual", parallel=c.parallel, predicted=None, autotune=off,
             checkpoint=dataclasses.replace(ck, save_dir=str(folder), save_every=0, resume=False, async_save=False),
             logging=dataclasses.replace(cfg.logging, progress=False, trace=None))
         try:
-            trainer = Trainer(trial_cfg, resume_dir=source)
+            trainer = Trainer(trial_cfg, resume_dir=state["source"])
         except (ParallelConfigError, ValueError) as e:  # every rank refuses the same layout alike
             rows.append({**row, "status": "skipped: " + " ".join(str(e).split())[:200]})
-            continue
+            return
         step = trainer.step_index
-        first = step if first is None else first
+        state["first"] = step if state["first"] is None else state["first"]
         trainer.cfg = dataclasses.replace(trial_cfg, training=dataclasses.replace(
             trial_cfg.training, stop_at_step=min(step + per, steps)))
         h = trainer.train()  # saves its last step into the trial folder: the next layout starts there
-        step, source = trainer.step_index, folder
+        state["step"], state["source"] = trainer.step_index, folder
         timed = h[1:] or h
         gb = trainer.pc.global_batch_size * cfg.data.seq_length
         measured = _median([r["step_s"] for r in timed])
         rows.append({**row, "status": "ok", "steps": f"{h[0]['step']}-{h[-1]['step']}" if h else "-",
                      "measured_step_s": measured, "bubble": _median([r["bubble"] for r in timed]),
                      "comm_ratio": _median([r["comm_ratio"] for r in timed]), "tokens_per_s": gb / measured})
-        history += h
+        history.extend(h)
         del trainer
         gc.collect()
+
+    for i, c in enumerate(cands[:tries]):
+        if state["step"] is not None and state["step"] >= steps:
+            break
+        trial(i, c, "planner's rank")
     rows = _shared(rows)
+    refit = _refit(cands, rows)
+    if refit is not None and (state["step"] or 0) + per < steps:
+        # the planner again, with what the trials taught it: its new favourite, if untried, is tried too
+        f, pick, predicted = refit
+        done = {r["candidate"] for r in rows}
+        best_measured = min(r["measured_step_s"] for r in rows if r["status"] == "ok")
+        if pick not in done and predicted[pick] < 0.95 * best_measured:
+            trial(pick, cands[pick], "refit planner's pick")
+            rows = _shared(rows)
+    first, step, source = state["first"], state["step"], state["source"]
     measured = [r for r in rows if r["status"] == "ok"]
     if not measured:
         raise RuntimeError("autotune: every candidate was skipped: " + "; ".join(f"{r['layout']}: {r['status']}"
@@ -214,30 +233,44 @@ def train_autotuned(cfg: TrainConfig, cands: list[Candidate]) -> list[dict]:
     return history
 
 
+def _refit(cands: list[Candidate], rows: list[dict]):
+    """(the fitted corrections, the candidate they predict fastest, every candidate's prediction), or
+    None when the trials measured nothing or the candidates carry no planner components."""
+    from tpkernels.planner import fit as fitting  # noqa: PLC0415
+
+    ok = [(cands[r["candidate"]].predicted, r["measured_step_s"]) for r in rows if r["status"] == "ok"]
+    if not ok or not all("compute_s" in c.predicted for c in cands):
+        return None
+    f = fitting.fit([(p["compute_s"], p["comm_s"], t) for p, t in ok])
+    predicted = [f.compute_scale * c.predicted["compute_s"] + f.comm_scale * c.predicted["comm_s"] + f.step_overhead_s
+                 for c in cands]
+    return f, min(range(len(cands)), key=predicted.__getitem__), predicted
+
+
 def learn(cfg: TrainConfig, cands: list[Candidate], rows: list[dict]) -> str | None:
     """Fit the planner's corrections to the measured trials and keep them for this machine (rank 0);
     returns what it says, or None (cache off, no machine, no measurement)."""
     from tpkernels.planner import fit as fitting  # noqa: PLC0415
 
     key = cands[0].predicted.get("machine") if cands else None
-    ok = [(cands[r["candidate"]].predicted, r["measured_step_s"]) for r in rows if r["status"] == "ok"]
-    if not (cfg.autotune.cache and key and ok and all("compute_s" in p for p, _ in ok)):
+    refit = _refit(cands, rows)
+    if not (cfg.autotune.cache and key and refit):
         return None
-    f = fitting.fit([(p["compute_s"], p["comm_s"], t) for p, t in ok])
-    path = fitting.save(key, f, layouts=[p["layout"] for p, _ in ok], model=cfg.model.name,
+    f = refit[0]
+    path = fitting.save(key, f, layouts=[r["layout"] for r in rows if r["status"] == "ok"], model=cfg.model.name,
                         seq_length=cfg.data.seq_length)
     return f"planner refit for {key}: {f.describe()}; kept in {path} for the next plan on this machine"
 
 
 def report(rows: list[dict], best: dict, first: int, step: int, cfg: TrainConfig) -> str:
     """The trial phase's table: predicted and measured step, bubble, comm/compute, tokens/s, the winner."""
-    head = ("layout", "steps", "predicted s", "measured s", "bubble", "comm/comp", "tokens/s", "")
+    head = ("layout", "tried as", "steps", "predicted s", "measured s", "bubble", "comm/comp", "tokens/s", "")
     body = []
     for r in rows:
         if r["status"] != "ok":
-            body.append((r["layout"], "-", f"{r['predicted_step_s']:.3g}", "-", "-", "-", "-", r["status"]))
+            body.append((r["layout"], r["why"], "-", f"{r['predicted_step_s']:.3g}", "-", "-", "-", "-", r["status"]))
             continue
-        body.append((r["layout"], r["steps"], f"{r['predicted_step_s']:.3g}", f"{r['measured_step_s']:.3g}",
+        body.append((r["layout"], r["why"], r["steps"], f"{r['predicted_step_s']:.3g}", f"{r['measured_step_s']:.3g}",
                      f"{100 * r['bubble']:.0f}%", f"{100 * r['comm_ratio']:.0f}%", f"{r['tokens_per_s']:.0f}",
                      "← fastest measured" if r is best else ""))
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]

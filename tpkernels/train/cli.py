@@ -97,13 +97,13 @@ def prediction_report(predicted: dict, history: list[dict]) -> str:
 
 def rank_main(cfg: TrainConfig, candidates=None) -> list[dict]:
     """What each rank runs, under torchrun or the ``--nproc`` launcher: train, report on rank 0.
-    ``candidates`` (layout auto with autotune): the layouts of the trial phase."""
+    ``candidates`` (layout auto with autotune): (the planner's ranked candidates, how many to try)."""
     from tpkernels.train.trainer import Trainer  # noqa: PLC0415
 
     if candidates:
         from tpkernels.train.autotune import train_autotuned  # noqa: PLC0415
 
-        history = train_autotuned(cfg, candidates)
+        history = train_autotuned(cfg, *candidates)
         if int(os.environ.get("RANK", 0)) == 0 and history:
             print(f"autotuned run: {_summary(history)}", flush=True)
         return history
@@ -137,13 +137,15 @@ def run(args) -> int:
         if cfg.autotune.candidates:
             from tpkernels.train.autotune import candidates_from_plan, trial_budget  # noqa: PLC0415
 
-            candidates = candidates_from_plan(cfg, p, trial_budget(cfg, cfg.autotune.candidates))
+            # the budget's first K are tried; the rest of the ranking is where the refit planner may look
+            tries = trial_budget(cfg, cfg.autotune.candidates)
+            candidates = (candidates_from_plan(cfg, p, max(tries, 20)), tries)
         cfg = apply_plan(cfg, best)
         if int(os.environ.get("RANK", 0)) == 0:
             print(explain(p), flush=True)
             if candidates:
-                print(f"autotune: trying {', '.join(c.parallel.short() for c in candidates)} on these ranks",
-                      flush=True)
+                print(f"autotune: trying {', '.join(c.parallel.short() for c in candidates[0][:tries])} on these "
+                      "ranks", flush=True)
     if args.dry_run:
         print(dry_run(cfg, _world(args)))
         return 0
