@@ -19,8 +19,8 @@ is among the planner's top 3. Writes benchmarks/results/planner_vs_trainer_<devi
 
 One world of 4 ranks and its nine layouts (TP × PP × DP = 4, both schedules with PP), one global
 batch: what autotune chooses among. The planner's corrections (tpkernels.planner.fit) are fitted on
-the 3 layouts it predicts fastest, as an autotuned run would measure them, and every other layout is
-predicted again with them. Target: each of the other six within ±20% of its measured step, and
+the 3 layouts an autotuned run tries first (the planner's fastest of each family: TP, PP, pure DP),
+and every other layout is predicted again with them. Target: each of the other six within ±20% of its measured step, and
 autotune's pick (the fastest measured of the three) the fastest of all nine or within 5% of it.
 Writes planner_vs_trainer_world4_<device>.csv.
 """
@@ -136,8 +136,11 @@ def refit(args, spec, train, rows: list[dict], ests: list) -> None:
     """Fit the corrections on the ``--fit-from`` layouts predicted fastest; re-predict the rest."""
     from tpkernels.planner.fit import components, fit  # noqa: PLC0415
 
-    order = sorted(range(len(rows)), key=lambda i: rows[i]["predicted_s"])
-    trials = order[:args.fit_from]
+    from tpkernels.train.autotune import diverse_order  # noqa: PLC0415
+
+    order = diverse_order(sorted(range(len(rows)), key=lambda i: rows[i]["predicted_s"]),
+                          config_of=lambda i: ests[i][0].config)
+    trials = order[:args.fit_from]  # what an autotuned run tries first: the fastest of each family
     f = fit([(*components(ests[i][0].time, ests[i][1]), rows[i]["measured_s"]) for i in trials])
     print(f"\nfitted on {', '.join(rows[i]['layout'] + ' ' + rows[i]['schedule'] for i in trials)}: {f.describe()}")
     for i, r in enumerate(rows):
@@ -160,7 +163,7 @@ def refit(args, spec, train, rows: list[dict], ests: list) -> None:
     final = min((rows[i] for i in tried), key=lambda r: r["measured_s"])
     final_gap = final["measured_s"] / fastest["measured_s"] - 1
     print(f"after the fit: {within} of {len(others)} other layouts within ±20% (worst {worst:.1f}%); the best of the "
-          f"3 trials is {pick['layout']} {pick['schedule']}, {100 * gap:.1f}% slower than the fastest measured "
+          f"{args.fit_from} trials is {pick['layout']} {pick['schedule']}, {100 * gap:.1f}% slower than the fastest measured "
           f"({fastest['layout']} {fastest['schedule']}); with the refit planner's pick tried too, autotune ends on "
           f"{final['layout']} {final['schedule']}, {100 * final_gap:.1f}% slower (target: within 5%)")
 

@@ -88,3 +88,22 @@ def test_an_autotuned_run_keeps_its_fit_for_the_next_plan(tmp_path):
                             "--steps", "2"], capture_output=True, text=True, timeout=300, cwd=root, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "with this machine's measured corrections" in again.stdout, again.stdout
+
+
+def test_bounds_hold_when_the_trials_cannot_separate_the_terms():
+    # three layouts of nearly one compute time: the solve would go negative; the bounds pin it
+    samples = [(1.11, 0.58, 1.75), (1.28, 0.26, 1.43), (0.91, 0.13, 1.91)]
+    f = fitting.fit(samples)
+    assert f.compute_scale >= 0.05 and f.comm_scale >= 0.05 and f.step_overhead_s >= 0
+    assert f.worst_error < 0.25
+
+
+def test_trials_span_the_layout_families():
+    from tpkernels.parallel import ParallelConfig
+    from tpkernels.train.autotune import diverse_order, family
+
+    ranked = [ParallelConfig(tp=2, dp=2), ParallelConfig(tp=4), ParallelConfig(tp=2, pp=2),
+              ParallelConfig(pp=2, dp=2), ParallelConfig(dp=4), ParallelConfig(pp=4), ParallelConfig(cp=2, dp=2)]
+    order = diverse_order(ranked, config_of=lambda x: x)
+    assert [family(x) for x in order[:4]] == ["TP", "PP", "DP", "CP"]
+    assert order[4:] == [ranked[1], ranked[2], ranked[5]]  # then the planner's rank

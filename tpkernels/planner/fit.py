@@ -71,10 +71,20 @@ def fit(samples: list[tuple[float, float, float]]) -> Fit:
     rhs += [w, w, 0.0]
     a = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(rhs, dtype=torch.float64)[:, None]
-    x = torch.linalg.lstsq(a, b).solution[:, 0].tolist()
-    if x[2] < 0:  # no negative overhead: refit without it
-        x = torch.linalg.lstsq(a[:, :2], b).solution[:, 0].tolist() + [0.0]
-    cs, ms, g = max(0.05, min(20.0, x[0])), max(0.05, min(20.0, x[1])), max(0.0, x[2])
+    lo, hi = (0.05, 0.05, 0.0), (20.0, 20.0, float("inf"))
+    fixed: dict[int, float] = {}
+    for _ in range(3):  # active set: a value outside its bounds is pinned there and the rest refitted
+        free = [i for i in range(3) if i not in fixed]
+        rest = b - sum((a[:, i:i + 1] * v for i, v in fixed.items()), torch.zeros_like(b))
+        sol = torch.linalg.lstsq(a[:, free], rest).solution[:, 0].tolist() if free else []
+        x = dict(fixed)
+        x.update(zip(free, sol))
+        out = [i for i in free if not lo[i] <= x[i] <= hi[i]]
+        if not out:
+            break
+        worst_i = max(out, key=lambda i: max(lo[i] - x[i], x[i] - hi[i]))
+        fixed[worst_i] = min(max(x[worst_i], lo[worst_i]), hi[worst_i])
+    cs, ms, g = (min(max(x[i], lo[i]), hi[i]) for i in range(3))
     worst = max(abs((cs * c + ms * m + g) / t - 1) for c, m, t in samples)
     return Fit(cs, ms, g, len(samples), worst)
 
