@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,59 @@ def test_cli_autotunes_on_spawned_ranks(tmp_path):
     assert [r["why"] for r in tried[:3]] == ["planner's rank"] * 3 and len(tried) in (3, 4)
     assert summary["trial_steps"] == 3 * len(tried)  # (1 + 2) steps each, of the 20
     assert summary["winner"] in {x["layout"] for x in summary["autotune"]}
+
+
+def _adapt_worker(rank, world, steps, metrics):
+    import tpkernels.functional.gemm_comm as gemm_comm
+    from tpkernels.train.autotune import Candidate, label, train_autotuned
+
+    # rank 1's link is slow from step 6 on: a sleep inside its TP transfers (both ranks wait in them)
+    holder = {}
+    if rank == 1:
+        for name in ("all_gather_into", "reduce_scatter_into"):
+            orig = getattr(gemm_comm, name)
+
+            def slow(*a, _orig=orig, **k):
+                if holder.get("step", 0) >= 6:
+                    time.sleep(0.01)
+                return _orig(*a, **k)
+
+            setattr(gemm_comm, name, slow)
+    import tpkernels.train.trainer as trainer_mod
+
+    step = trainer_mod.Trainer.train_step
+
+    def counting(self):
+        holder["step"] = self.step_index
+        return step(self)
+
+    trainer_mod.Trainer.train_step = counting
+    tp2 = ParallelConfig(tp=2, pp=1, dp=1, num_microbatches=4, sequence_parallel=True)
+    dp2 = ParallelConfig(tp=1, pp=1, dp=2, num_microbatches=2)
+    # the planner's figures: TP2 predicted fastest, DP2 (no TP traffic) slower unless TP's links degrade
+    cands = [Candidate(tp2, {"step_s": 0.15, "bubble": 0.0, "comm_ratio": 0.5, "memory_gib": 1.0, "layout": label(tp2),
+                             "compute_s": 0.10, "comm_s": 0.05}),
+             Candidate(dp2, {"step_s": 0.16, "bubble": 0.0, "comm_ratio": 0.0, "memory_gib": 1.0, "layout": label(dp2),
+                             "compute_s": 0.16, "comm_s": 0.0})]
+    cfg = small(steps=steps, metrics_file=metrics, **{
+        "layout": "auto", "autotune.candidates": 2, "autotune.steps": 2, "autotune.monitor_every": 3,
+        "autotune.sustain": 2, "autotune.slowdown": 0.3, "autotune.adapt": True})
+    history = train_autotuned(cfg, cands, tries=1)
+    return [h["step"] for h in history], [h["loss"] for h in history]
+
+
+def test_adapt_switches_away_from_a_slow_link_without_losing_a_step(rank_pool, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    out = rank_pool(2).run(_adapt_worker, 16, str(metrics), timeout=400)
+    want_loss, _ = _reference(16)
+    for steps, losses in out:
+        assert steps == list(range(16)), steps
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_loss), rtol=1e-5, atol=1e-6)
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    move = next(r["adapt"] for r in records if "adapt" in r)
+    slow = next(r["slowdown"] for r in records if "slowdown" in r)
+    assert slow["kind"] == "link" and slow["wait_phase"] == "tp_comm", slow["text"]
+    assert move["from"] == CANDIDATES[0].replace(dp=1, num_microbatches=4, sequence_parallel=True,
+                                                 pp=1, schedule=None).short() and move["to"].startswith("TP1 PP1 DP2")
+    layouts = [r["layout"] for r in records if "step" in r]
+    assert layouts[-1].startswith("TP1 PP1 DP2") and layouts[3].startswith("TP2")

@@ -160,7 +160,9 @@ def train_autotuned(cfg: TrainConfig, cands: list[Candidate], tries: int | None 
     folder = _trial_folder(cfg)
     ck, steps, per = cfg.checkpoint, cfg.training.steps, 1 + cfg.autotune.steps
     tries = len(cands) if tries is None else tries
-    off = dataclasses.replace(cfg.autotune, candidates=0)  # each trial and the winner run one fixed layout
+    # each trial and the winner run one fixed layout; only the winner's phase is monitored
+    off = dataclasses.replace(cfg.autotune, candidates=0, adapt=False, monitor_every=0)
+    watched = dataclasses.replace(cfg.autotune, candidates=0, adapt=False)
     # a resumed run goes on from its own latest checkpoint, the trial phase included
     source = Path(ck.save_dir) if ck.save_dir and ck.resume and checkpoint.latest(ck.save_dir) else None
     history: list[dict] = []
@@ -228,10 +230,29 @@ def train_autotuned(cfg: TrainConfig, cands: list[Candidate], tries: int | None 
         refit = learn(cfg, cands, rows)
         if refit:
             print(refit, flush=True)
-    final_cfg = dataclasses.replace(cfg, layout="manual", parallel=winner.parallel, autotune=off,
-                                    predicted={**winner.predicted, "layout": label(winner.parallel)})
-    trainer = Trainer(final_cfg, resume_dir=source)
-    history += trainer.train()
+    switches: list[dict] = []
+    current = best["candidate"]
+    # adapting needs a checkpoint to switch through: the trial folder when the run keeps none
+    final_ck = ck if ck.save_dir or not cfg.autotune.adapt else dataclasses.replace(ck, save_dir=str(folder),
+                                                                                      save_every=0)
+    while True:
+        c = cands[current]
+        final_cfg = dataclasses.replace(cfg, layout="manual", parallel=c.parallel, autotune=watched,
+                                        checkpoint=final_ck, predicted={**c.predicted, "layout": label(c.parallel)})
+        trainer = Trainer(final_cfg, resume_dir=source)
+        history += trainer.train(stop_on_slowdown=cfg.autotune.adapt and not switches)
+        source = final_ck.save_dir
+        slow = trainer.slowdowns[-1] if trainer.slowdowns else None
+        if slow is None or not cfg.autotune.adapt or switches or trainer.step_index >= steps:
+            break
+        move = _adapt(cands, rows, current, slow, cfg.autotune.slowdown)
+        switches.append({"step": trainer.step_index, "from": label(c.parallel), **move})
+        if rank == 0:
+            MetricsFile(cfg.logging.metrics_file).write({"adapt": switches[-1]})
+            print(move["text"], flush=True)
+        current = move["to_candidate"] if move["to_candidate"] is not None else current
+        del trainer
+        gc.collect()
     if ck.save_dir and not trainer.history:  # the trials ran to the end: their last checkpoint is the run's
         if rank == 0:
             done = checkpoint.latest(folder)
@@ -241,7 +262,7 @@ def train_autotuned(cfg: TrainConfig, cands: list[Candidate], tries: int | None 
     del trainer
     total = time.perf_counter() - t_start
     summary = {"autotune": rows, "winner": best["layout"], "trial_steps": step - first, "trial_s": t_trials,
-               "run_s": total, "trial_share": t_trials / total}
+               "run_s": total, "trial_share": t_trials / total, "switches": switches}
     if rank == 0:
         MetricsFile(cfg.logging.metrics_file).write(summary)
         print(f"autotune: the trial phase ({step - first} steps) took {t_trials:.1f} s of the run's {total:.1f} s "
@@ -265,6 +286,35 @@ def _refit(cands: list[Candidate], rows: list[dict]):
     predicted = [f.compute_scale * c.predicted["compute_s"] + f.comm_scale * c.predicted["comm_s"] + f.step_overhead_s
                  for c in cands]
     return f, min(range(len(cands)), key=predicted.__getitem__), predicted
+
+
+def _adapt(cands: list[Candidate], rows: list[dict], current: int, slow, threshold: float) -> dict:
+    """After a sustained slowdown: the trials' corrections scaled by how much the slowest rank's own work
+    (compute, host) and waiting (TP/CP, P2P, DP) grew, every candidate predicted again, and the
+    fastest taken when it beats the degraded step by more than ``threshold``. Every rank computes the
+    same (the monitor's figures were exchanged)."""
+    refit = _refit(cands, rows)
+    here = label(cands[current].parallel)
+    if refit is None:
+        return {"to": here, "to_candidate": None,
+                "text": f"adapt: {slow.text}; the candidates carry no planner figures to re-rank: staying on {here}"}
+    f = refit[0]
+    b, n = slow.base_phases, slow.now_phases
+    own = lambda x: x["compute"] + x["other"]  # noqa: E731
+    wait = lambda x: x["tp_comm"] + x["p2p_wait"] + x["dp_reduce"]  # noqa: E731
+    a = f.compute_scale * (own(n) / own(b) if own(b) > 0 else 1.0)
+    c = f.comm_scale * (wait(n) / wait(b) if wait(b) > 1e-6 else 1.0)
+    predicted = [a * x.predicted["compute_s"] + c * x.predicted["comm_s"] + f.step_overhead_s for x in cands]
+    j = min(range(len(cands)), key=predicted.__getitem__)
+    head = (f"adapt: the step slowed from {slow.baseline_s:.3g} s to {slow.now_s:.3g} s ({slow.kind}: "
+            f"{slow.wait_phase}); refitted: compute ×{a:.3g}, communication ×{c:.3g}")
+    if j != current and predicted[j] < (1 - threshold) * slow.now_s:
+        to = label(cands[j].parallel)
+        return {"to": to, "to_candidate": j, "predicted_s": predicted[j], "now_s": slow.now_s,
+                "text": f"{head}; switching from {here} to {to}, predicted {predicted[j]:.3g} s per step, through "
+                        "a checkpoint (no step lost)"}
+    return {"to": here, "to_candidate": None, "predicted_s": predicted[j], "now_s": slow.now_s,
+            "text": f"{head}; no candidate is predicted faster by more than {100 * threshold:.0f}%: staying on {here}"}
 
 
 def learn(cfg: TrainConfig, cands: list[Candidate], rows: list[dict]) -> str | None:

@@ -92,6 +92,8 @@ class AutotuneSection:
                                 "a sustained slowdown: which rank, which phase (0: off)")
     slowdown: float = opt(0.2, "the step-time increase (a fraction) the monitor reports")
     sustain: int = opt(2, "monitor windows in a row the slowdown must last")
+    adapt: bool = opt(False, "layout auto: when the monitor reports a slowdown, refit the planner's corrections to "
+                             "it and switch to a candidate predicted faster by more than autotune.slowdown")
 
 
 def _parallel_default() -> ParallelConfig:
@@ -182,6 +184,9 @@ class TrainConfig:
             errs.append(f"autotune.slowdown ({at.slowdown!r}) must be > 0")
         if not 0 < at.max_share <= 1:
             errs.append(f"autotune.max_share ({at.max_share!r}) must be in (0, 1]")
+        if at.adapt and not (at.candidates and at.monitor_every):
+            errs.append("autotune.adapt needs autotune.candidates (the layouts to switch to) and "
+                        f"autotune.monitor_every (now {at.monitor_every}) > 0")
         if at.candidates and self.layout != "auto":
             errs.append(f"autotune.candidates ({at.candidates}) needs layout: auto (the planner proposes the "
                         f"candidates), not {self.layout!r}")

@@ -38,9 +38,16 @@ class Slowdown:
     wait_phase: str
     wait_delta_s: float
     text: str
+    base_phases: dict | None = None  # per phase, the slowest rank's median: the baseline window
+    now_phases: dict | None = None  # and the window that triggered the report
+
+    @property
+    def kind(self) -> str:
+        """"rank" (one rank's own work grew) or "link" (every rank lost it in communication)."""
+        return "link" if self.rank is None else "rank"
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
+        return {**{k: v for k, v in self.__dict__.items()}, "kind": self.kind}
 
 
 def _median(xs: list[float]) -> float:
@@ -51,6 +58,7 @@ def _median(xs: list[float]) -> float:
 def diagnose(base: list[dict], now: list[dict], step: int, window: int, sustain: int) -> Slowdown:
     """``base``/``now``: per rank {"step": s, phase: s, ...} medians of a window."""
     deltas = [{p: n[p] - b[p] for p in PHASES} for b, n in zip(base, now)]
+    phases = ({p: max(x[p] for x in base) for p in PHASES}, {p: max(x[p] for x in now) for p in PHASES})
     own = [max((d[p], p) for p in OWN) for d in deltas]
     rank = max(range(len(own)), key=lambda r: own[r][0])
     others = [r for r in range(len(deltas)) if r != rank] or [rank]
@@ -62,11 +70,11 @@ def diagnose(base: list[dict], now: list[dict], step: int, window: int, sustain:
         text = (f"{head}; rank {rank} is the straggler: its {WHAT[own[rank][1]]} grew by "
                 f"{1e3 * own[rank][0]:.1f} ms per step, and the other ranks waited {1e3 * wait_delta:.1f} ms more in "
                 f"{WHAT[wait_phase]}")
-        return Slowdown(step, b_s, n_s, rank, own[rank][1], own[rank][0], wait_phase, wait_delta, text)
+        return Slowdown(step, b_s, n_s, rank, own[rank][1], own[rank][0], wait_phase, wait_delta, text, *phases)
     every = max((min(d[p] for d in deltas), p) for p in WAIT)
     text = (f"{head}; no rank's own work grew: every rank lost {1e3 * every[0]:.1f} ms more per step in "
             f"{WHAT[every[1]]} (a slow or contended link)")
-    return Slowdown(step, b_s, n_s, None, None, 0.0, every[1], every[0], text)
+    return Slowdown(step, b_s, n_s, None, None, 0.0, every[1], every[0], text, *phases)
 
 
 class SlowdownMonitor:

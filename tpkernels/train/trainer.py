@@ -286,7 +286,9 @@ class Trainer:
         self.history.append(rec)
         return rec
 
-    def train(self) -> list[dict]:
+    def train(self, stop_on_slowdown: bool = False) -> list[dict]:
+        """Run to ``training.stop_at_step`` (else ``training.steps``), saving as configured; with
+        ``stop_on_slowdown``, stop (and save) after the step at which the slowdown monitor reports."""
         cfg = self.cfg
         steps, ck = cfg.training.steps, cfg.checkpoint
         bar = None
@@ -306,6 +308,8 @@ class Trainer:
                     self.metrics.write({"slowdown": found.as_dict(), "layout": self.pc.short()})
                     if self.is_logger:
                         print(found.text, flush=True)
+                    if stop_on_slowdown:
+                        break
             if ck.save_dir and ck.save_every and self.step_index % ck.save_every == 0:
                 self._guarded_save()
             if bar is not None:
