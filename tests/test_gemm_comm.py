@@ -188,22 +188,25 @@ def _trace_worker(rank, world, path):
         all_gather_matmul(a, [torch.randn(96, 80)], None, algo="ring")
         matmul_reduce_scatter(torch.randn(64 * world, 96), torch.randn(96, 80), None, algo="ring")
     events = tr.save_chrome_trace(path)
+    # the transfers of the rings (with TPKERNELS_CHECK_RANKS the trace also holds each op's rank check)
+    checks = sum(s.name.startswith("rank check") for s in tr.spans)
     gemm, comm = tr.intervals("gemm"), tr.intervals("comm")
-    return len(gemm), len(comm), tr.hidden_comm_fraction(), events is not None
+    return len(gemm), len(comm) - checks, tr.hidden_comm_fraction(), events is not None, checks
 
 
 def test_trace_records_every_chunk(rank_pool, tmp_path):
     world = 3
     path = str(tmp_path / "trace.json")
     out = rank_pool(world).run(_trace_worker, path)
-    for n_gemm, n_comm, hidden, wrote in out:
+    for n_gemm, n_comm, hidden, wrote, _ in out:
         assert n_gemm == 2 * world and n_comm == 2 * (world - 1)
         assert 0.0 <= hidden <= 1.0
-    assert [w for *_, w in out] == [True] + [False] * (world - 1)
+    assert [w for *_, w, _ in out] == [True] + [False] * (world - 1)
     data = json.load(open(path))
     spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == set(range(world))
-    assert len(spans) == world * (2 * world + 2 * (world - 1))
+    checks = out[0][4]
+    assert len(spans) == world * (2 * world + 2 * (world - 1) + checks)
     assert all(e["dur"] >= 0 for e in spans)
 
 

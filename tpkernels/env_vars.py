@@ -41,6 +41,8 @@ TABLE: tuple[EnvVar, ...] = (
     EnvVar("TPKERNELS_SIGNAL_SPINS", "", "reads a fused kernel's signal wait makes before it gives up with a named "
            "timeout (default: ~30 s of polling on a GPU, 1000 under the interpreter)"),
     EnvVar("TPKERNELS_BARRIER_TIMEOUT_S", "600", "seconds a symmetric-memory barrier waits for its peers", "float"),
+    EnvVar("TPKERNELS_CACHE_DIR", "", "folder of the planner's per-machine corrections that autotune fits "
+           "(default: $XDG_CACHE_HOME/tpkernels, else ~/.cache/tpkernels)", "text"),
     EnvVar("TPKERNELS_CUDA_ARCHS", "80;90", "SM architectures the CUDA kernels are built for ('90+PTX' also embeds "
            "PTX)", "text", when="build"),
     EnvVar("TPKERNELS_SKIP_CUDA_BUILD", "0", "1: build the C++ CPU kernels only", "flag", when="build"),

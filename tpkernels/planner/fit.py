@@ -97,7 +97,9 @@ def machine_key(device: str, ranks: int) -> str:
 
 
 def cache_path() -> Path:
-    root = os.environ.get("TPKERNELS_CACHE_DIR")
+    from tpkernels.env_vars import read  # noqa: PLC0415
+
+    root = read("TPKERNELS_CACHE_DIR")
     if root:
         return Path(root) / "planner_fits.json"
     xdg = os.environ.get("XDG_CACHE_HOME")
