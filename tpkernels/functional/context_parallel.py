@@ -59,6 +59,7 @@ from tpkernels.functional.context_parallel_algos import (
     window_forward,
     window_sources,
 )
+from tpkernels.parallel.groups import group_by_name
 from tpkernels.functional.context_parallel_blocks import (
     BlockOpts,
     check_zigzag,
@@ -74,16 +75,12 @@ ALGOS = ("ring", "allgather", "a2a")
 # The group travels as its name (ops take no ProcessGroup); "" is no group (one rank). ``extras``
 # are what the backward of all-gather (the gathered K/V) and a2a (the head-sharded tensors) keep.
 
-def _group(name: str):
-    return None if not name else dist.distributed_c10d._resolve_process_group(name)
-
-
 class _Call:
     """Everything the forward and backward of one call derive from the op's arguments."""
 
     def __init__(self, q: Tensor, doc_ids, group_name: str, algo: str, scale: float, causal: bool, left: int,
                  right: int, softcap: float):
-        self.group = _group(group_name)
+        self.group = group_by_name(group_name)
         self.n = dist.get_world_size(self.group) if self.group is not None else 1
         rank = dist.get_rank(self.group) if self.n > 1 else 0
         s_local = q.shape[1]
@@ -114,7 +111,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor], grou
 
 @_forward_op.register_fake
 def _(q, k, v, doc_ids, group_name, algo, scale, causal, window_left, window_right, softcap, want_lse):
-    group = _group(group_name)
+    group = group_by_name(group_name)
     n = dist.get_world_size(group) if group is not None else 1
     b, s, h, d = q.shape
     hk, stat = k.shape[2], lse_dtype(q.dtype)

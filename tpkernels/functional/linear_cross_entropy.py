@@ -37,7 +37,7 @@ from tpkernels.dtypes import widen
 from tpkernels.functional.vocab_parallel import check_loss_args, out_of_range_targets, target_range_error
 from tpkernels.kernels import reference
 from tpkernels.parallel import consistency
-from tpkernels.parallel.groups import group_rank_size
+from tpkernels.parallel.groups import group_by_name, group_rank_size
 
 OP = "linear_cross_entropy"
 
@@ -136,11 +136,6 @@ def _chunk_pass(hidden: Tensor, weight: Tensor, target: Tensor, group, chunk: in
     return losses, dh, dw
 
 
-def _group(name: str):
-    """The process group behind a custom op's group name ("" for none): ops take names, not groups."""
-    return None if not name else dist.distributed_c10d._resolve_process_group(name)
-
-
 def _check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
     bad = out_of_range_targets(target, vocab, ignore_index)
     if bool(bad.any()):
@@ -157,7 +152,7 @@ def _forward_op(hidden: Tensor, weight: Tensor, target: Tensor, group_name: str,
                 smoothing: float, z_loss: float, reduction: str, want_grads: bool,
                 backend: str, vocab_size: int, reduce_grad: bool, check_targets: bool) -> tuple[Tensor, Tensor, Tensor,
                                                                                                  Tensor]:
-    group = _group(group_name)
+    group = group_by_name(group_name)
     if check_targets:
         _check_targets(target, real_vocab(vocab_size, weight.shape[0], group_rank_size(group)[1]), ignore_index)
     eager = want_grads and reduction != "none"
@@ -183,7 +178,7 @@ def _(hidden, weight, target, group_name, chunk, ignore_index, smoothing, z_loss
 def _backward_op(hidden: Tensor, weight: Tensor, target: Tensor, row_weights: Tensor, group_name: str, chunk: int,
                  ignore_index: int, smoothing: float, z_loss: float, backend: str,
                  vocab_size: int, reduce_grad: bool) -> tuple[Tensor, Tensor]:
-    _, dh, dw = _chunk_pass(hidden, weight, target, _group(group_name), chunk, ignore_index, smoothing, z_loss,
+    _, dh, dw = _chunk_pass(hidden, weight, target, group_by_name(group_name), chunk, ignore_index, smoothing, z_loss,
                             row_weights, True, backend, vocab_size, reduce_grad)
     return dh, dw
 

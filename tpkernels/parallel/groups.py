@@ -29,3 +29,9 @@ def group_rank_size(group) -> tuple[int, int]:
 def global_rank(group, group_rank: int) -> int:
     """The global rank of ``group_rank`` in ``group`` (what ``isend``/``irecv`` take)."""
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def group_by_name(name: str):
+    """The process group behind a custom op's group name ("" for none): torch.library ops take names,
+    not ProcessGroup objects."""
+    return None if not name else dist.distributed_c10d._resolve_process_group(name)

@@ -64,12 +64,12 @@ def plan_layout(cfg: TrainConfig, world: int):
 
 
 # what the planner does not choose: the user's (or the default) communication knobs stay
-_KEPT = ("overlap_comm", "overlap_dp", "bucket_mb")
+KEPT = ("overlap_comm", "overlap_dp", "bucket_mb")
 
 
 def apply_plan(cfg: TrainConfig, best) -> TrainConfig:
     """``cfg`` with the planner's layout as its ``parallel`` section."""
-    parallel = best.config.replace(**{f: getattr(cfg.parallel, f) for f in _KEPT})
+    parallel = best.config.replace(**{f: getattr(cfg.parallel, f) for f in KEPT})
     return dataclasses.replace(cfg, layout="manual", parallel=parallel,
                                predicted={"step_s": best.step_time, "bubble": best.bubble_fraction,
                                           "comm_ratio": best.time.comm_ratio, "layout": parallel.short()})

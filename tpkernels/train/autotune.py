@@ -34,11 +34,11 @@ import torch.distributed as dist
 from tpkernels.parallel import ParallelConfig
 from tpkernels.parallel.config import ParallelConfigError
 from tpkernels.train import checkpoint
+from tpkernels.train.auto_layout import KEPT
 from tpkernels.train.config import TrainConfig
-from tpkernels.train.metrics import MetricsFile
+from tpkernels.parallel.groups import group_rank_size
+from tpkernels.train.metrics import MetricsFile, median
 
-# what the planner does not choose: the user's (or the default) communication knobs stay
-KEPT = ("overlap_comm", "overlap_dp", "bucket_mb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ def candidates_from_plan(cfg: TrainConfig, p, k: int) -> list[Candidate]:
 
     out = []
     for est in diverse_order(p.ranked[:k]):
-        parallel = est.config.replace(**{f: getattr(cfg.parallel, f) for f in KEPT})
+        parallel = est.config.replace(**{f: getattr(cfg.parallel, f) for f in KEPT})  # the user's comm knobs
         compute, comm = components(est.time, p.efficiency)
         out.append(Candidate(parallel, {"step_s": est.step_time, "bubble": est.bubble_fraction,
                                         "comm_ratio": est.time.comm_ratio, "memory_gib": est.memory.total / 2**30,
@@ -95,15 +95,9 @@ def trial_budget(cfg: TrainConfig, n: int) -> int:
     return max(1, min(n, int(room) // per))
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _agree(flag: bool) -> bool:
     """True on every rank when it is true on every rank."""
-    if _world()[1] == 1:
+    if group_rank_size(None)[1] == 1:
         return flag
     t = torch.tensor([int(flag)])
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -114,7 +108,7 @@ def _trial_folder(cfg: TrainConfig) -> Path:
     """The folder trial checkpoints go to, emptied: under save_dir when there is one (every rank of a
     multi-node job sees it); else a temporary folder made by rank 0, whose path every rank takes (one
     node: they share /tmp). The run removes it at the end."""
-    rank, world = _world()
+    rank, world = group_rank_size(None)
     if cfg.checkpoint.save_dir:
         name = [str(Path(cfg.checkpoint.save_dir) / "autotune")]
         if rank == 0:  # a crashed run's trials would be resumed as if they were this one's
@@ -134,15 +128,10 @@ def _fits_here(c: Candidate) -> bool:
     return _agree(c.predicted["memory_gib"] * 2**30 <= free)
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else float("nan")
-
-
 def _shared(obj):
     """Rank 0's ``obj`` on every rank (the ranks time their own steps: they must pick one winner)."""
     box = [obj]
-    if _world()[1] > 1:
+    if group_rank_size(None)[1] > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -155,7 +144,7 @@ def train_autotuned(cfg: TrainConfig, cands: list[Candidate], tries: int | None 
     from tpkernels.train.trainer import Trainer  # noqa: PLC0415
 
     t_start = time.perf_counter()
-    rank, world = _world()
+    rank, world = group_rank_size(None)
     cands = _shared(list(cands))  # under torchrun each rank planned for itself: rank 0's list for all
     folder = _trial_folder(cfg)
     ck, steps, per = cfg.checkpoint, cfg.training.steps, 1 + cfg.autotune.steps
@@ -195,10 +184,10 @@ def train_autotuned(cfg: TrainConfig, cands: list[Candidate], tries: int | None 
         state["step"], state["source"] = trainer.step_index, folder
         timed = h[1:] or h
         gb = trainer.pc.global_batch_size * cfg.data.seq_length
-        measured = _median([r["step_s"] for r in timed])
+        measured = median([r["step_s"] for r in timed])
         rows.append({**row, "status": "ok", "steps": f"{h[0]['step']}-{h[-1]['step']}" if h else "-",
-                     "measured_step_s": measured, "bubble": _median([r["bubble"] for r in timed]),
-                     "comm_ratio": _median([r["comm_ratio"] for r in timed]), "tokens_per_s": gb / measured})
+                     "measured_step_s": measured, "bubble": median([r["bubble"] for r in timed]),
+                     "comm_ratio": median([r["comm_ratio"] for r in timed]), "tokens_per_s": gb / measured})
         history.extend(h)
         del trainer
         gc.collect()

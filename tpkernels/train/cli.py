@@ -87,9 +87,9 @@ def single_process_loss(cfg: TrainConfig, dp: int) -> float:
 
 def prediction_report(predicted: dict, history: list[dict]) -> str:
     steps = history[1:] or history
-    measured = sorted(h["step_s"] for h in steps)[len(steps) // 2]
-    bubble = sorted(h["bubble"] for h in steps)[len(steps) // 2]
-    comm = sorted(h["comm_ratio"] for h in steps)[len(steps) // 2]
+    from tpkernels.train.metrics import median  # noqa: PLC0415
+
+    measured, bubble, comm = (median([h[k] for h in steps]) for k in ("step_s", "bubble", "comm_ratio"))
     return (f"planner vs measured ({predicted['layout']}): step {predicted['step_s']:.3g} s vs {measured:.3g} s "
             f"(median), bubble {100 * predicted['bubble']:.0f}% vs {100 * bubble:.0f}% (rank 0's idle share), "
             f"comm/compute {100 * predicted['comm_ratio']:.0f}% vs {100 * comm:.0f}% (worst rank, exposed TP and CP)")

@@ -67,10 +67,10 @@ def exposed_comm_s(trace) -> float:
     return total * (1.0 - trace.hidden_comm_fraction())
 
 
-def exposed_comm_ratio(trace, step_s: float) -> float:
-    """Exposed TP and CP communication / the rest of the step, from a CommTrace of the step."""
-    exposed = exposed_comm_s(trace)
-    return exposed / max(step_s - exposed, 1e-9)
+def median(xs: list[float]) -> float:
+    """The middle value (the upper one of an even count), nan for none: robust to one slow step."""
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
 
 
 PHASES = ("compute", "tp_comm", "p2p_wait", "dp_reduce", "other")

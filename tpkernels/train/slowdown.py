@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from tpkernels.train.metrics import PHASES
+from tpkernels.train.metrics import PHASES, median
 
 OWN = ("compute", "other")  # time a rank spends on its own work
 WAIT = ("tp_comm", "p2p_wait", "dp_reduce")  # time it spends waiting for the others
@@ -48,11 +48,6 @@ class Slowdown:
 
     def as_dict(self) -> dict:
         return {**{k: v for k, v in self.__dict__.items()}, "kind": self.kind}
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
 
 
 def diagnose(base: list[dict], now: list[dict], step: int, window: int, sustain: int) -> Slowdown:
@@ -92,8 +87,8 @@ class SlowdownMonitor:
         self._window.append(rec)
         if len(self._window) < self.every:
             return None
-        mine = {p: _median([r["phases"][p] for r in self._window]) for p in PHASES}
-        mine["step"] = _median([r["step_s"] for r in self._window])
+        mine = {p: median([r["phases"][p] for r in self._window]) for p in PHASES}
+        mine["step"] = median([r["step_s"] for r in self._window])
         self._window = []
         every_rank = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
