@@ -37,7 +37,9 @@ aot-check: install
 # The GPU machine's software (device tool KINDS.md: Python 3.12, torch 2.11.0, triton 3.6.0, transformers
 # 5.17.0) in a venv of its own, the whole CPU suite on it, then the GPU check's preflight (its CUDA steps
 # skip without a GPU). Slow (torch's CUDA wheels, a second build of _C): run it at the end of each issue.
-PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
+# the first python3.12 that runs (a pyenv shim is on PATH even when 3.12 is not the selected version)
+PYTHON312 ?= $(shell for p in $$(command -v python3.12) $$(ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null); do \
+	$$p -c '' 2>/dev/null && echo $$p && break; done)
 COMPAT := .venv-compat
 compat:
 	test -x $(COMPAT)/bin/python || $(PYTHON312) -m venv $(COMPAT)

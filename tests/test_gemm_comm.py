@@ -96,6 +96,25 @@ def test_matmul_reduce_scatter_bf16_avg(rank_pool, fresh_seed, world, algo):
     assert rank_pool(world).run(_rs_worker, fresh_seed, algo, "bfloat16", "avg") == [True] * world
 
 
+def _rs_ops_worker(rank, world, algo):
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    # a batch-major activation scattered on its sequence dim, as the SP layers' (batch, seq, hidden)
+    a = torch.randn(2, 17 * world, 24)
+    b = torch.randn(24, 9)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        matmul_reduce_scatter(a, b, None, 1, "sum", algo)
+    return sorted({e.key for e in prof.key_averages() if e.key in ("aten::mm", "aten::bmm")})
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("algo", ["collective", "ring"])
+def test_reduce_scatter_on_a_strided_dim_runs_2d_gemms(rank_pool, world, algo):
+    """A sequence-major view of a batch-major tensor must reach the GEMM as rows, not as a bmm over
+    copies of b (that made every TP+SP layer's forward and backward 2-4x slower on CPU)."""
+    assert rank_pool(world).run(_rs_ops_worker, algo) == [["aten::mm"]] * world
+
+
 def _ar_worker(rank, world, seed, algo, dtype_name, reduce_op):
     dtype = getattr(torch, dtype_name)
     g = _gen(seed)
