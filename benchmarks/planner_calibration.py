@@ -79,8 +79,9 @@ def main() -> None:
         print(f"{gen}: worst error {max(errs):.1f}%, mean |error| {sum(errs) / len(errs):.1f}% over {len(errs)} rows "
               f"(target ±10%); constants {FITTED[gen][0]}")
     held = [{**report_row("H100", r), "held_out": True} for r in held_out_rows()]
-    print("\nheld out of the fit (context parallelism; the constants predate these rows):")
-    print_table(held, ["gpu", "model", "gpus", "layout", "published_tokens_per_gpu", "predicted_tokens_per_gpu",
+    print("\nheld out of the fit (the constants predate these rows): NeMo's CP2 rows, Megatron-Bridge 25.11, "
+          "torchtitan (bf16 eager / FP8 compiled, H100 at 500 W)")
+    print_table(held, ["gpu", "model", "gpus", "layout", "precision", "published_tokens_per_gpu", "predicted_tokens_per_gpu",
                        "error_pct", "memory_gib", "published_rank", "planner_best"])
     rows = [{**r, "held_out": False} for r in rows] + held
     path = write_csv("planner_calibration", rows)

@@ -23,12 +23,19 @@ the 3 layouts an autotuned run tries first (the planner's fastest of each family
 and every other layout is predicted again with them. Target: each of the other six within ±20% of its measured step, and
 autotune's pick (the fastest measured of the three) the fastest of all nine or within 5% of it.
 Writes planner_vs_trainer_world4_<device>.csv.
+
+    python benchmarks/planner_vs_trainer.py --refit-csv benchmarks/results/planner_vs_trainer_world4_cpu.csv
+
+Refits a saved run (its uncorrected compute and communication per layout) without training again,
+and rewrites its refit columns.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -41,6 +48,7 @@ from common import print_table, write_csv  # noqa: E402
 from tpkernels.parallel import ParallelConfig  # noqa: E402
 from tpkernels.parallel.local_ranks import run_on_ranks  # noqa: E402
 from tpkernels.planner import ClusterSpec, ModelConfig, TrainingSetup, calibrated_for, estimate, gpu_preset  # noqa: E402
+from tpkernels.planner.fit import components  # noqa: E402
 from tpkernels.planner.measure import calibrate, measure  # noqa: E402
 
 LAYOUTS = [(tp, pp, sched) for pp in (1, 2) for tp in (1, 2, 4) for sched in (("1f1b", "zb-h1") if pp > 1 else ("1f1b",))]
@@ -84,13 +92,24 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=None, help="one world size and all its layouts (DP = the rest)")
     ap.add_argument("--fit-from", type=int, default=0, help="fit the planner's corrections on the K layouts it "
                                                              "predicts fastest, re-predict the others (with --world)")
+    ap.add_argument("--refit-csv", type=Path, default=None, help="refit a saved --world run's CSV (its fit_compute_s, "
+                                                                 "fit_comm_s, measured_s) without training again")
     args = ap.parse_args()
+    if args.refit_csv:
+        rows = list(csv.DictReader(args.refit_csv.open()))
+        refit(args.fit_from or 3, rows)
+        with args.refit_csv.open("w", newline="") as f:  # the refit columns, now from the current fit
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        print(f"rewrote {args.refit_csv}")
+        return
     on_gpu = torch.cuda.is_available()
     spec = ModelConfig("llama", args.layers, args.hidden, args.heads, args.ffn, args.vocab, num_kv_heads=args.heads,
                        max_position_embeddings=args.seq, name="bench-llama")
     train = TrainingSetup(args.mbs * args.microbatches, args.seq, precision="bf16" if on_gpu else "fp32",
                           overlap_grad_reduce=True)
-    rows, ests = [], []
+    rows = []
     for tp, pp, sched in (world_layouts(args.world) if args.world else LAYOUTS):
         world = args.world or tp * pp
         dp = world // (tp * pp)
@@ -103,7 +122,6 @@ def main() -> None:
         cfg = ParallelConfig(tp, pp, dp, 1, args.mbs, args.microbatches // dp, sequence_parallel=tp > 1,
                              schedule=sched if pp > 1 else None)
         est = estimate(spec, train, cluster, cfg, eff)
-        ests.append((est, eff, cluster))
         results = run_on_ranks(train_worker, world, train_config(args, tp, pp, sched, dp),
                                backend="nccl" if on_gpu else "gloo", timeout=1800)
         measured = max(results)
@@ -114,6 +132,8 @@ def main() -> None:
                      "pred_gemm_s": round(t.gemm, 4), "pred_elementwise_s": round(t.elementwise, 4),
                      "pred_tp_exposed_s": round(t.tp_exposed, 4), "pred_p2p_s": round(t.p2p, 4),
                      "pred_bubble_s": round(t.bubble, 4), "pred_optimizer_s": round(t.optimizer, 4),
+                     # what fit.fit() takes (uncorrected compute, exposed communication): refits from the CSV
+                     **dict(zip(("fit_compute_s", "fit_comm_s"), (round(x, 5) for x in components(t, eff)))),
                      "device": meas.device_name, "date": datetime.date.today().isoformat()})
         print(f"  {rows[-1]['layout']} {rows[-1]['schedule']}: measured {measured:.3f} s, predicted "
               f"{est.step_time:.3f} s", flush=True)
@@ -127,27 +147,36 @@ def main() -> None:
           f"{'' if agree else 'NOT '}in the predicted top 3 ({', '.join(r['layout'] + ' ' + r['schedule'] for r in top3)})")
     device = "gpu" if on_gpu else "cpu"
     if args.fit_from:
-        refit(args, spec, train, rows, ests)
+        refit(args.fit_from, rows)
     name = f"planner_vs_trainer_world{args.world}_{device}" if args.world else f"planner_vs_trainer_{device}"
     print(f"wrote {write_csv(name, rows)}")
 
 
-def refit(args, spec, train, rows: list[dict], ests: list) -> None:
-    """Fit the corrections on the ``--fit-from`` layouts predicted fastest; re-predict the rest."""
-    from tpkernels.planner.fit import components, fit  # noqa: PLC0415
+def _config_of(row: dict) -> ParallelConfig:
+    tp, pp, dp = (int(x) for x in re.fullmatch(r"TP(\d+) PP(\d+) DP(\d+)", row["layout"]).groups())
+    return ParallelConfig(tp, pp, dp)
+
+
+def refit(fit_from: int, rows: list[dict]) -> None:
+    """Fit the corrections on the ``fit_from`` layouts an autotuned run tries first; re-predict the rest.
+    Uses only the rows' columns (fit_compute_s, fit_comm_s, measured_s): the corrected step is linear
+    in them (step_time scales compute and communication, then adds the overhead), so a saved CSV
+    refits exactly as a fresh run (``--refit-csv``)."""
+    from tpkernels.planner.fit import fit  # noqa: PLC0415
 
     from tpkernels.train.autotune import diverse_order  # noqa: PLC0415
 
-    order = diverse_order(sorted(range(len(rows)), key=lambda i: rows[i]["predicted_s"]),
-                          config_of=lambda i: ests[i][0].config)
-    trials = order[:args.fit_from]  # what an autotuned run tries first: the fastest of each family
-    f = fit([(*components(ests[i][0].time, ests[i][1]), rows[i]["measured_s"]) for i in trials])
+    order = diverse_order(sorted(range(len(rows)), key=lambda i: float(rows[i]["predicted_s"])),
+                          config_of=lambda i: _config_of(rows[i]))
+    trials = order[:fit_from]  # what an autotuned run tries first: the fastest of each family
+    for r in rows:
+        r.update({k: float(r[k]) for k in ("measured_s", "predicted_s", "fit_compute_s", "fit_comm_s")})
+    f = fit([(rows[i]["fit_compute_s"], rows[i]["fit_comm_s"], rows[i]["measured_s"]) for i in trials])
     print(f"\nfitted on {', '.join(rows[i]['layout'] + ' ' + rows[i]['schedule'] for i in trials)}: {f.describe()}")
     for i, r in enumerate(rows):
-        est, eff, cluster = ests[i]
-        again = estimate(spec, train, cluster, est.config, f.apply(eff))
-        r.update(fitted_on=i in trials, refit_predicted_s=round(again.step_time, 4),
-                 refit_error_pct=round(100 * (r["measured_s"] / again.step_time - 1), 1))
+        again = f.compute_scale * r["fit_compute_s"] + f.comm_scale * r["fit_comm_s"] + f.step_overhead_s
+        r.update(fitted_on=i in trials, refit_predicted_s=round(again, 4),
+                 refit_error_pct=round(100 * (r["measured_s"] / again - 1), 1))
     others = [r for i, r in enumerate(rows) if i not in trials]
     print_table(rows, ["layout", "schedule", "measured_s", "predicted_s", "error_pct", "fitted_on",
                        "refit_predicted_s", "refit_error_pct"])
@@ -163,7 +192,7 @@ def refit(args, spec, train, rows: list[dict], ests: list) -> None:
     final = min((rows[i] for i in tried), key=lambda r: r["measured_s"])
     final_gap = final["measured_s"] / fastest["measured_s"] - 1
     print(f"after the fit: {within} of {len(others)} other layouts within ±20% (worst {worst:.1f}%); the best of the "
-          f"{args.fit_from} trials is {pick['layout']} {pick['schedule']}, {100 * gap:.1f}% slower than the fastest measured "
+          f"{fit_from} trials is {pick['layout']} {pick['schedule']}, {100 * gap:.1f}% slower than the fastest measured "
           f"({fastest['layout']} {fastest['schedule']}); with the refit planner's pick tried too, autotune ends on "
           f"{final['layout']} {final['schedule']}, {100 * final_gap:.1f}% slower (target: within 5%)")
 

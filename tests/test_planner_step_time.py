@@ -104,3 +104,24 @@ def test_tp_must_stay_in_a_node():
     errs = layout_errors(MODEL, TrainingSetup(8, 2048), ClusterSpec(gpu_preset("H100-SXM"), 4, 4),
                          ParallelConfig(tp=8, dp=2, num_microbatches=4))
     assert "tp (8) must divide gpus_per_node (4)" in errs[0]
+
+
+def test_shared_cores_recover_the_bubble(fresh_seed):
+    """Ranks sharing cores (a CPU host): the bubble only costs what the machine's total work leaves."""
+    from tpkernels.planner.step_time import shared_core_bubble  # noqa: PLC0415
+
+    rng = random.Random(fresh_seed)
+    busy, bubble = rng.uniform(0.5, 2.0), rng.uniform(0.1, 3.0)
+    assert shared_core_bubble(busy, bubble, 1.0) == bubble  # own cores (GPUs): unchanged
+    for share in (0.25, 0.5, 0.75):
+        left = shared_core_bubble(busy, bubble, share)
+        assert left == pytest.approx(max(0.0, share * (busy + bubble) - busy))
+        assert 0.0 <= left < bubble
+    cfg = ParallelConfig(tp=1, pp=4, dp=1, num_microbatches=4)
+    train = TrainingSetup(4, 2048)
+    own = step_time(MODEL, train, cfg, CLUSTER, A100_CALIBRATED)
+    shared = step_time(MODEL, train, cfg, CLUSTER, A100_CALIBRATED.replace(core_share=0.5))
+    assert shared.bubble < own.bubble and shared.gemm == own.gemm
+    flat = step_time(MODEL, train, cfg.replace(pp=1, dp=4, num_microbatches=1), CLUSTER,
+                     A100_CALIBRATED.replace(core_share=0.5))
+    assert flat.bubble == 0.0

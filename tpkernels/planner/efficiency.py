@@ -73,6 +73,12 @@ class Efficiency:
     # Bytes read + written per trained parameter by the optimizer step (Adam: 16-bit weight, fp32
     # grad, master, two moments read; weight, master and moments written).
     optimizer_bytes_per_param: float = 34.0
+    # --- ranks sharing cores (CPUs) ---
+    # Share of a core each rank runs on while every rank is busy: cores / (ranks × threads) when a CPU
+    # host runs more rank threads than it has cores (measure.calibrate sets it and slows the rates by
+    # it), else 1. Below 1, a rank idle in the pipeline bubble hands its core to the busy ones, so
+    # the bubble costs only what the machine's total work does not already fill (step_time.py).
+    core_share: float = 1.0
     # --- corrections measured on one machine (tpkernels.planner.fit: fitted to autotune trials) ---
     # Compute-bound parts (GEMMs, memory-bound kernels, the bubble, the optimizer) × compute_scale,
     # exposed communication × comm_scale, and a fixed cost per step (host work, per-rank overhead

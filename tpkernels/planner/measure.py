@@ -333,7 +333,8 @@ def calibrate(cluster: ClusterSpec, eff: Efficiency, meas: Measurement) -> tuple
     changes = dict(gemm=1.0, gemm_fp8=1.0, gemm_k0=0.0, gemm_tail=0.0, hbm=1.0, link=1.0)
     if meas.device == "cpu":
         slow = 1.0 / share
-        changes.update(gemm_launch_s=meas.op_overhead_s * slow, kernel_launch_s=meas.op_overhead_s * slow,
+        changes.update(core_share=share, gemm_launch_s=meas.op_overhead_s * slow,
+                       kernel_launch_s=meas.op_overhead_s * slow,
                        # a 2-rank all-reduce is two ring steps
                        collective_latency_s=meas.collective_latency_s / 2 * slow,
                        p2p_latency_s=meas.collective_latency_s * slow,

@@ -23,7 +23,9 @@ Per micro-batch on the slowest pipeline stage (the last one also runs the output
              attention core, and exchanges K/V with its CP group every layer (context_parallel.py:
              the ring's hops hide behind the attention blocks they feed; all-gather and a2a do not).
 Step = the engine's simulated makespan of the schedule (pipeline_bubble.py: GPipe, 1F1B,
-       interleaved, ZB-H1 with its split weight gradient) over those per-micro-batch costs
+       interleaved, ZB-H1 with its split weight gradient) over those per-micro-batch costs (on a
+       CPU running more rank threads than cores, less what the idle ranks' freed cores recover:
+       shared_core_bubble)
      + exposed DP communication over DP × CP (collectives.py: hierarchical across nodes; the gradient
        reduction bucketed behind the last micro-batch's backward, the ZeRO-1 weight all-gather
        behind the first forward, when the software overlaps them)
@@ -221,6 +223,16 @@ def _dp_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, clus
     return grads + weights, grads_exposed + weights_exposed, trained
 
 
+def shared_core_bubble(busy: float, bubble: float, share: float) -> float:
+    """The bubble left when ranks share cores (``share`` = Efficiency.core_share < 1; busy and bubble
+    at the shared rate). A rank idle in the bubble frees its core for the busy ones, so the pipeline
+    takes the longer of the machine's total work (every rank's busy time at the shared rate: busy)
+    and the critical path at a whole core per rank (share · (busy + bubble))."""
+    if share >= 1.0:
+        return bubble
+    return max(0.0, share * (busy + bubble) - busy)
+
+
 def step_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec,
               eff: Efficiency) -> StepTime:
     """The step time of ``cfg`` run with its pipeline schedule (``cfg.pipeline_schedule``)."""
@@ -240,6 +252,7 @@ def step_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, clu
         comm = slow["p2p_one"] if train.overlap_p2p else 0.0
         bubble = bubble_time(schedule, p, m, v, slow["f"] / v, (slow["b"] if split else slow["b"] + slow["w"]) / v,
                              slow["w"] / v if split else 0.0, comm)
+        bubble = shared_core_bubble(m * slow["total"], bubble, eff.core_share)
     dp_comm, dp_exposed, trained = _dp_time(model, train, cfg, cluster, eff, slow)
     opt_params = trained / (cfg.dp * cfg.cp if cfg.zero1 else 1)
     optimizer = opt_params * eff.optimizer_bytes_per_param / (cluster.gpu.hbm_gbs * 1e9 * eff.hbm)
