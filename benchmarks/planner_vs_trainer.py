@@ -15,14 +15,15 @@ Prints each layout's error (+ = predicted faster than measured) and whether the 
 is among the planner's top 3. Writes benchmarks/results/planner_vs_trainer_<device>.csv
 ($OUT instead, if set). The target is ±15% per layout.
 
-    python benchmarks/planner_vs_trainer.py --world 4 --fit-from 3
+    python benchmarks/planner_vs_trainer.py --world 4 --fit-from 3 [--passes 2]
 
 One world of 4 ranks and its nine layouts (TP × PP × DP = 4, both schedules with PP), one global
 batch: what autotune chooses among. The planner's corrections (tpkernels.planner.fit) are fitted on
 the 3 layouts an autotuned run tries first (the planner's fastest of each family: TP, PP, pure DP),
 and every other layout is predicted again with them. Target: each of the other six within ±20% of its measured step, and
 autotune's pick (the fastest measured of the three) the fastest of all nine or within 5% of it.
-Writes planner_vs_trainer_world4_<device>.csv.
+Writes planner_vs_trainer_world4_<device>.csv. ``--passes 2`` runs the nine twice, interleaved, and
+averages each layout's measured and predicted step (its spread between passes is a column).
 
     python benchmarks/planner_vs_trainer.py --refit-csv benchmarks/results/planner_vs_trainer_world4_cpu.csv
 
@@ -92,6 +93,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=None, help="one world size and all its layouts (DP = the rest)")
     ap.add_argument("--fit-from", type=int, default=0, help="fit the planner's corrections on the K layouts it "
                                                              "predicts fastest, re-predict the others (with --world)")
+    ap.add_argument("--passes", type=int, default=1, help="run every layout this many times, interleaved, and "
+                                                          "average (the machine's speed drifts)")
     ap.add_argument("--refit-csv", type=Path, default=None, help="refit a saved --world run's CSV (its fit_compute_s, "
                                                                  "fit_comm_s, measured_s) without training again")
     args = ap.parse_args()
@@ -110,7 +113,10 @@ def main() -> None:
     train = TrainingSetup(args.mbs * args.microbatches, args.seq, precision="bf16" if on_gpu else "fp32",
                           overlap_grad_reduce=True)
     rows = []
-    for tp, pp, sched in (world_layouts(args.world) if args.world else LAYOUTS):
+    layouts = world_layouts(args.world) if args.world else LAYOUTS
+    # passes interleave (every layout once, then again): a drift of the machine's speed within the run
+    # then reaches every layout instead of the ones measured last
+    for tp, pp, sched in [x for _ in range(args.passes) for x in layouts]:
         world = args.world or tp * pp
         dp = world // (tp * pp)
         if on_gpu and torch.cuda.device_count() < world:
@@ -137,6 +143,8 @@ def main() -> None:
                      "device": meas.device_name, "date": datetime.date.today().isoformat()})
         print(f"  {rows[-1]['layout']} {rows[-1]['schedule']}: measured {measured:.3f} s, predicted "
               f"{est.step_time:.3f} s", flush=True)
+    if args.passes > 1:
+        rows = merge_passes(rows)
     print_table(rows, ["layout", "schedule", "ranks", "measured_s", "predicted_s", "error_pct", "pred_gemm_s",
                        "pred_elementwise_s", "pred_tp_exposed_s", "pred_p2p_s", "pred_bubble_s"])
     best = min(rows, key=lambda r: r["measured_s"])
@@ -150,6 +158,25 @@ def main() -> None:
         refit(args.fit_from, rows)
     name = f"planner_vs_trainer_world{args.world}_{device}" if args.world else f"planner_vs_trainer_{device}"
     print(f"wrote {write_csv(name, rows)}")
+
+
+def merge_passes(rows: list[dict]) -> list[dict]:
+    """One row per layout: the mean over passes of each measured and predicted time (and its parts)."""
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["layout"], r["schedule"]), []).append(r)
+    out = []
+    for group in by.values():
+        r = dict(group[0])
+        for k, v in r.items():
+            if isinstance(v, float) and k != "error_pct":
+                r[k] = round(statistics.fmean(g[k] for g in group), 5)
+        r["error_pct"] = round(100 * (r["measured_s"] / r["predicted_s"] - 1), 1)
+        r["passes"] = len(group)
+        r["measured_spread_pct"] = round(100 * (max(g["measured_s"] for g in group) /
+                                                min(g["measured_s"] for g in group) - 1), 1)
+        out.append(r)
+    return out
 
 
 def _config_of(row: dict) -> ParallelConfig:

@@ -7,12 +7,8 @@ trials, kept per machine, used by every later plan on that machine.
 The first term says how fast this machine really computes against the planner's rates, the second
 how fast its links are, the third what a step costs whatever the layout (Python and launch work,
 per-rank overhead that TP or PP does not divide, ranks waiting for a core). The fit is a least-squares
-solve on relative errors with a pull toward (1, 1, 0), so that two or three trials cannot send a term
-the trials did not exercise (no communication: comm_scale stays near 1) far off. The pull (PULL) is
-3% of one trial's weight, not less: the layouts of one world do about the same work per rank, so
-compute and the per-step overhead are nearly collinear across the trials, and with a weaker pull
-noise picks the split (on 4 gloo ranks, compute ×0.05 and +2.5 s per step instead of compute
-×0.83 and +1.2 s, equally close on the trials).
+solve on relative errors with a small pull toward (1, 1, 0), so that two or three trials cannot send
+a term the trials did not exercise (no communication: comm_scale stays near 1) far off.
 
 The cache is one JSON file (``$TPKERNELS_CACHE_DIR``, else ``$XDG_CACHE_HOME/tpkernels``, else
 ``~/.cache/tpkernels``: ``planner_fits.json``), keyed by the machine: the planner's GPU name and
@@ -31,7 +27,7 @@ from pathlib import Path
 
 from tpkernels.planner.efficiency import Efficiency
 
-PULL = 0.03  # weight of the (1, 1, 0) prior against one trial's relative error
+PULL = 0.001  # weight of the (1, 1, 0) prior against one trial's relative error
 
 
 @dataclass(frozen=True)
