@@ -347,7 +347,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
     if how == "fused":
         from tpkernels.functional.gemm_comm_fused import rs_steps  # noqa: PLC0415
 
-        rows = am.contiguous().view(-1, am.shape[-1])
+        rows = am.view(-1, am.shape[-1])
         # side work is queued behind the GEMM, while the reducer still pulls partials on its stream
         out = _fused("matmul_reduce_scatter", lambda ctx: rs_steps(ctx, rows, b, reduce_op, side_work), group,
                      a.device, options, rows.shape[0] * b.shape[1] * 4)
