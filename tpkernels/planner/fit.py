@@ -7,8 +7,9 @@ trials, kept per machine, used by every later plan on that machine.
 The first term says how fast this machine really computes against the planner's rates, the second
 how fast its links are, the third what a step costs whatever the layout (Python and launch work,
 per-rank overhead that TP or PP does not divide, ranks waiting for a core). The fit is a least-squares
-solve on relative errors with a small pull toward (1, 1, 0), so that two or three trials cannot send
-a term the trials did not exercise (no communication: comm_scale stays near 1) far off.
+solve on relative errors with a pull toward (1, 1, 0) as strong as the trials are noisy (:func:`fit`),
+so that a few noisy trials cannot send a term they barely exercised far off, while trials the model
+explains exactly are fitted exactly; a term no trial exercised (no communication) stays at its prior.
 
 The cache is one JSON file (``$TPKERNELS_CACHE_DIR``, else ``$XDG_CACHE_HOME/tpkernels``, else
 ``~/.cache/tpkernels``: ``planner_fits.json``), keyed by the machine: the planner's GPU name and
@@ -27,7 +28,9 @@ from pathlib import Path
 
 from tpkernels.planner.efficiency import Efficiency
 
-PULL = 0.001  # weight of the (1, 1, 0) prior against one trial's relative error
+NOISE = 0.05  # relative step-time noise assumed when the trials leave none to measure (shared CPUs: ±5%)
+MIN_PULL = 1e-10  # keeps a term no trial exercised at its prior when the trials are exact
+LOW, HIGH = (0.05, 0.05, 0.0), (20.0, 20.0, float("inf"))  # compute, comm scales; overhead s
 
 
 @dataclass(frozen=True)
@@ -55,36 +58,62 @@ def components(time, eff: Efficiency) -> tuple[float, float]:
     return compute / eff.compute_scale, comm / eff.comm_scale
 
 
-def fit(samples: list[tuple[float, float, float]]) -> Fit:
-    """``samples``: (compute s, exposed comm s, measured s) per trial, at uncorrected rates."""
+def _solve(a, b, pull: float, typical: float) -> list[float]:
+    """Bounded least squares of ``a x ≈ b`` with a prior row per term of weight √pull (active set)."""
     import torch  # noqa: PLC0415  (a 3×3 solve; torch is here anyway)
 
-    samples = [(c, m, t) for c, m, t in samples if t > 0 and math.isfinite(t)]
-    if not samples:
-        raise ValueError("fit needs at least one measured step time > 0")
-    rows = [[c / t, m / t, 1.0 / t] for c, m, t in samples]
-    rhs = [1.0] * len(rows)
-    w = math.sqrt(PULL)
-    typical = sorted(t for _, _, t in samples)[len(samples) // 2]
+    w = math.sqrt(pull)
     # the prior: scales 1, overhead 0 (measured in units of a typical step)
-    rows += [[w, 0.0, 0.0], [0.0, w, 0.0], [0.0, 0.0, w / typical]]
-    rhs += [w, w, 0.0]
-    a = torch.tensor(rows, dtype=torch.float64)
-    b = torch.tensor(rhs, dtype=torch.float64)[:, None]
-    lo, hi = (0.05, 0.05, 0.0), (20.0, 20.0, float("inf"))
+    prior = torch.tensor([[w, 0.0, 0.0], [0.0, w, 0.0], [0.0, 0.0, w / typical]], dtype=torch.float64)
+    a = torch.cat([a, prior])
+    b = torch.cat([b, torch.tensor([[w], [w], [0.0]], dtype=torch.float64)])
     fixed: dict[int, float] = {}
+    x: dict[int, float] = {}
     for _ in range(3):  # active set: a value outside its bounds is pinned there and the rest refitted
         free = [i for i in range(3) if i not in fixed]
         rest = b - sum((a[:, i:i + 1] * v for i, v in fixed.items()), torch.zeros_like(b))
         sol = torch.linalg.lstsq(a[:, free], rest).solution[:, 0].tolist() if free else []
         x = dict(fixed)
         x.update(zip(free, sol))
-        out = [i for i in free if not lo[i] <= x[i] <= hi[i]]
+        out = [i for i in free if not LOW[i] <= x[i] <= HIGH[i]]
         if not out:
             break
-        worst_i = max(out, key=lambda i: max(lo[i] - x[i], x[i] - hi[i]))
-        fixed[worst_i] = min(max(x[worst_i], lo[worst_i]), hi[worst_i])
-    cs, ms, g = (min(max(x[i], lo[i]), hi[i]) for i in range(3))
+        worst_i = max(out, key=lambda i: max(LOW[i] - x[i], x[i] - HIGH[i]))
+        fixed[worst_i] = min(max(x[worst_i], LOW[worst_i]), HIGH[worst_i])
+    return [min(max(x[i], LOW[i]), HIGH[i]) for i in range(3)]
+
+
+def fit(samples: list[tuple[float, float, float]], pull: float | None = None) -> Fit:
+    """``samples``: (compute s, exposed comm s, measured s) per trial, at uncorrected rates.
+
+    The prior's weight is the trials' own noise: a first, nearly free fit measures the scatter the
+    three terms cannot explain (its variance, on the degrees of freedom left), and that variance is
+    the pull toward (1, 1, 0), as in ridge regression with a unit prior spread. Trials that the
+    model explains exactly are recovered exactly; noisy trials keep directions they barely
+    determine (compute against a fixed overhead, on one world size) near the prior. With no spare
+    trial to measure scatter, :data:`NOISE` is assumed. ``pull`` fixes the weight instead.
+    """
+    import torch  # noqa: PLC0415
+
+    samples = [(c, m, t) for c, m, t in samples if t > 0 and math.isfinite(t)]
+    if not samples:
+        raise ValueError("fit needs at least one measured step time > 0")
+    a = torch.tensor([[c / t, m / t, 1.0 / t] for c, m, t in samples], dtype=torch.float64)
+    b = torch.ones(len(samples), 1, dtype=torch.float64)
+    typical = sorted(t for _, _, t in samples)[len(samples) // 2]
+    scaled = a * torch.tensor([1.0, 1.0, typical], dtype=torch.float64)  # overhead in typical steps
+    sv = torch.linalg.svdvals(scaled)
+    rank = int((sv > 1e-9 * sv.max()).sum()) if sv.numel() else 0
+    spare = len(samples) - rank
+    if pull is not None:
+        if not pull > 0:
+            raise ValueError(f"pull ({pull}) must be > 0")
+    elif spare > 0:
+        free = torch.tensor(_solve(a, b, MIN_PULL, typical), dtype=torch.float64)[:, None]
+        pull = max(MIN_PULL, float(((a @ free - b) ** 2).sum()) / spare)
+    else:
+        pull = NOISE ** 2
+    cs, ms, g = _solve(a, b, pull, typical)
     worst = max(abs((cs * c + ms * m + g) / t - 1) for c, m, t in samples)
     return Fit(cs, ms, g, len(samples), worst)
 
