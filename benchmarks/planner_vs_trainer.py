@@ -79,9 +79,8 @@ def train_config(args, tp: int, pp: int, schedule: str, dp: int = 1) -> dict:
             "logging": {"progress": False, "log_every": 10**6}}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6)
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The benchmarked model and batch (shared with contended_collectives.py)."""
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -90,6 +89,19 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per step at DP1 (÷ DP otherwise)")
+
+
+def model_and_batch(args) -> tuple[ModelConfig, TrainingSetup]:
+    spec = ModelConfig("llama", args.layers, args.hidden, args.heads, args.ffn, args.vocab, num_kv_heads=args.heads,
+                       max_position_embeddings=args.seq, name="bench-llama")
+    precision = "bf16" if torch.cuda.is_available() else "fp32"
+    return spec, TrainingSetup(args.mbs * args.microbatches, args.seq, precision=precision, overlap_grad_reduce=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    add_model_arguments(ap)
     ap.add_argument("--world", type=int, default=None, help="one world size and all its layouts (DP = the rest)")
     ap.add_argument("--fit-from", type=int, default=0, help="fit the planner's corrections on the K layouts it "
                                                              "predicts fastest, re-predict the others (with --world)")
@@ -108,10 +120,7 @@ def main() -> None:
         print(f"rewrote {args.refit_csv}")
         return
     on_gpu = torch.cuda.is_available()
-    spec = ModelConfig("llama", args.layers, args.hidden, args.heads, args.ffn, args.vocab, num_kv_heads=args.heads,
-                       max_position_embeddings=args.seq, name="bench-llama")
-    train = TrainingSetup(args.mbs * args.microbatches, args.seq, precision="bf16" if on_gpu else "fp32",
-                          overlap_grad_reduce=True)
+    spec, train = model_and_batch(args)
     rows = []
     layouts = world_layouts(args.world) if args.world else LAYOUTS
     # passes interleave (every layout once, then again): a drift of the machine's speed within the run
@@ -121,7 +130,7 @@ def main() -> None:
         dp = world // (tp * pp)
         if on_gpu and torch.cuda.device_count() < world:
             continue
-        meas = measure(spec, train, micro_batch_size=args.mbs)
+        meas = measure(spec, train, micro_batch_size=args.mbs, ranks=world)
         print("measured here: " + meas.describe())
         cluster, eff, _ = calibrate(ClusterSpec(gpu_preset("A100-80GB"), gpus_per_node=world, nodes=1),
                                     calibrated_for(gpu_preset("A100-80GB")), meas)

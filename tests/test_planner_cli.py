@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 
 import pytest
+import torch
 
 from tpkernels.cli import main
 from tpkernels.planner import ClusterSpec, gpu_preset, model_preset
@@ -167,6 +170,15 @@ def test_calibrate_foreign_device_plans_for_it():
     crowded, eff4, notes = calibrate(ClusterSpec(gpu_preset("H100-SXM"), 4, 1), A100_CALIBRATED, meas)
     assert crowded.gpu.peak_tflops_fp32 == pytest.approx(0.075) and crowded.gpu.hbm_gbs == pytest.approx(5.0)
     assert eff4.kernel_launch_s == pytest.approx(2e-5) and "50% of the measured rates" in notes[-1]
+    assert eff4.collective_latency_s == pytest.approx(2e-4)  # no contended timing: the idle one, twice over
+    # timed with the plan's 4 ranks computing: the collectives cost what that timing saw
+    busy = dataclasses.replace(meas, contended_ranks=4, contended_latency_s=3e-3, contended_busbw_gbs=0.3)
+    crowded, eff4, notes = calibrate(ClusterSpec(gpu_preset("H100-SXM"), 4, 1), A100_CALIBRATED, busy)
+    assert eff4.collective_latency_s == pytest.approx(1.5e-3) and eff4.p2p_latency_s == pytest.approx(3e-3)
+    assert crowded.intra_gbs == 0.3 and "timed with that many ranks computing" in notes[-1]
+    # a timing for another rank count is not this plan's
+    other, eff8, _ = calibrate(ClusterSpec(gpu_preset("H100-SXM"), 8, 1), A100_CALIBRATED, busy)
+    assert eff8.collective_latency_s == pytest.approx(4e-4) and other.intra_gbs == 0.8
 
 
 def test_layer_gemm_shapes_cover_one_layer():
@@ -184,3 +196,18 @@ def test_measure_on_this_machine():
     assert 1e-4 < meas.gemm_tflops < 5000 and 0.1 < meas.copy_gbs < 1e5 and meas.memory_gib > 1
     if meas.device == "cpu":
         assert meas.collective.startswith("gloo") and 0 < meas.busbw_gbs < 1e4
+        assert meas.contended_latency_s is None or meas.cores < 2  # two ranks fit on two cores
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or (os.cpu_count() or 1) > 4, reason="a CPU with few cores")
+def test_measure_times_collectives_with_the_plans_ranks_when_they_outnumber_the_cores():
+    """Twice as many one-thread ranks as cores, all computing: a collective's cost includes the wait
+    for a peer that has no core. Positive and finite; the planner's latency comes from it."""
+    small = model_preset("Llama-3-8B").replace(num_layers=2, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
+                                                ffn_hidden_size=352)
+    ranks = 2 * (os.cpu_count() or 1)
+    meas = measure(small, TrainingSetup(8, 64), ranks=ranks)
+    assert meas.contended_ranks == ranks and 0 <= meas.contended_latency_s < 1.0
+    assert 0 < meas.contended_busbw_gbs < 1e4 and f"with {ranks} ranks computing" in meas.describe()
+    _, eff, _ = calibrate(ClusterSpec(gpu_preset("H100-SXM"), ranks, 1), A100_CALIBRATED, meas)
+    assert eff.collective_latency_s == pytest.approx(meas.contended_latency_s / 2)

@@ -167,7 +167,7 @@ def run(args) -> int:
     if cfg.measure:
         from tpkernels.planner.measure import calibrate, measure  # noqa: PLC0415
 
-        meas = measure(model, train)
+        meas = measure(model, train, ranks=cluster.num_gpus)
         cluster, eff, notes = calibrate(cluster, eff, meas)
         if not cfg.json:
             print("measured here: " + meas.describe())

@@ -11,7 +11,9 @@ the machine's cores, so everything is timed the way one rank sees it: with
 shapes. Four more rates make the prediction hold for the small models a CPU trains: the cost of
 one op's dispatch (eager PyTorch pays it on the critical path), the attention core's rate, and
 the latency and bandwidth of gloo collectives between two ranks. ``calibrate`` then shares the
-cores among the cluster's ranks.
+cores among the cluster's ranks. When the plan's ranks outnumber the cores, the collectives are
+timed again on that many ranks, all computing: a rank that reaches a collective then waits for its
+peer to get a core back, which costs milliseconds where the idle timing sees tens of microseconds.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class Measurement:
     elementwise_gbs: float | None = None  # (read + write bytes) / time of exp / mul / add (CPU)
     optimizer_s_per_param: float | None = None  # AdamW step + gradient norm (CPU)
     loss_s_per_logit: float | None = None  # cross-entropy softmax passes, forward + backward (CPU)
+    # With more ranks than cores (CPU), timed on that many ranks, all computing between collectives
+    # in pairs: what a tiny all-reduce and a TP-sized one add to the compute (a descheduled peer's wait).
+    contended_ranks: int = 0
+    contended_latency_s: float | None = None
+    contended_busbw_gbs: float | None = None
 
     def describe(self) -> str:
         text = (f"{self.device_name}: GEMM {self.gemm_tflops:.3g} TFLOP/s ({self.gemm_dtype}), "
@@ -65,6 +72,9 @@ class Measurement:
                      f"latency {1e6 * self.collective_latency_s:.0f} µs")
             if self.p2p_gbs:
                 text += f", pairwise exchange {self.p2p_gbs:.2f} GB/s"
+            if self.contended_latency_s is not None:
+                text += (f"; with {self.contended_ranks} ranks computing: latency "
+                         f"{1e6 * self.contended_latency_s:.0f} µs, bus bandwidth {self.contended_busbw_gbs:.2f} GB/s")
         else:
             text += ", no collective measured (one device)"
         return text
@@ -122,6 +132,37 @@ def _allreduce_worker(rank: int, world_size: int, numel: int, reps: int, p2p_num
     tp2p = _median_time(exchange, sync, reps)
     return (2 * (world_size - 1) / world_size * x.numel() * x.element_size() / t / 1e9, latency,
             msg.numel() * msg.element_size() / tp2p / 1e9)
+
+
+def _contended_worker(rank: int, world_size: int, shape: tuple[int, int, int], numel: int, reps: int
+                      ) -> tuple[float, float]:
+    """(seconds a 1-element all-reduce adds to a GEMM, seconds a ``numel`` fp32 one adds) when every
+    rank runs that GEMM and then the all-reduce within its pair, over and over. With more ranks than
+    cores a rank reaching a collective waits until its peer is scheduled again: a cost the idle
+    2-rank timing does not see (TP layouts on an oversubscribed CPU pay it at every collective)."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    groups = [dist.new_group(list(range(g, min(g + 2, world_size)))) for g in range(0, world_size, 2)]
+    mine = groups[rank // 2]
+    m, k, n = shape
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    tiny, big = torch.ones(1), torch.ones(numel)
+
+    def per_iteration(x) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+            if x is not None:
+                dist.all_reduce(x, group=mine)
+        dist.barrier()
+        return (time.perf_counter() - t0) / reps
+
+    per_iteration(tiny)  # warm-up: the pair's first collective connects
+    rounds = [(per_iteration(None), per_iteration(tiny), per_iteration(big)) for _ in range(3)]
+    base, with_tiny, with_big = (sorted(r[i] for r in rounds)[1] for i in range(3))
+    return max(0.0, with_tiny - base), max(0.0, with_big - base)
 
 
 def _op_overhead(torch, reps: int = 200) -> float:
@@ -197,7 +238,9 @@ def _attention_rate(torch, model: ModelConfig, train: TrainingSetup) -> float:
 
 
 def measure(model: ModelConfig, train: TrainingSetup, collective: bool = True, threads_per_rank: int = 1,
-            micro_batch_size: int = 1) -> Measurement:
+            micro_batch_size: int = 1, ranks: int = 2) -> Measurement:
+    """``ranks``: how many ranks the plan is for; on a CPU whose cores they outnumber, the collectives
+    are timed again with that many ranks computing (:func:`_contended_worker`)."""
     import torch  # noqa: PLC0415
 
     on_gpu = torch.cuda.is_available()
@@ -205,14 +248,14 @@ def measure(model: ModelConfig, train: TrainingSetup, collective: bool = True, t
         saved_threads = torch.get_num_threads()
         torch.set_num_threads(threads_per_rank)
         try:
-            return _measure(torch, model, train, collective, on_gpu, micro_batch_size)
+            return _measure(torch, model, train, collective, on_gpu, micro_batch_size, ranks, threads_per_rank)
         finally:
             torch.set_num_threads(saved_threads)
-    return _measure(torch, model, train, collective, on_gpu, micro_batch_size)
+    return _measure(torch, model, train, collective, on_gpu, micro_batch_size, ranks, threads_per_rank)
 
 
 def _measure(torch, model: ModelConfig, train: TrainingSetup, collective: bool, on_gpu: bool,
-             micro_batch_size: int) -> Measurement:
+             micro_batch_size: int, plan_ranks: int, threads_per_rank: int) -> Measurement:
     dev = "cuda" if on_gpu else "cpu"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     # bf16 on GPUs (what training runs); fp32 on CPUs, where bf16 GEMMs are emulated on many parts.
@@ -266,8 +309,23 @@ def _measure(torch, model: ModelConfig, train: TrainingSetup, collective: bool, 
         p2p_gbs = min(r[2] for r in results)
         coll = f"{backend} all-reduce over {ranks} ranks"
     extra = {}
+    cores = os.cpu_count() or 1
+    # (a plan for more than 2 ranks per core is not timed: it would start that many processes here)
+    if collective and not on_gpu and cores < plan_ranks * threads_per_rank <= 2 * cores:
+        from tpkernels.parallel.local_ranks import RankPool  # noqa: PLC0415
+
+        # one layer's first GEMM at TP2, the width a TP pair computes between collectives
+        m, k, n = shapes[0]
+        shape = (m, k, max(64, n // 2))
+        numel = max(1024, micro_batch_size * train.seq_length * model.hidden_size // 2)
+        with RankPool(plan_ranks, backend="gloo", timeout=300, threads_per_rank=threads_per_rank) as pool:
+            out = pool.run(_contended_worker, shape, numel, 40)
+        tiny_s = sorted(r[0] for r in out)[len(out) // 2]
+        big_s = sorted(r[1] for r in out)[len(out) // 2]
+        extra = dict(contended_ranks=plan_ranks, contended_latency_s=tiny_s,
+                     contended_busbw_gbs=numel * 4 / max(big_s - tiny_s, 1e-9) / 1e9)  # 2(n−1)/n = 1 for a pair
     if not on_gpu:
-        extra = dict(threads=torch.get_num_threads(), cores=os.cpu_count() or 1, op_overhead_s=_op_overhead(torch),
+        extra.update(threads=torch.get_num_threads(), cores=cores, op_overhead_s=_op_overhead(torch),
                      attention_tflops=_attention_rate(torch, model, train), elementwise_gbs=_elementwise_gbs(torch),
                      optimizer_s_per_param=_optimizer_s_per_param(torch),
                      loss_s_per_logit=_loss_s_per_logit(torch, model, cpu_tokens))
@@ -316,6 +374,10 @@ def calibrate(cluster: ClusterSpec, eff: Efficiency, meas: Measurement) -> tuple
         # gloo moves the TP layers' ring chunks and the pipeline's activations as pairwise
         # send/recv, slower per byte than its all-reduce: plan the links at that rate
         link = min(link, meas.p2p_gbs)
+    contended = (meas.device == "cpu" and meas.contended_latency_s is not None
+                 and meas.contended_ranks == cluster.num_gpus)
+    if contended and meas.contended_busbw_gbs:
+        link = min(link, meas.contended_busbw_gbs)
     gpu = GPUSpec(
         name=f"measured {meas.device_name}", peak_tflops_bf16=rate, memory_gib=meas.memory_gib,
         # memory-bound kernels: on a CPU at the measured elementwise rate, not memcpy's
@@ -335,9 +397,11 @@ def calibrate(cluster: ClusterSpec, eff: Efficiency, meas: Measurement) -> tuple
         slow = 1.0 / share
         changes.update(core_share=share, gemm_launch_s=meas.op_overhead_s * slow,
                        kernel_launch_s=meas.op_overhead_s * slow,
-                       # a 2-rank all-reduce is two ring steps
-                       collective_latency_s=meas.collective_latency_s / 2 * slow,
-                       p2p_latency_s=meas.collective_latency_s * slow,
+                       # a 2-rank all-reduce is two ring steps; with more ranks than cores, what
+                       # it cost with all of them computing (the wait for a descheduled peer)
+                       collective_latency_s=(meas.contended_latency_s if contended
+                                             else meas.collective_latency_s * slow) / 2,
+                       p2p_latency_s=meas.contended_latency_s if contended else meas.collective_latency_s * slow,
                        # gloo makes progress on the CPU the compute is using: nothing hides
                        tp_overlap=0.0, elementwise_traffic=eff.elementwise_traffic)
         if meas.attention_tflops:
@@ -350,5 +414,7 @@ def calibrate(cluster: ClusterSpec, eff: Efficiency, meas: Measurement) -> tuple
         if meas.loss_s_per_logit:
             changes["logit_traffic"] = meas.loss_s_per_logit * slow * bw / 4.0  # per 4-byte fp32 logit
         notes.append(f"{cluster.num_gpus} ranks × {meas.threads} thread(s) on {meas.cores} cores: each rank gets "
-                     f"{100 * share:.0f}% of the measured rates")
+                     f"{100 * share:.0f}% of the measured rates"
+                     + (", and its collectives the latency and bandwidth timed with that many ranks computing"
+                        if contended else ""))
     return mine, eff.replace(**changes), notes

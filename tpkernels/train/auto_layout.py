@@ -47,7 +47,7 @@ def plan_layout(cfg: TrainConfig, world: int):
     else:  # a CPU box: the planner runs on the rates measured here
         cluster = ClusterSpec(gpu_preset("A100-80GB"), gpus_per_node=world, nodes=1)
         cluster, eff, _ = calibrate(cluster, calibrated_for(cluster.gpu),
-                                    measure(spec, train, micro_batch_size=pc.micro_batch_size))
+                                    measure(spec, train, micro_batch_size=pc.micro_batch_size, ranks=world))
         key = machine_key("cpu", world)
     cached = load_fit(key) if cfg.autotune.cache else None
     if cached is not None:  # what earlier autotune trials on this machine measured
