@@ -29,6 +29,11 @@ from pathlib import Path
 from tpkernels.planner.efficiency import Efficiency
 
 NOISE = 0.05  # relative step-time noise assumed when the trials leave none to measure (shared CPUs: ±5%)
+# the prior's spread: a scale is a priori within ±50% of the measured rates (and the overhead within half
+# a typical step). Chosen on this stop's two world-4 runs (benchmarks/planner_vs_trainer.py --refit-csv):
+# at 0.5 both predict all six untried layouts within ±20%; 1.0 leaves TP4 at −35% in one, 0.3 and less
+# leave one layout at 22–24% in the other.
+SPREAD = 0.5
 MIN_PULL = 1e-10  # keeps a term no trial exercised at its prior when the trials are exact
 LOW, HIGH = (0.05, 0.05, 0.0), (20.0, 20.0, float("inf"))  # compute, comm scales; overhead s
 
@@ -87,8 +92,8 @@ def fit(samples: list[tuple[float, float, float]], pull: float | None = None) ->
     """``samples``: (compute s, exposed comm s, measured s) per trial, at uncorrected rates.
 
     The prior's weight is the trials' own noise: a first, nearly free fit measures the scatter the
-    three terms cannot explain (its variance, on the degrees of freedom left), and that variance is
-    the pull toward (1, 1, 0), as in ridge regression with a unit prior spread. Trials that the
+    three terms cannot explain (its variance, on the degrees of freedom left), and that variance over
+    :data:`SPREAD`² is the pull toward (1, 1, 0), as in ridge regression. Trials that the
     model explains exactly are recovered exactly; noisy trials keep directions they barely
     determine (compute against a fixed overhead, on one world size) near the prior. With no spare
     trial to measure scatter, :data:`NOISE` is assumed. ``pull`` fixes the weight instead.
@@ -110,9 +115,9 @@ def fit(samples: list[tuple[float, float, float]], pull: float | None = None) ->
             raise ValueError(f"pull ({pull}) must be > 0")
     elif spare > 0:
         free = torch.tensor(_solve(a, b, MIN_PULL, typical), dtype=torch.float64)[:, None]
-        pull = max(MIN_PULL, float(((a @ free - b) ** 2).sum()) / spare)
+        pull = max(MIN_PULL, float(((a @ free - b) ** 2).sum()) / spare / SPREAD ** 2)
     else:
-        pull = NOISE ** 2
+        pull = NOISE ** 2 / SPREAD ** 2
     cs, ms, g = _solve(a, b, pull, typical)
     worst = max(abs((cs * c + ms * m + g) / t - 1) for c, m, t in samples)
     return Fit(cs, ms, g, len(samples), worst)
