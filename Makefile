@@ -25,7 +25,7 @@ test: install
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
 demo: install
-	$(BIN)/tpkernels train --config python/configs/demo_llama_tp2_pp2.yaml --nproc 4 --verify-step0
+	$(BIN)/tpkernels train --config python/configs/demo_llama_tp2_pp2.yaml --nproc 4 --layout auto --autotune 3 --verify-step0
 
 bench: install
 	$(BIN)/python benchmarks/bench_bias_gelu.py

@@ -105,21 +105,27 @@ def test_budget_leaves_the_winner_steps():
 
 
 def test_cli_autotunes_on_spawned_ranks(tmp_path):
-    """`tpkernels train --layout auto --autotune 3 --nproc 4`: the table, the winner, the metrics record."""
+    """`tpkernels train --layout auto --autotune 3 --nproc 4 --verify-step0` with a layout of its own
+    (TP2 PP2 GPipe, which the planner never ranks first: 1F1B has its bubble with less memory): the
+    table, the planner's three and "your layout", the winner, the metrics record, and step 0 checked
+    against the single-process model (which runs no trials)."""
     metrics = tmp_path / "m.jsonl"
     args = ["--layout", "auto", "--autotune", "3", "--nproc", "4", "--layers", "2", "--hidden", "32", "--heads", "4",
-            "--kv-heads", "2", "--ffn", "48", "--vocab", "97", "--seq-length", "16", "--steps", "20",
-            "--num-microbatches", "4", "--progress", "false", "--metrics-file", str(metrics)]
+            "--kv-heads", "2", "--ffn", "48", "--vocab", "97", "--seq-length", "16", "--steps", "24",
+            "--num-microbatches", "4", "--progress", "false", "--metrics-file", str(metrics), "--verify-step0",
+            "--tp", "2", "--pp", "2", "--schedule", "gpipe"]
     r = subprocess.run([sys.executable, "-m", "tpkernels.train", *args], capture_output=True, text=True, timeout=300,
                        cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "autotune: " in r.stdout and "← fastest measured" in r.stdout and "continuing with " in r.stdout, r.stdout
+    assert "from the single-process model on the same batch: equal" in r.stdout, r.stdout[-2000:]
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [x["step"] for x in records if "step" in x] == list(range(20))
+    assert [x["step"] for x in records if "step" in x] == list(range(24))
     summary = next(x for x in records if "autotune" in x)
-    tried = summary["autotune"]  # 3 by the planner's rank, maybe a 4th the refit planner prefers
-    assert [r["why"] for r in tried[:3]] == ["planner's rank"] * 3 and len(tried) in (3, 4)
-    assert summary["trial_steps"] == 3 * len(tried)  # (1 + 2) steps each, of the 20
+    tried = summary["autotune"]  # 3 by the planner's rank, the config's own, maybe one the refit planner prefers
+    assert [r["why"] for r in tried[:4]] == ["planner's rank"] * 3 + ["your layout"] and len(tried) in (4, 5)
+    assert tried[3]["layout"] == "TP2 PP2 DP1 mbs1 gpipe" and tried[3]["status"] == "ok", tried[3]
+    assert summary["trial_steps"] == 3 * len(tried)  # (1 + 2) steps each, of the 24
     assert summary["winner"] in {x["layout"] for x in summary["autotune"]}
 
 
@@ -177,3 +183,31 @@ def test_adapt_switches_away_from_a_slow_link_without_losing_a_step(rank_pool, t
                                                  pp=1, schedule=None).short() and move["to"].startswith("TP1 PP1 DP2")
     layouts = [r["layout"] for r in records if "step" in r]
     assert layouts[-1].startswith("TP1 PP1 DP2") and layouts[3].startswith("TP2")
+
+
+def test_the_configs_own_layout_is_a_candidate_at_the_runs_batch():
+    from tpkernels.planner import ClusterSpec, TrainingSetup, calibrated_for, gpu_preset, plan
+    from tpkernels.train import TrainConfig
+    from tpkernels.train.autotune import candidates_from_plan, label, manual_candidate, with_manual
+
+    def cfg(**parallel):
+        return TrainConfig.from_values({"layout": "auto", "model": {"name": "Llama-2-7B", "layers": 4, "hidden": 64,
+                                                                     "heads": 4, "kv_heads": 2, "ffn": 96, "vocab": 97},
+                                        "parallel": {"micro_batch_size": 2, **parallel}, "data": {"seq_length": 16},
+                                        "autotune": {"candidates": 3}})
+
+    c = cfg()
+    gpu = gpu_preset("H100-SXM")
+    p = plan(c.model_config(), TrainingSetup(24, 16), ClusterSpec(gpu, 4, 1), calibrated_for(gpu))
+    assert manual_candidate(c, p, 4) == (None, "")  # no layout set: the planner's only
+    mine, why = manual_candidate(cfg(tp=2, pp=2, sequence_parallel=True, schedule="gpipe"), p, 4)
+    assert why == "" and mine.why == "your layout" and mine.parallel.num_microbatches == 12  # 24 / (2 × DP1)
+    assert label(mine.parallel) == "TP2 PP2 DP1 mbs2 SP gpipe" and mine.predicted["step_s"] > 0
+    none, why = manual_candidate(cfg(tp=3), p, 4)
+    assert none is None and "your layout (TP3" in why and "num_attention_heads (4)" in why, why
+    none, why = manual_candidate(cfg(tp=2, micro_batch_size=5), p, 4)
+    assert none is None and "global batch (24) is not a multiple of micro_batch_size × dp (5 × 2)" in why, why
+    cands = candidates_from_plan(c, p, 20)
+    put, tries = with_manual(cands, 3, mine)
+    assert tries == 3 and put[2] is mine and put[:2] == cands[:2] and len(put) == len(cands) + 1
+    assert with_manual(cands, 3, cands[1]) == (cands, 3)  # the planner tries it already

@@ -45,6 +45,7 @@ from tpkernels.train.metrics import MetricsFile, median
 class Candidate:
     parallel: ParallelConfig
     predicted: dict  # the planner's step_s, bubble, comm_ratio, memory_gib, layout
+    why: str = "planner's rank"  # how it came to be tried: the planner's ranking, or the config's own layout
 
 
 def family(pc: ParallelConfig) -> str:
@@ -69,17 +70,61 @@ def diverse_order(items: list, config_of=lambda x: x.config) -> list:
 def candidates_from_plan(cfg: TrainConfig, p, k: int) -> list[Candidate]:
     """The plan's ``k`` fastest layouts (one setting each) in :func:`diverse_order`, with the config's
     communication knobs."""
-    from tpkernels.planner.fit import components  # noqa: PLC0415
-
     out = []
     for est in diverse_order(p.ranked[:k]):
         parallel = est.config.replace(**{f: getattr(cfg.parallel, f) for f in KEPT})  # the user's comm knobs
-        compute, comm = components(est.time, p.efficiency)
-        out.append(Candidate(parallel, {"step_s": est.step_time, "bubble": est.bubble_fraction,
-                                        "comm_ratio": est.time.comm_ratio, "memory_gib": est.memory.total / 2**30,
-                                        "layout": label(parallel), "compute_s": compute, "comm_s": comm,
-                                        "machine": p.machine_key}))
+        out.append(Candidate(parallel, _predicted(est, parallel, p)))
     return out
+
+
+def _predicted(est, parallel: ParallelConfig, p) -> dict:
+    """What a candidate carries of the planner's Estimate ``est`` (of the Plan ``p``)."""
+    from tpkernels.planner.fit import components  # noqa: PLC0415
+
+    compute, comm = components(est.time, p.efficiency)
+    return {"step_s": est.step_time, "bubble": est.bubble_fraction, "comm_ratio": est.time.comm_ratio,
+            "memory_gib": est.memory.total / 2**30, "layout": label(parallel), "compute_s": compute, "comm_s": comm,
+            "machine": p.machine_key}
+
+
+# the parallel keys that make a layout (micro-batching only sets the batch under layout: auto)
+LAYOUT_KEYS = ("tp", "pp", "cp", "cp_algo", "virtual_stages", "schedule", "sequence_parallel", "recompute", "zero1")
+
+
+def manual_candidate(cfg: TrainConfig, p, world: int) -> tuple[Candidate | None, str]:
+    """The config's own ``parallel`` section as one more candidate, when it sets a layout (a key of
+    LAYOUT_KEYS away from its default) next to ``layout: auto``: its TP, PP, CP, schedule and
+    micro-batch size, with the micro-batch count that gives the plan's global batch (every candidate
+    trains the same batches). ``(candidate, "")``; ``(None, why)`` when it cannot run here;
+    ``(None, "")`` when the config sets no layout."""
+    from tpkernels.planner import estimate  # noqa: PLC0415
+
+    user, default = cfg.parallel, ParallelConfig(dp=None)
+    if all(getattr(user, k) == getattr(default, k) for k in LAYOUT_KEYS):
+        return None, ""
+    pc = user.for_world(world)
+    gb = p.train.global_batch
+    try:
+        pc.validate(world_size=world, key_prefix="parallel.", **p.model.layout_rules(p.train.seq_length))
+        per = pc.micro_batch_size * pc.dp
+        if gb % per:
+            raise ParallelConfigError([f"the run's global batch ({gb}) is not a multiple of micro_batch_size × dp "
+                                       f"({pc.micro_batch_size} × {pc.dp})"])
+        pc = pc.replace(num_microbatches=gb // per)
+        pc.validate(world_size=world, key_prefix="parallel.", **p.model.layout_rules(p.train.seq_length))
+        est = estimate(p.model, p.train, p.cluster, pc, p.efficiency)
+    except (ParallelConfigError, ValueError) as e:
+        return None, f"your layout ({user.short()}) is not tried: " + " ".join(str(e).split())
+    return Candidate(pc, _predicted(est, pc, p), why="your layout"), ""
+
+
+def with_manual(cands: list[Candidate], tries: int, mine: Candidate | None) -> tuple[list[Candidate], int]:
+    """``cands`` with the config's own layout among the first ``tries`` (it replaces the last planner's
+    pick there when the trial budget has no room; nothing changes when the planner already tries it)."""
+    if mine is None or label(mine.parallel) in {label(c.parallel) for c in cands[:tries]}:
+        return cands, tries
+    rest = [c for c in cands if label(c.parallel) != label(mine.parallel)]
+    return rest[:tries - 1] + [mine] + rest[tries - 1:], tries
 
 
 def label(pc: ParallelConfig) -> str:
@@ -195,7 +240,7 @@ def train_autotuned(cfg: TrainConfig, cands: list[Candidate], tries: int | None 
     for i, c in enumerate(cands[:tries]):
         if state["step"] is not None and state["step"] >= steps:
             break
-        trial(i, c, "planner's rank")
+        trial(i, c, c.why)
     rows = _shared(rows)
     refit = _refit(cands, rows)
     if refit is not None and (state["step"] or 0) + per < steps:

@@ -79,7 +79,10 @@ def single_process_loss(cfg: TrainConfig, dp: int) -> float:
     one = dataclasses.replace(
         cfg, parallel=cfg.parallel.replace(tp=1, cp=1, pp=1, dp=1, virtual_stages=1, sequence_parallel=False, schedule=None,
                                            num_microbatches=cfg.parallel.num_microbatches * dp),
-        checkpoint=dataclasses.replace(cfg.checkpoint, save_dir=None))
+        checkpoint=dataclasses.replace(cfg.checkpoint, save_dir=None),
+        # one process trains nothing past step 0: no trials, no monitor (an autotuned run's step 0 is its
+        # first candidate's, the planner's choice, which is what ``cfg`` holds)
+        autotune=dataclasses.replace(cfg.autotune, candidates=0, monitor_every=0, adapt=False))
     trainer = Trainer(one)
     ids, pos = trainer.data.batch(0, trainer.pc.global_batch_size)
     return trainer.model.evaluate(ids, next_token_targets(ids, pos), position_ids=pos)
@@ -134,15 +137,21 @@ def run(args) -> int:
         from tpkernels.train.auto_layout import apply_plan, explain, plan_layout  # noqa: PLC0415
 
         best, p = plan_layout(cfg, _world(args))
+        note = ""
         if cfg.autotune.candidates:
-            from tpkernels.train.autotune import candidates_from_plan, trial_budget  # noqa: PLC0415
+            from tpkernels.train.autotune import (  # noqa: PLC0415
+                candidates_from_plan, manual_candidate, trial_budget, with_manual)
 
+            # the config's own layout, if it sets one, is tried with the planner's K (budget permitting)
+            mine, note = manual_candidate(cfg, p, _world(args))
             # the budget's first K are tried; the rest of the ranking is where the refit planner may look
-            tries = trial_budget(cfg, cfg.autotune.candidates)
-            candidates = (candidates_from_plan(cfg, p, max(tries, 20)), tries)
+            tries = trial_budget(cfg, cfg.autotune.candidates + (mine is not None))
+            candidates = with_manual(candidates_from_plan(cfg, p, max(tries, 20)), tries, mine)
         cfg = apply_plan(cfg, best)
         if int(os.environ.get("RANK", 0)) == 0:
             print(explain(p), flush=True)
+            if note:
+                print(f"autotune: {note}", flush=True)
             if candidates:
                 print(f"autotune: trying {', '.join(c.parallel.short() for c in candidates[0][:tries])} on these "
                       "ranks", flush=True)
