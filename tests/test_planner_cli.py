@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -199,7 +200,8 @@ def test_measure_on_this_machine():
         assert meas.contended_latency_s is None or meas.cores < 2  # two ranks fit on two cores
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or (os.cpu_count() or 1) > 4, reason="a CPU with few cores")
+@pytest.mark.skipif(torch.cuda.is_available() or (os.cpu_count() or 1) > 4,
+                    reason="starts two ranks per core: a CPU-only machine with at most 4 cores (CI has 2)")
 def test_measure_times_collectives_with_the_plans_ranks_when_they_outnumber_the_cores():
     """Twice as many one-thread ranks as cores, all computing: a collective's cost includes the wait
     for a peer that has no core. Positive and finite; the planner's latency comes from it."""
@@ -207,7 +209,7 @@ def test_measure_times_collectives_with_the_plans_ranks_when_they_outnumber_the_
                                                 ffn_hidden_size=352)
     ranks = 2 * (os.cpu_count() or 1)
     meas = measure(small, TrainingSetup(8, 64), ranks=ranks)
-    assert meas.contended_ranks == ranks and 0 <= meas.contended_latency_s < 1.0
+    assert meas.contended_ranks == ranks and 0 <= meas.contended_latency_s and math.isfinite(meas.contended_latency_s)
     assert 0 < meas.contended_busbw_gbs < 1e4 and f"with {ranks} ranks computing" in meas.describe()
     _, eff, _ = calibrate(ClusterSpec(gpu_preset("H100-SXM"), ranks, 1), A100_CALIBRATED, meas)
     assert eff.collective_latency_s == pytest.approx(meas.contended_latency_s / 2)

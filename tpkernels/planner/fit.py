@@ -88,6 +88,19 @@ def _solve(a, b, pull: float, typical: float) -> list[float]:
     return [min(max(x[i], LOW[i]), HIGH[i]) for i in range(3)]
 
 
+def _noise_pull(a, b, typical: float) -> float:
+    """The prior's weight from the trials' scatter: a nearly free fit's residual variance on the
+    degrees of freedom the trials leave (the rank of their design), over SPREAD²."""
+    import torch  # noqa: PLC0415
+
+    sv = torch.linalg.svdvals(a * torch.tensor([1.0, 1.0, typical], dtype=torch.float64))  # overhead in steps
+    spare = a.shape[0] - int((sv > 1e-9 * sv.max()).sum())
+    if spare <= 0:
+        return NOISE ** 2 / SPREAD ** 2
+    free = torch.tensor(_solve(a, b, MIN_PULL, typical), dtype=torch.float64)[:, None]
+    return max(MIN_PULL, float(((a @ free - b) ** 2).sum()) / spare / SPREAD ** 2)
+
+
 def fit(samples: list[tuple[float, float, float]], pull: float | None = None) -> Fit:
     """``samples``: (compute s, exposed comm s, measured s) per trial, at uncorrected rates.
 
@@ -106,18 +119,10 @@ def fit(samples: list[tuple[float, float, float]], pull: float | None = None) ->
     a = torch.tensor([[c / t, m / t, 1.0 / t] for c, m, t in samples], dtype=torch.float64)
     b = torch.ones(len(samples), 1, dtype=torch.float64)
     typical = sorted(t for _, _, t in samples)[len(samples) // 2]
-    scaled = a * torch.tensor([1.0, 1.0, typical], dtype=torch.float64)  # overhead in typical steps
-    sv = torch.linalg.svdvals(scaled)
-    rank = int((sv > 1e-9 * sv.max()).sum()) if sv.numel() else 0
-    spare = len(samples) - rank
-    if pull is not None:
-        if not pull > 0:
-            raise ValueError(f"pull ({pull}) must be > 0")
-    elif spare > 0:
-        free = torch.tensor(_solve(a, b, MIN_PULL, typical), dtype=torch.float64)[:, None]
-        pull = max(MIN_PULL, float(((a @ free - b) ** 2).sum()) / spare / SPREAD ** 2)
-    else:
-        pull = NOISE ** 2 / SPREAD ** 2
+    if pull is None:
+        pull = _noise_pull(a, b, typical)
+    elif not pull > 0:
+        raise ValueError(f"pull ({pull}) must be > 0")
     cs, ms, g = _solve(a, b, pull, typical)
     worst = max(abs((cs * c + ms * m + g) / t - 1) for c, m, t in samples)
     return Fit(cs, ms, g, len(samples), worst)

@@ -99,32 +99,31 @@ def manual_candidate(cfg: TrainConfig, p, world: int) -> tuple[Candidate | None,
     ``(None, "")`` when the config sets no layout."""
     from tpkernels.planner import estimate  # noqa: PLC0415
 
-    user, default = cfg.parallel, ParallelConfig(dp=None)
+    user, default = cfg.parallel, TrainConfig().parallel
     if all(getattr(user, k) == getattr(default, k) for k in LAYOUT_KEYS):
         return None, ""
     pc = user.for_world(world)
-    gb = p.train.global_batch
+    gb, per = p.train.global_batch, pc.micro_batch_size * pc.dp
+    if gb % per == 0:
+        pc = pc.replace(num_microbatches=gb // per)
     try:
         pc.validate(world_size=world, key_prefix="parallel.", **p.model.layout_rules(p.train.seq_length))
-        per = pc.micro_batch_size * pc.dp
         if gb % per:
             raise ParallelConfigError([f"the run's global batch ({gb}) is not a multiple of micro_batch_size × dp "
                                        f"({pc.micro_batch_size} × {pc.dp})"])
-        pc = pc.replace(num_microbatches=gb // per)
-        pc.validate(world_size=world, key_prefix="parallel.", **p.model.layout_rules(p.train.seq_length))
         est = estimate(p.model, p.train, p.cluster, pc, p.efficiency)
     except (ParallelConfigError, ValueError) as e:
         return None, f"your layout ({user.short()}) is not tried: " + " ".join(str(e).split())
     return Candidate(pc, _predicted(est, pc, p), why="your layout"), ""
 
 
-def with_manual(cands: list[Candidate], tries: int, mine: Candidate | None) -> tuple[list[Candidate], int]:
+def with_manual(cands: list[Candidate], tries: int, mine: Candidate | None) -> list[Candidate]:
     """``cands`` with the config's own layout among the first ``tries`` (it replaces the last planner's
     pick there when the trial budget has no room; nothing changes when the planner already tries it)."""
     if mine is None or label(mine.parallel) in {label(c.parallel) for c in cands[:tries]}:
-        return cands, tries
+        return cands
     rest = [c for c in cands if label(c.parallel) != label(mine.parallel)]
-    return rest[:tries - 1] + [mine] + rest[tries - 1:], tries
+    return rest[:tries - 1] + [mine] + rest[tries - 1:]
 
 
 def label(pc: ParallelConfig) -> str:

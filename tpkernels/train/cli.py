@@ -146,7 +146,7 @@ def run(args) -> int:
             mine, note = manual_candidate(cfg, p, _world(args))
             # the budget's first K are tried; the rest of the ranking is where the refit planner may look
             tries = trial_budget(cfg, cfg.autotune.candidates + (mine is not None))
-            candidates = with_manual(candidates_from_plan(cfg, p, max(tries, 20)), tries, mine)
+            candidates = (with_manual(candidates_from_plan(cfg, p, max(tries, 20)), tries, mine), tries)
         cfg = apply_plan(cfg, best)
         if int(os.environ.get("RANK", 0)) == 0:
             print(explain(p), flush=True)
