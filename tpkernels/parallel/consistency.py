@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tpkernels import env_vars
 from tpkernels._state import setting
+from tpkernels.parallel import control
 
 ENV_VAR = "TPKERNELS_CHECK_RANKS"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -89,17 +90,13 @@ def agree(group, op: str, *, force: bool = False, **fields: Any) -> None:
         return
     names = list(fields)
     mine = torch.tensor([x for name in names for x in _encode(fields[name])], dtype=torch.int64)
-    nccl = dist.get_backend(group) == "nccl"
-    dev = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
-    from tpkernels.parallel.collectives import all_gather_into  # noqa: PLC0415  (collectives imports nothing of ours)
-
     from tpkernels.parallel.trace import CommSpan  # noqa: PLC0415
 
-    span = CommSpan(f"rank check ({op})", dev.type, bytes=everyone.numel() * 8)  # waiting for a late rank is comm
-    all_gather_into(everyone, mine.to(dev), group)
+    span = CommSpan(f"rank check ({op})", control.control_device(group).type,
+                    bytes=world * mine.numel() * 8)  # waiting for a late rank is comm
+    everyone = control.all_gather_ints(mine, group)
     span.done()
-    rows = everyone.cpu().view(world, len(names), _WIDTH).tolist()
+    rows = everyone.view(world, len(names), _WIDTH).tolist()
     for r in range(1, world):
         for i, name in enumerate(names):
             if rows[r][i] != rows[0][i]:

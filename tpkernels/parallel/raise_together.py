@@ -21,6 +21,8 @@ import contextlib
 
 import torch.distributed as dist
 
+from tpkernels.parallel import control
+
 
 class PeerError(RuntimeError):
     """Raised on every rank when another rank's failure was not a standard error type."""
@@ -52,8 +54,7 @@ def raise_together(what: str, group=None, *, active: bool = True, types: tuple =
     except Exception as e:  # noqa: BLE001  (exchanged, then re-raised below)
         failure = e
     mine = None if failure is None else (type(failure).__name__, str(failure).strip("'\""))
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = control.all_gather_objects(mine, group)
     failed = [(r, f) for r, f in enumerate(everyone) if f is not None]
     if not failed:
         return

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tpkernels.parallel import control
+
 from tpkernels.parallel.config import ParallelConfig, ParallelConfigError
 
 
@@ -40,8 +42,7 @@ def _agree_on_config(config: ParallelConfig, model_rules: dict) -> None:
     if not _initialised() or dist.get_world_size() == 1:
         return
     mine = (config, sorted(model_rules.items()))
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = control.all_gather_objects(mine)
     differ = [r for r, other in enumerate(every) if other != every[0]]
     if differ:
         (c0, rules0), (c1, rules1) = every[0], every[differ[0]]

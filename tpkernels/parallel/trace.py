@@ -110,12 +110,10 @@ class CommTrace:
         two rows). Collective over ``group``; rank 0 writes the file and returns the events."""
         import torch.distributed as dist  # noqa: PLC0415
 
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank(group)
-            gathered = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, self.chrome_events(rank), group=group)
-        else:
-            rank, gathered = 0, [self.chrome_events(0)]
+        from tpkernels.parallel import control  # noqa: PLC0415
+
+        rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+        gathered = control.all_gather_objects(self.chrome_events(rank), group)
         if rank != 0:
             return None
         events = [e for per_rank in gathered for e in per_rank]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-import torch.distributed as dist
+
+from tpkernels.parallel import control
 
 from tpkernels.pipeline.actions import Action
 
@@ -21,8 +22,7 @@ COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 def gather_timeline(local: Sequence[tuple[Action, float, float]], group=None) -> Timeline:
     """Every rank's timeline on every rank (collective)."""
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, [(str(a.kind), a.mb, a.chunk, s, e) for a, s, e in local], group=group)
+    out = control.all_gather_objects([(str(a.kind), a.mb, a.chunk, s, e) for a, s, e in local], group)
     return [[(Action(k, mb, c), s, e) for k, mb, c, s, e in per_rank] for per_rank in out]
 
 

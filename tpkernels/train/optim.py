@@ -24,9 +24,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from tpkernels.models.grad_sync import grad_of
+from tpkernels.parallel import control
 from tpkernels.parallel.groups import group_rank_size
 from tpkernels.parallel.param_tags import tag_of
 
@@ -53,8 +53,8 @@ def global_grad_norm(model, tp_group=None, pp_group=None) -> torch.Tensor:
         else:
             total += g.square().sum()
     for group in (tp_group, pp_group):
-        if group is not None and group_rank_size(group)[1] > 1:
-            dist.all_reduce(total, group=group)
+        if group is not None:
+            control.all_reduce_(total, "sum", group)
     return total.sqrt().float()
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
+
+from tpkernels.parallel import control
 
 from tpkernels.train.metrics import PHASES, median
 
@@ -90,10 +91,7 @@ class SlowdownMonitor:
         mine = {p: median([r["phases"][p] for r in self._window]) for p in PHASES}
         mine["step"] = median([r["step_s"] for r in self._window])
         self._window = []
-        every_rank = [mine]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            every_rank = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(every_rank, mine, group=self.group)
+        every_rank = control.all_gather_objects(mine, self.group)
         if self.baseline is None:
             self.baseline = every_rank
             return None
