@@ -110,13 +110,15 @@ def _allreduce_worker(rank: int, world_size: int, numel: int, reps: int, p2p_num
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
-    dev = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    from tpkernels.parallel import control  # noqa: PLC0415
+
+    dev = control.control_device()
     x = torch.ones(numel, device=dev)
     tiny = torch.ones(1, device=dev)
-    sync = torch.cuda.synchronize if dev != "cpu" else (lambda: None)
+    sync = torch.cuda.synchronize if dev.type != "cpu" else (lambda: None)
     dist.all_reduce(x)
     sync()
-    dist.barrier()
+    control.barrier()
     t = _median_time(lambda: dist.all_reduce(x), sync, reps)
     latency = _median_time(lambda: dist.all_reduce(tiny), sync, 4 * reps)
     # a pairwise exchange of a TP-sized message (what the ring GEMM-comm ops and pipeline P2P do)
@@ -143,6 +145,8 @@ def _contended_worker(rank: int, world_size: int, shape: tuple[int, int, int], n
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
+    from tpkernels.parallel import control  # noqa: PLC0415
+
     groups = [dist.new_group(list(range(g, min(g + 2, world_size)))) for g in range(0, world_size, 2)]
     mine = groups[rank // 2]
     m, k, n = shape
@@ -150,13 +154,13 @@ def _contended_worker(rank: int, world_size: int, shape: tuple[int, int, int], n
     tiny, big = torch.ones(1), torch.ones(numel)
 
     def per_iteration(x) -> float:
-        dist.barrier()
+        control.barrier()
         t0 = time.perf_counter()
         for _ in range(reps):
             a @ b
             if x is not None:
                 dist.all_reduce(x, group=mine)
-        dist.barrier()
+        control.barrier()
         return (time.perf_counter() - t0) / reps
 
     per_iteration(tiny)  # warm-up: the pair's first collective connects
