@@ -5,10 +5,12 @@ needed."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
 import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -109,10 +111,70 @@ def _crafted_metadata(step: Path) -> str:
     return r"refers to (posix|os)\.system, which a checkpoint's metadata never holds"
 
 
+def _reseal(step: Path, md) -> None:
+    """Write DCP metadata ``md`` as DCP does (a pickle) and recompute the digests and the seal, as anyone
+    can: only the checks of what .metadata may declare stand between it and the load."""
+    from tpkernels.train.checkpoint_files import digest_files, seal
+
+    (step / ".metadata").write_bytes(pickle.dumps(md))
+    meta = json.loads((step / "meta.json").read_text())
+    meta["files"] = digest_files(step)
+    (step / "meta.json").write_text(json.dumps(seal(meta)))
+
+
+def _bytes_entry(step: Path) -> str:
+    """optim::step declared as bytes, stored in a .distcp file as a torch.save pickle that runs a shell
+    command: DCP's default planner would torch.load(weights_only=False) it."""
+    import io
+
+    from torch.distributed.checkpoint import metadata as M
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from tpkernels.train.checkpoint_files import read_dcp_metadata
+
+    md = read_dcp_metadata(step)
+    buf = io.BytesIO()
+    torch.save(_RunsCode(), buf)
+    (step / "__9_0.distcp").write_bytes(buf.getvalue())
+    md.state_dict_metadata["optim::step"] = M.BytesStorageMetadata()
+    md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != "optim::step"}
+    md.storage_data[M.MetadataIndex("optim::step")] = _StorageInfo("__9_0.distcp", 0, len(buf.getvalue()))
+    _reseal(step, md)
+    return r"\.metadata declares entry 'optim::step' stored as BytesStorageMetadata; the package writes tensors only"
+
+
+def _path_out(where):
+    """Every entry's storage moved to a copy of the weights outside the folder, at ``where(step)``."""
+    def damage(step: Path) -> str:
+        from tpkernels.train.checkpoint_files import read_dcp_metadata
+
+        md = read_dcp_metadata(step)
+        target = where(step)
+        outside = step / target if not Path(target).is_absolute() else Path(target)
+        shutil.copy(_distcp(step), outside)
+        md.storage_data = {k: dataclasses.replace(v, relative_path=target) for k, v in md.storage_data.items()}
+        _reseal(step, md)
+        return rf"\.metadata declares entry '.*' stored in '{re.escape(target)}', which is not a plain file name inside"
+    return damage
+
+
+def _digest_of_a_file_outside(step: Path) -> str:
+    from tpkernels.train.checkpoint_files import seal, sha256_of
+
+    meta = json.loads((step / "meta.json").read_text())
+    meta["files"]["../../outside"] = {"bytes": 3, "sha256": sha256_of(step / "meta.json")}
+    (step / "meta.json").write_text(json.dumps(seal(meta)))
+    return r"meta.json records '\.\./\.\./outside', which is not a plain file name"
+
+
 DAMAGE = {"bit flip in a weight file": _flip, "truncated weight file": _truncate, "missing shard": _remove_shard,
           "step edited in meta.json": _edit_step, "step edited and resealed": _edit_step_and_seal,
           "meta.json not JSON": _meta_not_json, "meta.json not text": _meta_not_utf8,
-          "bit flip in .metadata": _dcp_metadata_flipped, "crafted .metadata": _crafted_metadata}
+          "bit flip in .metadata": _dcp_metadata_flipped, "crafted .metadata": _crafted_metadata,
+          "bytes entry holding a pickle": _bytes_entry,
+          "storage path ../": _path_out(lambda step: "../outside.distcp"),
+          "storage path absolute": _path_out(lambda step: str(step.parent.parent / "elsewhere.distcp")),
+          "digest of a file outside": _digest_of_a_file_outside}
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))
@@ -131,6 +193,26 @@ def test_a_damaged_checkpoint_is_refused_and_resume_falls_back(saved, tmp_path, 
     assert [h["loss"] for h in history] == full[2:], "the fallback must resume exactly from step 2"
     assert any("step_00000004" in str(w.message) and "trying the checkpoint before it" in str(w.message)
                for w in seen), [str(w.message) for w in seen]
+    assert not (tmp_path / "ran_code_marker").exists()
+
+
+@pytest.mark.parametrize("layers_left", ["reader and planner", "planner"])
+def test_a_bytes_entry_is_refused_by_the_reader_and_the_planner_too(saved, tmp_path, monkeypatch, layers_left):
+    """Each guard alone keeps the pickle shut: with the metadata check off, the reader refuses the bytes
+    item; with the reader's refusal off too, the load planner does (it never calls torch.load)."""
+    from tpkernels.train import checkpoint_files
+
+    folder, _ = saved
+    ck = tmp_path / "ck"
+    shutil.copytree(folder, ck)
+    monkeypatch.chdir(tmp_path)
+    _bytes_entry(ck / "step_00000004")
+    monkeypatch.setattr(checkpoint_files, "check_dcp_metadata", lambda path, md: None)
+    if layers_left == "planner":
+        monkeypatch.setattr(checkpoint_files.SafeReader, "read_data",
+                            checkpoint_files.FileSystemReader.read_data)
+    with pytest.raises(CheckpointError, match=r"entry 'optim::step' is stored as bytes, which DCP would unpickle"):
+        checkpoint.export_hf(ck / "step_00000004", tmp_path / "hf")
     assert not (tmp_path / "ran_code_marker").exists()
 
 

@@ -110,6 +110,30 @@ def test_bad_numbers_and_layouts_are_one_line_naming_the_flag(capsys, extra, mes
     assert out == ""
 
 
+def test_layout_strings_read_values_as_the_flags_do():
+    """parse_layout: the spellings of one table (SHORT_NAMES and the field names), values typed by
+    options.coerce as a --parallel.<key> flag is (any case for a choice), errors naming the key as written."""
+    from tpkernels import options
+    from tpkernels.parallel import ParallelConfig
+    from tpkernels.parallel.config import SHORT_NAMES
+    from tpkernels.planner.search import parse_layout
+
+    got = parse_layout("TP=4 pp=2, SP=yes,RC=Selective,mbs=2,VPP=2,zero=off,schedule=ZB-H1,cp=2,cp_algo=A2A")
+    assert got == {"tp": 4, "pp": 2, "sequence_parallel": True, "recompute": "selective", "micro_batch_size": 2,
+                   "virtual_stages": 2, "zero1": False, "schedule": "zb-h1", "cp": 2, "cp_algo": "a2a"}
+    keys = {k.path: k for k in options.keys_of(ParallelConfig)}
+    for short, field in SHORT_NAMES.items():
+        value = {bool: "on", int: "2", str: keys[field].choices[0] if keys[field].choices else "x"}[keys[field].base]
+        assert list(parse_layout(f"{short.upper()}={value}")) == [field]
+    for text, message in (("SP=maybe", r"SP \('maybe'\) must be true or false"),
+                          ("mbs=1.5", r"mbs \('1.5'\) must be an integer"),
+                          ("dp=none", r"dp \('none'\) must be an integer"),
+                          ("schedule=none", r"schedule \('none'\) must be one of gpipe, 1f1b, interleaved, zb-h1$"),
+                          ("rc=full,recompute=none", r"recompute is given twice \(rc='full' and recompute=none\)")):
+        with pytest.raises(ValueError, match=message):
+            parse_layout(text)
+
+
 def test_bad_hf_configs_are_one_line(capsys, tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "broken.json").write_text("{not json")

@@ -155,18 +155,29 @@ def coerce(key: Key, value, *, text: bool = False):
     return value
 
 
-def flatten(values: dict, cls=None, prefix: str = "") -> dict:
+def flatten(values: dict, cls=None, prefix: str = "", *, where: str | None = None) -> dict:
     """Nested dicts of a file (``{"parallel": {"tp": 2}}``) as dotted keys (``{"parallel.tp": 2}``);
-    keys already dotted are kept. A dict under a key that is no section of ``cls`` stays whole."""
+    keys already dotted are kept. A dict under a key that is no section of ``cls`` stays whole. Two
+    spellings of one key (``parallel: {tp: 2}`` and ``parallel.tp: 1``, or ``micro-batch-size`` and
+    ``micro_batch_size``) are refused as a YAML key given twice is: which one would win is no rule a
+    reader sees. ``where``: the file, for the message."""
     sections = _section_paths(cls) if cls is not None else None
-    out = {}
+    out: dict = {}
+    _flatten_into(values, sections, prefix, (), out, {}, where)
+    return out
+
+
+def _flatten_into(values: dict, sections, prefix: str, chain: tuple, out: dict, spelled: dict, where) -> None:
     for k, v in values.items():
         path = prefix + str(k).replace("-", "_")
         if isinstance(v, dict) and (sections is None or path in sections):
-            out.update(flatten(v, cls, path + "."))
-        else:
-            out[path] = v
-    return out
+            _flatten_into(v, sections, path + ".", (*chain, str(k)), out, spelled, where)
+            continue
+        spelling = "".join(f"{c}: {{" for c in chain) + str(k) + "}" * len(chain)
+        if path in out:
+            raise ValueError(f"config key {path!r} is given twice (as {spelled[path]!r} and as {spelling!r})"
+                             f"{f' in {where}' if where else ''}; give each key once")
+        out[path], spelled[path] = v, spelling
 
 
 def _section_paths(cls, prefix: str = "") -> set[str]:
@@ -182,15 +193,16 @@ def _section_paths(cls, prefix: str = "") -> set[str]:
 def resolve_aliases(values: dict, aliases: dict[str, str], *, where: str | None = None) -> dict:
     """``values`` with alias keys replaced by their real keys. ``where`` (a file name): note each alias
     used there (the file's old flat spelling still works, the note names the key to write)."""
-    out = {}
+    out, spelled = {}, {}
     for k, v in values.items():
         real = aliases.get(k, k)
         if real != k and where is not None:
             warnings.warn(f"{where}: config key {k!r} is the old flat spelling of {real!r}; it is read as "
                           f"{real!r} (write that)", FutureWarning, stacklevel=3)
         if real in out:
-            raise ValueError(f"config key {real!r} is given twice (as {k!r} too){f' in {where}' if where else ''}")
-        out[real] = v
+            raise ValueError(f"config key {real!r} is given twice (as {spelled[real]!r} and as {k!r})"
+                             f"{f' in {where}' if where else ''}; give each key once")
+        out[real], spelled[real] = v, k
     return out
 
 

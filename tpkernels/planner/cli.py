@@ -116,7 +116,7 @@ def load(args) -> PlanConfig:
     """The PlanConfig of the command line (over ``--config``'s file), checked."""
     base = PlanConfig()
     if getattr(args, "config", None):
-        values = options.flatten(options.read_file(args.config, "--config"), PlanConfig)
+        values = options.flatten(options.read_file(args.config, "--config"), PlanConfig, where=args.config)
         base = options.build(PlanConfig, options.resolve_aliases(values, {k: v for k, v in ALIASES.items()
                                                                            if isinstance(v, str)}, where=args.config))
     cfg = options.build(PlanConfig, options.flag_values(args, PlanConfig), text=True, base=base)

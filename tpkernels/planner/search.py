@@ -3,12 +3,15 @@ rest, and rank them (fastest step first)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tpkernels import options
 from tpkernels.parallel import CP_ALGOS, RECOMPUTE_CHOICES, SCHEDULES, ParallelConfig
+from tpkernels.parallel.config import SHORT_NAMES
 from tpkernels.planner.efficiency import Efficiency, calibrated_for
 from tpkernels.planner.estimate import Estimate, estimate, layout_errors
 from tpkernels.planner.hardware import ClusterSpec
@@ -98,8 +101,9 @@ def candidate_configs(model: ModelConfig, train: TrainingSetup, cluster: Cluster
                     choices("zero1", [False, True] if dp * cp > 1 else [False]),
                 )
                 for v, mbs, sp, rc, z in knobs:
-                    yield ParallelConfig(tp, pp, dp, v, mbs, max(1, per_replica // mbs), sp, rc, z, cp=cp,
-                                         cp_algo=algo)
+                    yield ParallelConfig(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs,
+                                         num_microbatches=max(1, per_replica // mbs), sequence_parallel=sp,
+                                         recompute=rc, zero1=z, cp=cp, cp_algo=algo)
 
 
 def schedules_for(cfg: ParallelConfig, fixed: dict | None = None) -> list[ParallelConfig]:
@@ -148,54 +152,34 @@ def plan(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, eff: Ef
     return result
 
 
-_KEYS = {
-    "tp": "tp", "cp": "cp", "cp_algo": "cp_algo", "pp": "pp", "dp": "dp", "v": "virtual_stages", "vpp": "virtual_stages",
-    "virtual_stages": "virtual_stages", "mbs": "micro_batch_size", "micro_batch_size": "micro_batch_size",
-    "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel", "recompute": "recompute",
-    "rc": "recompute", "zero1": "zero1", "zero": "zero1", "schedule": "schedule",
-}
-_TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+# The layout fields a layout string may fix, by every spelling it accepts (field names and SHORT_NAMES).
+_SPELLINGS = sorted(set(FIXABLE) | {k for k, v in SHORT_NAMES.items() if v in FIXABLE})
 
 
 def parse_layout(text: str) -> dict:
     """``"TP=4,PP=2,SP=on,recompute=selective"`` → {"tp": 4, "pp": 2, ...} (fields of ParallelConfig).
-    Each field once; sizes are positive integers, recompute one of ParallelConfig's choices."""
+    Keys: a field's name or its short spelling (:data:`~tpkernels.parallel.config.SHORT_NAMES`), any case;
+    each field once. Values are read as the field's flag is (:func:`tpkernels.options.coerce`: on/off,
+    true/false; a choice in any case); sizes are positive integers. Errors name the key as written."""
+    keys = {k.path: k for k in options.keys_of(ParallelConfig) if k.path in FIXABLE}
     out, written = {}, {}
     for part in filter(None, (p.strip() for p in re.split(r"[,\s]+", text))):
         if "=" not in part:
             raise ValueError(f"layout item ({part!r}) must look like KEY=VALUE, e.g. TP=4")
         key, value = (s.strip() for s in part.split("=", 1))
-        field_name = _KEYS.get(key.lower())
-        if field_name is None:
-            raise ValueError(f"layout key ({key!r}) must be one of {', '.join(sorted(set(_KEYS)))}")
+        field_name = SHORT_NAMES.get(key.lower(), key.lower())
+        if field_name not in keys:
+            raise ValueError(f"layout key ({key!r}) must be one of {', '.join(_SPELLINGS)}")
         if field_name in written:
             raise ValueError(f"{key} is given twice ({written[field_name]}={out[field_name]!r} and {part}): give each "
                              "layout field once")
         written[field_name] = key
-        if field_name in ("sequence_parallel", "zero1"):
-            if value.lower() not in _TRUE + _FALSE:
-                raise ValueError(f"{key} ({value!r}) must be on or off")
-            out[field_name] = value.lower() in _TRUE
-        elif field_name == "cp_algo":
-            if value.lower() not in CP_ALGOS:
-                raise ValueError(f"{key} ({value!r}) must be one of {', '.join(CP_ALGOS)}")
-            out[field_name] = value.lower()
-        elif field_name == "schedule":
-            if value.lower() not in SCHEDULES:
-                raise ValueError(f"{key} ({value!r}) must be one of {', '.join(SCHEDULES)}")
-            out[field_name] = value.lower()
-        elif field_name == "recompute":
-            if value.lower() not in RECOMPUTE_CHOICES:
-                raise ValueError(f"{key} ({value!r}) must be one of {', '.join(RECOMPUTE_CHOICES)}")
-            out[field_name] = value.lower()
-        else:
-            try:
-                number = int(value)
-            except ValueError:
-                raise ValueError(f"{key} ({value!r}) must be an integer") from None
-            if number < 1:
-                raise ValueError(f"{key} ({number}) must be a positive integer")
-            out[field_name] = number
+        # the field's type without "or none": a layout string fixes a value (dp none is the world's business)
+        spec = dataclasses.replace(keys[field_name], path=key, type=keys[field_name].base)
+        got = options.coerce(spec, value.lower() if spec.base is str else value, text=True)
+        if spec.base is int and got < 1:
+            raise ValueError(f"{key} ({got}) must be a positive integer")
+        out[field_name] = got
     return out
 
 

@@ -5,7 +5,9 @@ with one ``.metadata``). What is stored is layout independent: the pieces of the
 tensors that each rank holds, keyed by tensor name and rectangle (rows and columns in our
 (out, in) orientation), for the weights and AdamW's two moments; plus the optimizer step. The
 same rectangle held by several ranks (DP replicas, replicated KV heads, replicated norms) has
-one key, which DCP's planner writes once.
+one key, which DCP's planner writes once (from one of those ranks: so every rank offers the same
+value; the step count is agreed over the ranks before the save). Only tensors are stored: a
+checkpoint's ``.metadata`` that declares anything else is refused (:mod:`checkpoint_files`).
 
 Loading at another layout: each rank reads the checkpoint's metadata, picks the stored
 rectangles that overlap the rectangles it now needs, loads only those keys (DCP reads just
@@ -39,9 +41,11 @@ import torch.distributed.checkpoint as dcp
 from tpkernels.description import ModelConfig
 from tpkernels.models import ParallelTransformer
 from tpkernels.models.lora import apply_lora, lora_parts, lora_shapes, merge_lora_
+from tpkernels.parallel import control
 from tpkernels.parallel.param_tags import tag_of
 from tpkernels.parallel.raise_together import raise_together
-from tpkernels.train.checkpoint_files import CheckpointError, SafeReader, digest_files, read_dcp_metadata, seal, verify
+from tpkernels.train.checkpoint_files import (CheckpointError, SafeLoadPlanner, SafeReader, digest_files,
+                                                read_dcp_metadata, seal, verify)
 from tpkernels.train.config import TrainConfig
 from tpkernels.train.output_paths import path_problem
 
@@ -86,8 +90,7 @@ def local_optimizer(optimizer):
 
 
 def _barrier():
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    control.barrier()
 
 
 def _rank() -> int:
@@ -177,6 +180,10 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of:
             sd[_key("exp_avg", name, rows, cols)] = st["exp_avg"][sl]
             sd[_key("exp_avg_sq", name, rows, cols)] = st["exp_avg_sq"][sl]
             opt_step = float(st["step"])
+    # One key written by every rank, of which DCP keeps one rank's copy: a rank that owns no optimizer state
+    # (ZeRO-1 with more DP×CP replicas than a stage has trainable parameters, e.g. LoRA) would offer 0. The
+    # ranks agree on the count first (every owner holds the same one), so any copy kept is the right one.
+    opt_step = control.all_reduce_values([opt_step], "max")[0]
     sd["optim::step"] = torch.tensor(opt_step, dtype=torch.float64)
     meta = {**meta, "step": step}
     if asynchronous:
@@ -293,7 +300,13 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
                 jobs.append((target, covered, key, (r0 - rows[0], r1 - rows[0]), (r0 - r[0], r1 - r[0]),
                              None if cols is None else ((c0 - cols[0], c1 - cols[0]), (c0 - c[0], c1 - c[0]))))
             jobs.append((target, covered, None, name, kind, None))
-    dcp.load(want, storage_reader=SafeReader(str(path)))
+    try:
+        dcp.load(want, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())  # never unpickles
+    except dcp.api.CheckpointException as e:  # DCP gathers every rank's error: a refusal is the same on all ranks
+        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
+        if refused:
+            raise CheckpointError(str(refused[0])) from None
+        raise
     with torch.no_grad():
         for target, covered, key, dst, src, colmap in jobs:
             if key is None:  # the end of one target's list: check it is whole

@@ -14,6 +14,14 @@ and verified before load; a sealed ``meta.json``; DCP's ``.metadata`` read witho
   dtypes, layouts and memory formats, paths. Why our own list and not torch's ``weights_only``
   unpickler: that one reads ``torch.save`` archives, not a bare pickle stream; ``add_safe_globals``
   only extends it.
+* What ``.metadata`` may declare (:func:`check_dcp_metadata`, before any data file is read): tensor
+  entries only, each stored in a plain file name inside the folder. For a ``BytesStorageMetadata``
+  entry DCP's load planner unpickles a ``.distcp`` file's bytes with ``weights_only=False`` (code
+  runs), and a ``relative_path`` such as ``../x`` or ``/x`` is followed out
+  of the folder (reading, and exporting, data that is not the checkpoint's). The package writes
+  neither, so both are refused; :class:`SafeReader` and :class:`SafeLoadPlanner` also refuse a
+  bytes item if one ever reaches them. Digests and the seal prove integrity, not origin: anyone
+  can recompute them, so they do not make a checkpoint from elsewhere safe; these checks do.
 
 Checkpoints written before the digests existed (no ``files`` in ``meta.json``) load as before, with
 a warning that they cannot be verified.
@@ -29,8 +37,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import LoadItemType
+
+from tpkernels.parallel import control
 
 META = "meta.json"
 _CHUNK = 1 << 22
@@ -47,12 +59,7 @@ def _world() -> tuple[int, int]:
 
 
 def _gather(obj) -> list:
-    rank, world = _world()
-    if world == 1:
-        return [obj]
-    out: list = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
+    return control.all_gather_objects(obj)
 
 
 def sha256_of(path: Path) -> str:
@@ -119,6 +126,12 @@ def verify(path: str | Path, meta: dict) -> None:
             warnings.warn(f"checkpoint {path} has no file digests (written by an older tpkernels): it cannot be "
                           "verified", stacklevel=3)
         return
+    if not isinstance(recorded, dict) or not all(isinstance(v, dict) and {"bytes", "sha256"} <= v.keys()
+                                                 for v in recorded.values()):
+        raise CheckpointError(f"checkpoint {path}: {META}'s 'files' must map file names to their bytes and sha256")
+    outside = [f"{META} records {p}" for p in map(_not_plain, recorded) if p]
+    if outside:  # never hash (read) a file out of the folder
+        raise CheckpointError(f"checkpoint {path}: {outside[0]}: refusing it")
     names = sorted(recorded)
     bad = [p for part in _gather(_problems(path, recorded, names[rank::world])) for p in part]
     extra = sorted(set(_data_files(path)) - set(recorded)) if path.is_dir() else []
@@ -141,8 +154,6 @@ def _allowed(module: str, name: str):
             return obj
         return None
     if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
-        from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: PLC0415
-
         return _StorageInfo
     if module == "torch":
         obj = getattr(torch, name, None)
@@ -187,11 +198,96 @@ def read_dcp_metadata(path: str | Path) -> dcp_metadata.Metadata:
         raise CheckpointError(f"{f} is unreadable ({type(e).__name__}: {e}): refusing the checkpoint") from None
     if not isinstance(md, dcp_metadata.Metadata):
         raise CheckpointError(f"{f} holds a {type(md).__name__}, not DCP metadata: refusing the checkpoint")
+    check_dcp_metadata(path, md)
     return md
 
 
+def _not_plain(name) -> str | None:
+    if not isinstance(name, str) or not name:
+        return f"{name!r}, which is not a file name"
+    if name in (".", "..") or "/" in name or "\\" in name or "\0" in name or Path(name).is_absolute():
+        return f"{name!r}, which is not a plain file name inside the folder (a path out of it would be followed)"
+    return None
+
+
+def file_name_problem(folder: Path, name) -> str | None:
+    """Why ``name`` is not a plain file name of a file inside ``folder`` (None when it is one)."""
+    problem = _not_plain(name)
+    if problem:
+        return problem
+    f = folder / name
+    if not f.is_file():
+        return f"{name!r}, which is not a file in {folder}"
+    if f.resolve().parent != folder.resolve():
+        return f"{name!r}, a link out of {folder}"
+    return None
+
+
+def _entry_problem(key, entry) -> str | None:
+    if not isinstance(key, str):
+        return f"a key {key!r} that is not a string"
+    if type(entry) is not dcp_metadata.TensorStorageMetadata:
+        return (f"entry {key!r} stored as {type(entry).__name__}; the package writes tensors only "
+                "(TensorStorageMetadata), and DCP loads any other entry with torch.load(weights_only=False), "
+                "which runs the code a pickle holds")
+    props, size, chunks = entry.properties, entry.size, entry.chunks
+    if not (type(props) is dcp_metadata.TensorProperties and isinstance(props.dtype, torch.dtype)
+            and type(size) is torch.Size and isinstance(chunks, list)
+            and all(type(c) is dcp_metadata.ChunkStorageMetadata for c in chunks)):
+        return f"entry {key!r} with malformed tensor metadata"
+    return None
+
+
+def _storage_problem(folder: Path, index, info, files: dict) -> str | None:
+    """``files``: relative path -> (its problem, its size), filled as paths are met (one stat per file)."""
+    fqn = getattr(index, "fqn", index)
+    if type(index) is not dcp_metadata.MetadataIndex or type(info) is not _StorageInfo:
+        return f"storage record {index!r} of an unknown type ({type(info).__name__})"
+    name = info.relative_path
+    if not isinstance(name, str):
+        return f"entry {fqn!r} stored in {name!r}, which is not a file name"
+    if name not in files:
+        problem = file_name_problem(folder, name)
+        files[name] = (problem, 0 if problem else (folder / name).stat().st_size)
+    problem, size = files[name]
+    if problem:
+        return f"entry {fqn!r} stored in {problem}"
+    if info.transform_descriptors:
+        return f"entry {fqn!r} stored with transforms {list(info.transform_descriptors)!r}, which the package never writes"
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length))
+    if not ok or info.offset + info.length > size:
+        return (f"entry {fqn!r} stored at bytes [{info.offset!r}, +{info.length!r}) of {info.relative_path!r}, "
+                "outside that file")
+    return None
+
+
+def check_dcp_metadata(path: str | Path, md: dcp_metadata.Metadata) -> None:
+    """Refuse, before any data file is read, a ``.metadata`` that declares what the package never writes:
+    an entry that is not a tensor (DCP would unpickle it, running code), or a storage path that is not a
+    plain file name inside the checkpoint folder (DCP would follow it out). Raises CheckpointError naming
+    the file and the entry."""
+    folder = Path(path)
+    f = folder / ".metadata"
+    entries, storage = md.state_dict_metadata, md.storage_data
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise CheckpointError(f"{f}: its entries or storage records are not mappings: refusing the checkpoint")
+    problems = [p for p in (_entry_problem(k, e) for k, e in entries.items()) if p]
+    files: dict = {}
+    problems += [p for p in (_storage_problem(folder, i, s, files) for i, s in storage.items()) if p]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{f} declares {problems[0]}{more}: refusing the checkpoint (a checkpoint is data, "
+                              "never code, and its files stay inside its folder)")
+
+
+def _no_bytes(what: str, fqn) -> CheckpointError:
+    return CheckpointError(f"{what}: entry {fqn!r} is stored as bytes, which DCP would unpickle (running code): "
+                           "the package writes tensors only, refusing it")
+
+
 class SafeReader(FileSystemReader):
-    """DCP's file reader, its metadata read by :func:`read_dcp_metadata` (no code runs)."""
+    """DCP's file reader, its metadata read by :func:`read_dcp_metadata` (no code runs; checked by
+    :func:`check_dcp_metadata`); a bytes item, should one reach it, is refused before it is read."""
 
     def read_metadata(self, *args, **kwargs):
         md = read_dcp_metadata(self.path)
@@ -200,6 +296,20 @@ class SafeReader(FileSystemReader):
         md.storage_meta.load_id = self.load_id
         return md
 
+    def read_data(self, plan, planner):
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                raise _no_bytes(str(Path(self.path) / ".metadata"), item.storage_index.fqn)
+        return super().read_data(plan, planner)
 
-__all__ = ["CheckpointError", "SafeReader", "check_seal", "digest_files", "read_dcp_metadata", "seal", "sha256_of",
-           "verify"]
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that it never unpickles: its ``load_bytes`` (the default one calls
+    ``torch.load(weights_only=False)``) refuses."""
+
+    def load_bytes(self, read_item, value):
+        raise _no_bytes("checkpoint", read_item.dest_index.fqn)
+
+
+__all__ = ["CheckpointError", "SafeLoadPlanner", "SafeReader", "check_dcp_metadata", "check_seal", "digest_files",
+           "file_name_problem", "read_dcp_metadata", "seal", "sha256_of", "verify"]

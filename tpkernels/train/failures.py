@@ -55,6 +55,15 @@ def abort_process_groups() -> None:
         pass
 
 
+def close_process_groups() -> None:
+    """The end of a rank's run under torchrun: destroy the process groups, unless
+    :func:`abort_process_groups` closed them already (after a lost rank torch has no default group
+    left, and ``destroy_process_group`` would raise "Process group cannot be None" over the
+    RankLostError that says what happened)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def register_rank() -> None:
     """Write this rank's host and process id into the rendezvous store (once, at start), so that a
     survivor can tell a rank that died from one that is alive but blocked in a transfer."""
