@@ -51,7 +51,8 @@ def main() -> None:
         key = (f"TP{tp} PP{pp} DP{dp}", sched if pp > 1 else "-")
         if key not in measured:
             continue
-        cfg = ParallelConfig(tp, pp, dp, 1, args.mbs, args.microbatches // dp, sequence_parallel=tp > 1,
+        cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch_size=args.mbs, num_microbatches=args.microbatches // dp,
+                             sequence_parallel=tp > 1,
                              schedule=sched if pp > 1 else None)
         row = {"layout": key[0], "schedule": key[1], "measured_s": measured[key]}
         for name, (cluster, eff) in plans.items():

@@ -134,7 +134,8 @@ def main() -> None:
         print("measured here: " + meas.describe())
         cluster, eff, _ = calibrate(ClusterSpec(gpu_preset("A100-80GB"), gpus_per_node=world, nodes=1),
                                     calibrated_for(gpu_preset("A100-80GB")), meas)
-        cfg = ParallelConfig(tp, pp, dp, 1, args.mbs, args.microbatches // dp, sequence_parallel=tp > 1,
+        cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch_size=args.mbs, num_microbatches=args.microbatches // dp,
+                             sequence_parallel=tp > 1,
                              schedule=sched if pp > 1 else None)
         est = estimate(spec, train, cluster, cfg, eff)
         results = run_on_ranks(train_worker, world, train_config(args, tp, pp, sched, dp),
@@ -190,7 +191,7 @@ def merge_passes(rows: list[dict]) -> list[dict]:
 
 def _config_of(row: dict) -> ParallelConfig:
     tp, pp, dp = (int(x) for x in re.fullmatch(r"TP(\d+) PP(\d+) DP(\d+)", row["layout"]).groups())
-    return ParallelConfig(tp, pp, dp)
+    return ParallelConfig(tp=tp, pp=pp, dp=dp)
 
 
 def refit(fit_from: int, rows: list[dict]) -> None:

@@ -387,6 +387,21 @@ def test_backward_saves_no_seqlen_squared_tensor():
     assert q.grad is not None and k.grad is not None and v.grad is not None
 
 
+@pytest.mark.parametrize("window, softcap", [((128, 0), 0.0), ((100, 60), 0.0), ((128, 0), 5.0)])
+def test_the_reference_window_runs_query_blocks_against_their_key_band(window, softcap):
+    """No (sq, sk) mask or score tensor on the reference path for a sliding window: every tensor made
+    (forward and backward, torch's CPU kernel and the chunked math) is O(seqlen · (window + rows))."""
+    from tpkernels.testing.memory import LiveTensorBytes  # noqa: PLC0415
+
+    s = 4096
+    q, k, v = make_qkv((1, s, 2, 16), (1, s, 1, 16), torch.float32, "cpu", requires_grad=True)
+    with LiveTensorBytes() as mem:
+        o = tpkernels.flash_attn_func(q, k, v, causal=window[1] == 0, window_size=window, softcap=softcap,
+                                      backend="reference")
+        o.sum().backward()
+    assert mem.largest_elements < s * s // 8, mem.largest_elements
+
+
 # ---- the module ----
 
 def test_module_is_the_function():

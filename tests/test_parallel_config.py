@@ -92,7 +92,8 @@ def test_random_layouts_validate_iff_every_rule_holds(fresh_seed):
         v = rng.choice([1, 1, 2, 3]) if pp > 1 else 1
         m = rng.randint(1, 12)
         heads, layers = rng.choice([12, 16, 24, 40]), rng.choice([12, 24, 30, 32])
-        cfg = ParallelConfig(tp, pp, dp, v, 1, m, rng.random() < 0.5 and tp > 1, "none")
+        cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=1, num_microbatches=m,
+                             sequence_parallel=rng.random() < 0.5 and tp > 1, recompute="none")
         ok = heads % tp == 0 and layers % (pp * v) == 0 and (v == 1 or m % pp == 0)
         try:
             cfg.validate(world_size=tp * pp * dp, num_layers=layers, num_attention_heads=heads)

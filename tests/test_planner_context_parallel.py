@@ -135,3 +135,20 @@ def test_layout_auto_takes_the_planners_cp_layout():
     assert out.layout == "manual" and out.parallel.cp == found.best.config.cp > 1
     assert out.parallel.cp_algo == found.best.config.cp_algo and out.parallel.overlap_dp is False
     assert out.predicted["layout"] == out.parallel.short() and "CP" in out.predicted["layout"]
+
+
+def test_the_ring_backward_charges_the_overlap_the_code_does():
+    """Block 0 hides a K/V hop, blocks 1..cp−2 a K/V and an accumulator hop, block cp−1 an
+    accumulator hop; the last accumulator hop home is always exposed."""
+    cfg = ParallelConfig(tp=1, pp=1, dp=1, num_microbatches=1, cp=4)
+    cl = ClusterSpec(gpu_preset("H100-SXM"))
+    zero = cp_attention_comm(LLAMA8, cfg, 16384, 2, 0.0, 0.0, cl, A100_CALIBRATED)
+    hop = zero["fwd"] / 3
+    acc = (zero["bwd"] - 3 * hop) / 4
+    assert zero["bwd_exposed"] == pytest.approx(zero["bwd"])  # nothing to hide behind
+    long = cp_attention_comm(LLAMA8, cfg, 16384, 2, 0.0, 4 * 10 * (hop + acc), cl, A100_CALIBRATED)
+    assert long["bwd_exposed"] == pytest.approx(acc)  # long blocks: only the hop home shows
+    block = (hop + acc) / 2  # between a lone hop and both hops at once
+    mid = cp_attention_comm(LLAMA8, cfg, 16384, 2, 0.0, 4 * block, cl, A100_CALIBRATED)
+    want = max(0, hop - block) + 2 * (hop + acc - block) + max(0, acc - block) + acc
+    assert mid["bwd_exposed"] == pytest.approx(want)

@@ -11,9 +11,10 @@ Three algorithms, one op (``algo``):
 * ``ring`` (default; Megatron-Core's and the ring-flash-attention family's): each rank keeps its
   queries and passes K/V (KV heads only, GQA) around the ring with ``isend``/``irecv``, computing
   the attention of the block it holds while the next one is in flight; partial outputs are merged
-  with their log-sum-exp in fp32. Backward passes K/V and their fp32 dK/dV accumulators around the
-  ring the same way (one extra hop brings each rank's dK/dV home). Memory per rank: two K/V blocks.
-* ``allgather`` (Llama 3's CP): all-gather K/V once, then local attention with the mask; backward
+  with their log-sum-exp in fp32. Backward passes K/V around the ring the same way and the fp32
+  dK/dV accumulators one block behind them, each hop posted before the next block's computation
+  (one extra hop brings each rank's dK/dV home). Memory per rank: two K/V blocks.
+* ``allgather`` (Llama 3's CP): all-gather K/V once, then local attention; backward
   reduce-scatters dK/dV. Simpler, S·hk·d more memory; wins at small CP.
 * ``a2a`` (DeepSpeed-Ulysses): all-to-all from sequence-sharded to head-sharded, full-sequence
   attention on H/CP heads, all-to-all back. Needs heads and KV heads divisible by CP.
@@ -22,16 +23,18 @@ With ``ring``, a sliding window that leaves blocks out switches to direct sends:
 only to the ranks whose queries the window reaches (a window within a chunk: the two zigzag
 neighbours), so blocks wholly outside the window are never sent nor computed.
 
-Blocks are computed by the attention kernels (Triton on GPUs, the reference on CPUs) where the
-mask is plain: with the zigzag layout every pair of chunks is diagonal (the causal kernel), wholly
-in the past (the full kernel) or wholly in the future (skipped, never computed). A sliding window
-or packed documents (``doc_ids``: equal ids attend to each other) need a per-pair mask: those
-blocks go through masked fp32 math (O(L²) scores per block; context_parallel_blocks.py).
+Every block runs the attention kernels (Triton on GPUs, the reference on CPUs), whatever the mask:
+causal or full, sliding windows as kernel arguments (offset between zigzag chunks included) and
+packed documents as varlen calls with ``cu_seqlens`` per document. Which calls a block needs is
+planned on the host from the global document boundaries (context_parallel_plan.py); no tensor of
+S² or (S/CP)² elements per head exists. A window that reaches the whole sequence is no window.
 
 The op is registered with ``torch.library`` (``tpkernels::cp_attention_forward`` / ``_backward``,
-fake implementations and autograd): torch.compile sees one opaque op, collectives inside. Files:
-context_parallel_blocks.py (the layout and one block's math), context_parallel_algos.py (the four
-exchanges, forward and backward), this one (the op and its checks).
+fake implementations and autograd): torch.compile sees one opaque op, collectives inside. The
+autograd context records the algorithm the forward ran, which decides what it saved. Files:
+context_parallel_plan.py (the host plan of kernel calls), context_parallel_blocks.py (the layout
+and running the calls), context_parallel_algos.py (the four exchanges, forward and backward), this
+one (the op and its checks).
 
 Cost (ring, one rank, causal, balanced): 2·b·h·d·S²/CP FLOPs forward (half the full matrix over CP
 ranks, ×2 for QK and PV); P2P bytes (CP−1)·2·b·2L·hk·d·bytes forward, twice that backward; hidden
@@ -59,7 +62,6 @@ from tpkernels.functional.context_parallel_algos import (
     window_forward,
     window_sources,
 )
-from tpkernels.parallel.groups import group_by_name
 from tpkernels.functional.context_parallel_blocks import (
     BlockOpts,
     check_zigzag,
@@ -67,6 +69,10 @@ from tpkernels.functional.context_parallel_blocks import (
     zigzag_merge,
     zigzag_split,
 )
+from tpkernels.functional.context_parallel_plan import geometry, rows_from_cu_seqlens, rows_from_ids
+from tpkernels.kernels.window import no_op_window
+from tpkernels.parallel import control
+from tpkernels.parallel.groups import group_by_name
 
 ALGOS = ("ring", "allgather", "a2a")
 
@@ -74,50 +80,63 @@ ALGOS = ("ring", "allgather", "a2a")
 # ---- torch.library registration: opaque to torch.compile, with fake impls and autograd ----
 # The group travels as its name (ops take no ProcessGroup); "" is no group (one rank). ``extras``
 # are what the backward of all-gather (the gathered K/V) and a2a (the head-sharded tensors) keep.
+# ``cu_seqlens`` is a host tensor (the global documents); ``doc_ids`` a device one (see the op).
+
+def _resolve(group_name: str, algo: str, s_local: int, causal: bool, left: int, right: int):
+    """(group, cp size, global seqlen, window (no-op sides -1, causal right 0), the algorithm that runs:
+    ring, window (ring with a window that leaves blocks out), allgather (also one rank) or a2a)."""
+    group = group_by_name(group_name)
+    n = dist.get_world_size(group) if group is not None else 1
+    seqlen = s_local * n
+    window = no_op_window((left, right), causal, seqlen)
+    if n == 1:
+        return group, n, seqlen, window, "allgather"  # one rank: local attention, nothing moves
+    if algo == "ring" and window != (-1, 0 if causal else -1) and window_sources(seqlen, n, causal, window):
+        return group, n, seqlen, window, "window"
+    return group, n, seqlen, window, algo
+
 
 class _Call:
     """Everything the forward and backward of one call derive from the op's arguments."""
 
-    def __init__(self, q: Tensor, doc_ids, group_name: str, algo: str, scale: float, causal: bool, left: int,
-                 right: int, softcap: float):
-        self.group = group_by_name(group_name)
-        self.n = dist.get_world_size(self.group) if self.group is not None else 1
+    def __init__(self, q: Tensor, cu_seqlens, doc_ids, group_name: str, algo: str, scale: float, causal: bool,
+                 left: int, right: int, softcap: float):
+        self.group, self.n, seqlen, window, self.algo = _resolve(group_name, algo, q.shape[1], causal, left, right)
         rank = dist.get_rank(self.group) if self.n > 1 else 0
-        s_local = q.shape[1]
-        seqlen = s_local * self.n
-        window = (left, right)
-        self.q_idx = zigzag_indices(seqlen, self.n, rank, device=q.device)
-        self.doc = None if doc_ids is None else doc_ids.to(torch.int64)
-        plain = window == (-1, 0 if causal else -1) and self.doc is None
-        self.opts = BlockOpts(scale, causal, window, softcap, s_local // 2, plain)
-        self.algo = algo if self.n > 1 else "allgather"  # one rank: local attention, nothing moves
-        windowed = left >= 0 or (not causal and right >= 0)
-        self.need = window_sources(seqlen, self.n, causal, window) if self.algo == "ring" and windowed else None
+        b = q.shape[0]
+        if cu_seqlens is not None:
+            rows = rows_from_cu_seqlens(cu_seqlens, b, seqlen)
+        elif doc_ids is not None:  # one host copy (and a gather of the shares over the group)
+            every = control.all_gather_ints(doc_ids, self.group) if self.n > 1 else doc_ids.cpu()[None]
+            rows = rows_from_ids(zigzag_merge(list(every), dim=1))
+        else:
+            rows = None
+        self.geo = geometry(seqlen, self.n, rank, window, rows, b, q.device)
+        self.opts = BlockOpts(scale, softcap)
+        self.need = window_sources(seqlen, self.n, causal, window) if self.algo == "window" else None
 
 
 @torch.library.custom_op("tpkernels::cp_attention_forward", mutates_args=())
-def _forward_op(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor], group_name: str, algo: str,
-                scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-                want_lse: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
-    c = _Call(q, doc_ids, group_name, algo, scale, causal, window_left, window_right, softcap)
-    if c.need is not None:
-        return (*window_forward(q, k, v, c.q_idx, c.doc, c.group, c.opts, c.need), [])
+def _forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], doc_ids: Optional[Tensor],
+                group_name: str, algo: str, scale: float, causal: bool, window_left: int, window_right: int,
+                softcap: float, want_lse: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
+    c = _Call(q, cu_seqlens, doc_ids, group_name, algo, scale, causal, window_left, window_right, softcap)
+    if c.algo == "window":
+        return (*window_forward(q, k, v, c.geo, c.group, c.opts, c.need), [])
     if c.algo == "ring":
-        return (*ring_forward(q, k, v, c.q_idx, c.doc, c.group, c.opts), [])
+        return (*ring_forward(q, k, v, c.geo, c.group, c.opts), [])
     if c.algo == "a2a":
-        return a2a_forward(q, k, v, c.q_idx, c.doc, c.group, c.opts, want_lse)
-    return allgather_forward(q, k, v, c.q_idx, c.doc, c.group, c.opts)
+        return a2a_forward(q, k, v, c.geo, c.group, c.opts, want_lse)
+    return allgather_forward(q, k, v, c.geo, c.group, c.opts)
 
 
 @_forward_op.register_fake
-def _(q, k, v, doc_ids, group_name, algo, scale, causal, window_left, window_right, softcap, want_lse):
-    group = group_by_name(group_name)
-    n = dist.get_world_size(group) if group is not None else 1
+def _(q, k, v, cu_seqlens, doc_ids, group_name, algo, scale, causal, window_left, window_right, softcap, want_lse):
+    _, n, _, _, algo = _resolve(group_name, algo, q.shape[1], causal, window_left, window_right)
     b, s, h, d = q.shape
     hk, stat = k.shape[2], lse_dtype(q.dtype)
-    algo = algo if n > 1 else "allgather"
     lse = q.new_empty((b, h, s), dtype=stat)
-    if algo == "ring":
+    if algo in ("ring", "window"):
         return q.new_empty(q.shape), lse, []
     if algo == "allgather":
         return q.new_empty(q.shape), lse, [k.new_empty((b, n * s, hk, d)), v.new_empty((b, n * s, hk, d))]
@@ -129,21 +148,22 @@ def _(q, k, v, doc_ids, group_name, algo, scale, causal, window_left, window_rig
 
 @torch.library.custom_op("tpkernels::cp_attention_backward", mutates_args=())
 def _backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, extras: list[Tensor],
-                 doc_ids: Optional[Tensor], group_name: str, algo: str, scale: float, causal: bool,
-                 window_left: int, window_right: int, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
-    c = _Call(q, doc_ids, group_name, algo, scale, causal, window_left, window_right, softcap)
+                 cu_seqlens: Optional[Tensor], doc_ids: Optional[Tensor], group_name: str, algo: str, scale: float,
+                 causal: bool, window_left: int, window_right: int, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    c = _Call(q, cu_seqlens, doc_ids, group_name, algo, scale, causal, window_left, window_right, softcap)
     do = do.contiguous()
-    if c.need is not None:
-        return window_backward(do, q, k, v, o, lse, c.q_idx, c.doc, c.group, c.opts, c.need)
+    if c.algo == "window":
+        return window_backward(do, q, k, v, o, lse, c.geo, c.group, c.opts, c.need)
     if c.algo == "ring":
-        return ring_backward(do, q, k, v, o, lse, c.q_idx, c.doc, c.group, c.opts)
+        return ring_backward(do, q, k, v, o, lse, c.geo, c.group, c.opts)
     if c.algo == "a2a":
-        return a2a_backward(do, extras, c.q_idx, c.doc, c.group, c.opts)
-    return allgather_backward(do, q, o, lse, extras, c.q_idx, c.doc, c.group, c.opts)
+        return a2a_backward(do, extras, c.geo, c.group, c.opts)
+    return allgather_backward(do, q, o, lse, extras, c.geo, c.group, c.opts)
 
 
 @_backward_op.register_fake
-def _(do, q, k, v, o, lse, extras, doc_ids, group_name, algo, scale, causal, window_left, window_right, softcap):
+def _(do, q, k, v, o, lse, extras, cu_seqlens, doc_ids, group_name, algo, scale, causal, window_left, window_right,
+      softcap):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -153,27 +173,24 @@ def _shape_only(t: Tensor) -> Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, doc_ids, group_name, algo, *args = inputs
+    q, k, v, cu_seqlens, doc_ids, group_name, algo, scale, causal, left, right, softcap, _want_lse = inputs
     o, lse, extras = output
-    if extras:  # all-gather (or one rank) keeps K/V in sequence order, a2a the head-sharded tensors
+    ctx.algo = _resolve(group_name, algo, q.shape[1], causal, left, right)[4]  # what the forward ran
+    if ctx.algo in ("allgather", "a2a"):  # they keep K/V in sequence order, or the head-sharded tensors
         k, v = _shape_only(k), _shape_only(v)
-    if len(extras) == 5:  # a2a: its backward reads only the head-sharded tensors
+    if ctx.algo == "a2a":  # its backward reads only the head-sharded tensors
         q, o, lse = _shape_only(q), _shape_only(o), _shape_only(lse)
-    ctx.has_doc = doc_ids is not None
-    ctx.save_for_backward(q, k, v, o, lse, *([doc_ids] if doc_ids is not None else []), *extras)
-    args = [group_name, algo, *args]
-    ctx.args = tuple(args[:-1])  # group_name, algo, scale, causal, window_left, window_right, softcap
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, doc_ids, *extras)
+    ctx.args = (group_name, ctx.algo, scale, causal, left, right, softcap)
 
 
 def _backward(ctx, do, _dlse, _dextras):
-    q, k, v, o, lse, *rest = ctx.saved_tensors
-    doc = rest[0] if ctx.has_doc else None
-    extras = list(rest[1:] if ctx.has_doc else rest)
+    q, k, v, o, lse, cu_seqlens, doc_ids, *extras = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = _backward_op(do, q, k, v, o, lse, extras, doc, *ctx.args)
+    dq, dk, dv = _backward_op(do, q, k, v, o, lse, list(extras), cu_seqlens, doc_ids, *ctx.args)
     need = ctx.needs_input_grad
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 9
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 10
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -183,17 +200,26 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group, *, algo: str = "ring", causal: bool = True,
                                softmax_scale: float | None = None, window: tuple[int, int] = (-1, -1),
-                               softcap: float = 0.0, doc_ids: Tensor | None = None,
+                               softcap: float = 0.0, cu_seqlens: Tensor | None = None, doc_ids: Tensor | None = None,
                                return_lse: bool = False):
     """Attention of this CP rank's queries over the whole sequence held by the CP ``group``.
 
     q: (batch, 2L, nheads, headdim), k/v: (batch, 2L, nheads_kv, headdim): this rank's zigzag share
     (:func:`zigzag_split`) of a sequence of S = 2L·CP tokens. window: (left, right) in tokens, -1
-    for no bound (causal sets right to 0). softcap: 0 for none. doc_ids: (batch, 2L) int, this
-    rank's share of the packed documents' ids (tokens attend within their document only).
+    for no bound (causal sets right to 0; a side reaching the whole sequence is none). softcap: 0
+    for none. Packed documents (tokens attend within their document only), one of:
+
+    * cu_seqlens: (documents + 1,) int host (CPU) tensor, the same on every rank: the global
+      documents' boundaries over the flattened batch (row i is tokens [i·S, (i+1)·S); every row
+      start is a boundary), flash-attn's varlen convention for the whole sequences. Read on the
+      host; the plan it gives is cached, so layers that pass the same boundaries plan once.
+    * doc_ids: (batch, 2L) int, this rank's share of each token's document id (documents are
+      contiguous runs of one id). Costs one host copy and a gather over the group per call (forward
+      and backward): prefer ``cu_seqlens``.
+
     Returns o like q (and lse (batch, nheads, 2L) fp32, the global log-sum-exp, with ``return_lse``).
     Differentiable in q, k, v. A group of one rank (or None without torch.distributed) is plain
-    attention on the local sequence.
+    attention on the local sequence. Memory: O(S/CP) per head on every path (no score matrix).
     """
     if algo not in ALGOS:
         raise ValueError(f"algo ({algo!r}) must be one of {', '.join(ALGOS)}")
@@ -210,15 +236,22 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group, *, algo: 
     n = dist.get_world_size(group) if distributed else 1
     if s_local % 2:
         raise ValueError(f"this rank's sequence ({s_local}) must be even: two zigzag chunks")
+    if cu_seqlens is not None and doc_ids is not None:
+        raise ValueError("give cu_seqlens or doc_ids, not both")
     if doc_ids is not None and tuple(doc_ids.shape) != (b, s_local):
         raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} must be (batch, seq) = {(b, s_local)}")
+    if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point()):
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor (documents + 1,), got {cu_seqlens.dtype} shape "
+                         f"{tuple(cu_seqlens.shape)}")
     if algo == "a2a" and (h % n or hk % n):
         raise ValueError(f"algo 'a2a' needs nheads ({h}) and nheads_kv ({hk}) divisible by cp ({n}); use 'ring' "
                          "or 'allgather'")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     left, right = int(window[0]), int(window[1])
     name = group.group_name if distributed and n > 1 else ""
-    o, lse, _ = _forward_op(q, k, v, doc_ids, name, algo, float(scale), bool(causal), left,
+    if cu_seqlens is not None and cu_seqlens.device.type != "cpu":
+        cu_seqlens = cu_seqlens.cpu()  # one host copy: pass host boundaries to avoid it
+    o, lse, _ = _forward_op(q, k, v, cu_seqlens, doc_ids, name, algo, float(scale), bool(causal), left,
                             0 if causal else right, float(softcap), bool(return_lse))
     return (o, lse) if return_lse else o
 

@@ -2,17 +2,21 @@
 and backward (no autograd inside: the registered op in tpkernels.functional.context_parallel
 wires them to autograd, which keeps them opaque to torch.compile).
 
-Shapes: q (b, 2L, h, d), k/v (b, 2L, hk, d) this rank's zigzag share; q_idx (2L,) its global
-positions; doc (b, 2L) int64 document ids or None; o like q; lse (b, h, 2L) fp32 (fp64 for fp64).
+Shapes: q (b, 2L, h, d), k/v (b, 2L, hk, d) this rank's zigzag share; ``geo`` the host plan of
+this rank's kernel calls (tpkernels.functional.context_parallel_plan); o like q; lse (b, h, 2L)
+fp32 (fp64 for fp64). Only K/V (and dK/dV) travel: every rank knows every block's positions and
+documents from the plan.
 
 * ring: K/V (KV heads only) pass around the ring by ``batch_isend_irecv``, the next block in
-  flight while the held one is computed; the backward passes K/V and the fp32 dK/dV accumulators
-  the same way (one extra hop brings each rank's home).
+  flight while the held one is computed. The backward passes K/V the same way and the fp32 dK/dV
+  accumulators one step behind: a block's accumulators are posted to the next rank when its
+  gradient is added and waited for only after the next block is computed, so both hops hide
+  behind a block's backward (one extra hop brings each rank's own home, the one left exposed).
 * window: a window that leaves blocks out: each rank sends its K/V only to the ranks whose queries
   reach it (for a window within a chunk, the two zigzag neighbours), all at once; the backward
   sends them again (windows make them small) and returns the dK/dV straight to their owners.
-* allgather: gather K/V (rank-major, kept for the backward), attention of this rank's two halves
-  against the keys in sequence order; the backward reduce-scatters dK/dV.
+* allgather: gather K/V (rank-major; kept for the backward in sequence order), attention of this
+  rank's two chunks against the keys in sequence order; the backward reduce-scatters dK/dV.
 * a2a: all-to-all to head-sharded, whole-sequence attention on h/cp heads, all-to-all back; the
   head-sharded q/k/v/o/lse are kept for the backward, which runs the same exchanges in reverse.
 """
@@ -25,17 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tpkernels.functional.attention import attention_bwd, attention_fwd
-from tpkernels.functional.context_parallel_blocks import (
-    BlockOpts,
-    accumulate_block,
-    acc_dtype,
-    block_bwd,
-    block_fwd,
-    empty_out,
-    nothing_visible,
-    zigzag_indices,
-)
+from tpkernels.functional.context_parallel_blocks import BlockOpts, acc_dtype, empty_out, run_backward, run_forward
+from tpkernels.functional.context_parallel_plan import Geometry, block_reached
 from tpkernels.parallel.mappings import all_gather_dim, reduce_scatter_dim
 from tpkernels.parallel.trace import CommSpan, gemm_span
 
@@ -82,43 +77,45 @@ def _ring_peers(group) -> tuple[int, int, int, int]:
 
 # ---- ring ----
 
-def ring_forward(q, k, v, q_idx, doc, group, opts: BlockOpts) -> tuple[Tensor, Tensor]:
+def _zeros_like_acc(t: Tensor) -> Tensor:
+    return torch.zeros(t.shape, dtype=acc_dtype(t), device=t.device)
+
+
+def ring_forward(q, k, v, geo: Geometry, group, opts: BlockOpts) -> tuple[Tensor, Tensor]:
     r, n, nxt, prv = _ring_peers(group)
     out, lse = empty_out(q)
-    cur = [k, v, q_idx] + ([doc] if doc is not None else [])
+    cur = [k, v]
     for step in range(n):
         pending = _exchange(cur, nxt, prv, group) if step < n - 1 else None  # the next block in flight
         with gemm_span("cp attention block", q.device.type, step=step):
-            accumulate_block(out, lse, q, cur[0], cur[1], q_idx, cur[2], doc, cur[3] if doc is not None else None,
-                             opts)
+            run_forward(out, lse, q, cur[0], cur[1], geo.block((r - step) % n), opts)
         if pending is not None:
             _wait(pending[0])
             cur = pending[1]
     return out.to(q.dtype), lse
 
 
-def ring_backward(do, q, k, v, o, lse, q_idx, doc, group, opts: BlockOpts) -> tuple[Tensor, Tensor, Tensor]:
+def ring_backward(do, q, k, v, o, lse, geo: Geometry, group, opts: BlockOpts) -> tuple[Tensor, Tensor, Tensor]:
     r, n, nxt, prv = _ring_peers(group)
-    a = acc_dtype(q)
-    dq = torch.zeros(q.shape, dtype=a, device=q.device)
-    cur = [k, v, q_idx] + ([doc] if doc is not None else [])
-    acc = [torch.zeros(k.shape, dtype=a, device=k.device), torch.zeros(v.shape, dtype=a, device=v.device)]
+    dq = _zeros_like_acc(q)
+    cur = [k, v]
+    acc_in_flight = None  # the previous block's dK/dV on their way to the next rank
     for step in range(n):
         pending = _exchange(cur, nxt, prv, group) if step < n - 1 else None
+        g = [_zeros_like_acc(k), _zeros_like_acc(v)]
         with gemm_span("cp attention block backward", q.device.type, step=step):
-            g = block_bwd(do, q, cur[0], cur[1], o, lse, q_idx, cur[2], doc, cur[3] if doc is not None else None,
-                          opts)
-        if g is not None:
-            dq += g[0]
-            acc[0] += g[1]
-            acc[1] += g[2]
-        # the accumulators travel with their block; after the last step one more hop brings them home
-        works, acc = _exchange(acc, nxt, prv, group, "cp ring dK/dV")
-        _wait(works)
+            run_backward(dq, g[0], g[1], do, q, cur[0], cur[1], o, lse, geo.block((r - step) % n), opts)
+        if acc_in_flight is not None:  # this block's accumulators, sent by the previous rank a step ago
+            _wait(acc_in_flight[0])
+            g[0] += acc_in_flight[1][0]
+            g[1] += acc_in_flight[1][1]
+        acc_in_flight = _exchange(g, nxt, prv, group, "cp ring dK/dV")  # hidden behind the next block
         if pending is not None:
             _wait(pending[0])
             cur = pending[1]
-    return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype)
+    _wait(acc_in_flight[0])  # after n hops each rank holds its own block's dK/dV
+    dk, dv = acc_in_flight[1]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # ---- window: only the blocks it reaches ----
@@ -128,64 +125,44 @@ def window_sources(seqlen: int, cp: int, causal: bool, window: tuple[int, int]) 
     """For each CP rank, the other ranks whose K/V block any of its queries can see under the
     window (decided from positions alone; documents only remove more), or None when every rank
     needs every block (then the ring is the better schedule). Cached: every layer asks the same."""
-    L = seqlen // (2 * cp)
-    halves = [(zigzag_indices(seqlen, cp, r)[:L], zigzag_indices(seqlen, cp, r)[L:]) for r in range(cp)]
-
-    def sees(r: int, j: int) -> bool:  # per chunk pair: a rank's two chunks lie far apart
-        return any(not nothing_visible(qa, kb, causal, window) for qa in halves[r] for kb in halves[j])
-
-    need = tuple(tuple(j for j in range(cp) if j != r and sees(r, j)) for r in range(cp))
+    w = (window[0], 0 if causal else window[1])
+    need = tuple(tuple(j for j in range(cp) if j != r and block_reached(seqlen, cp, w, r, j)) for r in range(cp))
     return None if all(len(x) == cp - 1 for x in need) else need
 
 
-def _window_blocks(q, k, v, doc, group, need, name: str):
-    """Send this rank's K/V (and documents) to the ranks that read it; receive the blocks it reads."""
+def _window_blocks(q, k, v, group, need, name: str):
+    """Send this rank's K/V to the ranks that read it; receive the blocks it reads."""
     r, n = dist.get_rank(group), dist.get_world_size(group)
-    mine = [k, v] + ([doc] if doc is not None else [])
     readers = [d for d in range(n) if r in need[d]]
-    works, got = _direct([(d, mine) for d in readers], [(j, mine) for j in need[r]], group, name, q.device.type)
+    works, got = _direct([(d, [k, v]) for d in readers], [(j, [k, v]) for j in need[r]], group, name, q.device.type)
     return works, got, readers
 
 
-def window_forward(q, k, v, q_idx, doc, group, opts: BlockOpts, need) -> tuple[Tensor, Tensor]:
-    r, n = dist.get_rank(group), dist.get_world_size(group)
-    seqlen = q.shape[1] * n
-    works, got, _ = _window_blocks(q, k, v, doc, group, need, "cp window K/V")
+def window_forward(q, k, v, geo: Geometry, group, opts: BlockOpts, need) -> tuple[Tensor, Tensor]:
+    r = dist.get_rank(group)
+    works, got, _ = _window_blocks(q, k, v, group, need, "cp window K/V")
     out, lse = empty_out(q)
     with gemm_span("cp attention block", q.device.type, src=r):  # its own block while the others travel
-        accumulate_block(out, lse, q, k, v, q_idx, q_idx, doc, doc, opts)
+        run_forward(out, lse, q, k, v, geo.block(r), opts)
     _wait(works)
     for j in need[r]:
-        kj, vj, *dj = got[j]
         with gemm_span("cp attention block", q.device.type, src=j):
-            accumulate_block(out, lse, q, kj, vj, q_idx, zigzag_indices(seqlen, n, j, q.device), doc,
-                             dj[0] if dj else None, opts)
+            run_forward(out, lse, q, got[j][0], got[j][1], geo.block(j), opts)
     return out.to(q.dtype), lse
 
 
-def window_backward(do, q, k, v, o, lse, q_idx, doc, group, opts: BlockOpts, need) -> tuple[Tensor, Tensor, Tensor]:
-    r, n = dist.get_rank(group), dist.get_world_size(group)
-    seqlen = q.shape[1] * n
-    works, got, readers = _window_blocks(q, k, v, doc, group, need, "cp window K/V")
-    a = acc_dtype(q)
-    dq, dk, dv = (torch.zeros(t.shape, dtype=a, device=t.device) for t in (q, k, v))
-    g = block_bwd(do, q, k, v, o, lse, q_idx, q_idx, doc, doc, opts)
-    if g is not None:
-        dq += g[0]
-        dk += g[1]
-        dv += g[2]
+def window_backward(do, q, k, v, o, lse, geo: Geometry, group, opts: BlockOpts, need) -> tuple[Tensor, Tensor, Tensor]:
+    r = dist.get_rank(group)
+    works, got, readers = _window_blocks(q, k, v, group, need, "cp window K/V")
+    dq, dk, dv = (_zeros_like_acc(t) for t in (q, k, v))
+    run_backward(dq, dk, dv, do, q, k, v, o, lse, geo.block(r), opts)
     _wait(works)
     back = []
     for j in need[r]:
-        kj, vj, *dj = got[j]
-        g = block_bwd(do, q, kj, vj, o, lse, q_idx, zigzag_indices(seqlen, n, j, q.device), doc,
-                      dj[0] if dj else None, opts)
-        if g is None:  # documents hid the whole block: its owner still waits for a (zero) gradient
-            g = (None, torch.zeros(kj.shape, dtype=a, device=kj.device), torch.zeros(vj.shape, dtype=a,
-                                                                                     device=vj.device))
-        else:
-            dq += g[0]
-        back.append((j, [g[1], g[2]]))
+        kj, vj = got[j]
+        g = [_zeros_like_acc(kj), _zeros_like_acc(vj)]  # its owner waits for them, zeros included
+        run_backward(dq, g[0], g[1], do, q, kj, vj, o, lse, geo.block(j), opts)
+        back.append((j, g))
     works, got = _direct(back, [(d, [dk, dv]) for d in readers], group, "cp window dK/dV", q.device.type)
     _wait(works)
     for d in readers:
@@ -196,80 +173,29 @@ def window_backward(do, q, k, v, o, lse, q_idx, doc, group, opts: BlockOpts, nee
 
 # ---- all-gather ----
 
-def _masked(opts: BlockOpts) -> BlockOpts:
-    return BlockOpts(opts.scale, opts.causal, opts.window, opts.softcap, opts.L, False)
-
-
-def _kernel_path(opts: BlockOpts, doc) -> bool:
-    """The keys in sequence order with one kernel call per zigzag half: exact for bottom-right
-    aligned causal masks (with a left window too) and for full attention; documents or a right
-    window need the masked math."""
-    left, right = opts.window
-    return doc is None and (opts.causal or (left < 0 and right < 0))
-
-
-def _halves(q, q_idx, keys: int, opts: BlockOpts):
-    """(query rows, key count) of this rank's two zigzag halves against keys in sequence order."""
-    L = opts.L
-    for a in (0, 1):
-        yield slice(a * L, (a + 1) * L), (int(q_idx[a * L]) + L if opts.causal else keys)
-
-
-def allgather_forward(q, k, v, q_idx, doc, group, opts: BlockOpts) -> tuple[Tensor, Tensor, list[Tensor]]:
+def allgather_forward(q, k, v, geo: Geometry, group, opts: BlockOpts) -> tuple[Tensor, Tensor, list[Tensor]]:
     """(o, lse, [gathered k, gathered v] in sequence order)."""
     n = dist.get_world_size(group) if group is not None else 1
-    k_idx = all_gather_dim(q_idx, 0, group) if n > 1 else q_idx
-    kk = all_gather_dim(k, 1, group) if n > 1 else k
-    vv = all_gather_dim(v, 1, group) if n > 1 else v
-    perm = torch.argsort(k_idx)  # rank-major zigzag shares -> sequence order
-    kn, vn = kk.index_select(1, perm), vv.index_select(1, perm)
-    if not _kernel_path(opts, doc):
-        k_doc = (all_gather_dim(doc, 1, group) if n > 1 else doc).index_select(1, perm) if doc is not None else None
-        res = block_fwd(q, kn, vn, q_idx, k_idx[perm], doc, k_doc, _masked(opts))
-        out, lse = res if res is not None else empty_out(q)
-        return out.to(q.dtype), lse, [kn, vn]
-    left, right = opts.window
-    outs, lses = [], []
-    for rows, end in _halves(q, q_idx, kn.shape[1], opts):
-        o, lse = attention_fwd(q[:, rows], kn[:, :end], vn[:, :end], opts.scale, opts.causal,
-                               window=(left, 0 if opts.causal else right), softcap=opts.softcap)
-        outs.append(o)
-        lses.append(lse)
-    return torch.cat(outs, 1), torch.cat(lses, 2), [kn, vn]
+    perm = geo.sequence_order()  # rank-major zigzag shares -> sequence order
+    kn = (all_gather_dim(k, 1, group) if n > 1 else k).index_select(1, perm)
+    vn = (all_gather_dim(v, 1, group) if n > 1 else v).index_select(1, perm)
+    out, lse = empty_out(q)
+    run_forward(out, lse, q, kn, vn, geo.gathered(), opts)
+    return out.to(q.dtype), lse, [kn, vn]
 
 
-def allgather_backward(do, q, o, lse, saved, q_idx, doc, group, opts: BlockOpts) -> tuple[Tensor, Tensor, Tensor]:
+def allgather_backward(do, q, o, lse, saved, geo: Geometry, group, opts: BlockOpts) -> tuple[Tensor, Tensor, Tensor]:
     n = dist.get_world_size(group) if group is not None else 1
     kn, vn = saved
-    k_idx = all_gather_dim(q_idx, 0, group) if n > 1 else q_idx
-    perm = torch.argsort(k_idx)
-    if not _kernel_path(opts, doc):
-        k_doc = (all_gather_dim(doc, 1, group) if n > 1 else doc).index_select(1, perm) if doc is not None else None
-        g = block_bwd(do, q, kn, vn, o, lse, q_idx, k_idx[perm], doc, k_doc, _masked(opts))
-        a = acc_dtype(q)
-        dq, dkn, dvn = g if g is not None else (torch.zeros(q.shape, dtype=a, device=q.device),
-                                                torch.zeros(kn.shape, dtype=a, device=q.device),
-                                                torch.zeros(vn.shape, dtype=a, device=q.device))
-        dq = dq.to(q.dtype)
-    else:
-        left, right = opts.window
-        a = acc_dtype(q)
-        dq = torch.empty_like(q)
-        dkn = torch.zeros(kn.shape, dtype=a, device=kn.device)
-        dvn = torch.zeros(vn.shape, dtype=a, device=vn.device)
-        for rows, end in _halves(q, q_idx, kn.shape[1], opts):
-            g = attention_bwd(do[:, rows].contiguous(), q[:, rows], kn[:, :end], vn[:, :end], o[:, rows].contiguous(),
-                              lse[:, :, rows].contiguous(), opts.scale, opts.causal,
-                              window=(left, 0 if opts.causal else right), softcap=opts.softcap)
-            dq[:, rows] = g[0]
-            dkn[:, :end] += g[1].to(a)
-            dvn[:, :end] += g[2].to(a)
+    dq, dkn, dvn = (_zeros_like_acc(t) for t in (q, kn, vn))
+    run_backward(dq, dkn, dvn, do, q, kn, vn, o, lse, geo.gathered(), opts)
     # back to rank-major order, then each rank keeps the sum of its own keys' gradients
+    perm = geo.sequence_order()
     dkk = torch.empty_like(dkn).index_copy_(1, perm, dkn)
     dvv = torch.empty_like(dvn).index_copy_(1, perm, dvn)
     if n > 1:
         dkk, dvv = reduce_scatter_dim(dkk, 1, group), reduce_scatter_dim(dvv, 1, group)
-    return dq, dkk.to(kn.dtype), dvv.to(vn.dtype)
+    return dq.to(q.dtype), dkk.to(kn.dtype), dvv.to(vn.dtype)
 
 
 # ---- all-to-all (Ulysses) ----
@@ -302,41 +228,26 @@ def _lse_back(lse_h: Tensor, group) -> Tensor:
     return a2a(x.contiguous(), group, False)[..., 0].transpose(1, 2)
 
 
-def _sequence_order(q_idx, doc, group):
-    idx = all_gather_dim(q_idx, 0, group)  # the gathered sequence is rank-major zigzag shares
-    perm = torch.argsort(idx)
-    dd = None if doc is None else all_gather_dim(doc, 1, group).index_select(1, perm)
-    return perm, idx[perm], dd
-
-
-def a2a_forward(q, k, v, q_idx, doc, group, opts: BlockOpts, want_lse: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
+def a2a_forward(q, k, v, geo: Geometry, group, opts: BlockOpts, want_lse: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
     """(o, lse (empty unless ``want_lse``: it costs one more all-to-all), [qn, kn, vn, on, lse_n]: the
     head-sharded whole-sequence tensors in sequence order, for the backward)."""
-    perm, idx, dd = _sequence_order(q_idx, doc, group)
+    perm = geo.sequence_order()
     qn, kn, vn = (a2a(t, group, True).index_select(1, perm) for t in (q, k, v))
-    if dd is None:
-        on, lse_n = attention_fwd(qn, kn, vn, opts.scale, opts.causal, window=opts.window, softcap=opts.softcap)
-    else:
-        res = block_fwd(qn, kn, vn, idx, idx, dd, dd, _masked(opts))
-        on, lse_n = res if res is not None else empty_out(qn)
-        on = on.to(q.dtype)
+    on, lse_n = empty_out(qn)
+    run_forward(on, lse_n, qn, kn, vn, geo.whole(), opts)
+    on = on.to(q.dtype)
     inv = torch.argsort(perm)
     o = a2a(on.index_select(1, inv), group, False)
     lse = _lse_back(lse_n.index_select(2, inv), group) if want_lse else lse_n.new_empty(0)
     return o, lse, [qn, kn, vn, on, lse_n]
 
 
-def a2a_backward(do, saved, q_idx, doc, group, opts: BlockOpts) -> tuple[Tensor, Tensor, Tensor]:
+def a2a_backward(do, saved, geo: Geometry, group, opts: BlockOpts) -> tuple[Tensor, Tensor, Tensor]:
     qn, kn, vn, on, lse_n = saved
-    perm, idx, dd = _sequence_order(q_idx, doc, group)
+    perm = geo.sequence_order()
     don = a2a(do, group, True).index_select(1, perm)
-    if dd is None:
-        dqn, dkn, dvn = attention_bwd(don, qn, kn, vn, on, lse_n, opts.scale, opts.causal, window=opts.window,
-                                      softcap=opts.softcap)
-    else:
-        g = block_bwd(don, qn, kn, vn, on, lse_n, idx, idx, dd, dd, _masked(opts))
-        a = acc_dtype(qn)
-        dqn, dkn, dvn = g if g is not None else (torch.zeros(t.shape, dtype=a, device=t.device) for t in (qn, kn, vn))
+    dqn, dkn, dvn = (_zeros_like_acc(t) for t in (qn, kn, vn))
+    run_backward(dqn, dkn, dvn, don, qn, kn, vn, on, lse_n, geo.whole(), opts)
     inv = torch.argsort(perm)
     return tuple(a2a(t.to(qn.dtype).index_select(1, inv).contiguous(), group, False) for t in (dqn, dkn, dvn))
 

@@ -1,12 +1,11 @@
 """The math of one context-parallel rank: the zigzag layout of a sequence over the CP group, and the
-attention of this rank's queries against one K/V block (any rank's), merged by log-sum-exp.
+attention-kernel calls of this rank's queries against one K/V block (any rank's), merged by
+log-sum-exp.
 
-No communication here (tpkernels.functional.context_parallel_algos moves the blocks). A plain block
-(causal or full, no window, no documents) runs the attention kernels (Triton on GPUs, the
-reference on CPUs) per pair of zigzag halves: diagonal → the causal kernel, past → full, future →
-skipped. A window or packed documents need a per-pair mask: the masked fp32 math of
-:func:`_masked_block_fwd`, O(L²) scores per block (the kernel's window cannot express the offset
-between two halves); blocks that no query can see are skipped.
+No communication here (tpkernels.functional.context_parallel_algos moves the blocks) and no
+masks: the calls come from the host plan of tpkernels.functional.context_parallel_plan (dense
+calls on row ranges, varlen calls with ``cu_seqlens`` per document, windows as kernel arguments),
+and each runs the attention kernels (Triton on GPUs, the reference on CPUs).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import torch
 from torch import Tensor
 
 from tpkernels.functional.attention import attention_bwd, attention_fwd, lse_dtype
+from tpkernels.functional.context_parallel_plan import KernelCall
 
 # ---- the zigzag layout ----
 
@@ -51,149 +51,18 @@ def zigzag_merge(parts: list[Tensor], dim: int = 1) -> Tensor:
     return torch.cat(chunks, dim)
 
 
-# ---- one block: queries of this rank against one K/V block ----
+# ---- the calls of one block ----
 
-def _visible(q_idx: Tensor, k_idx: Tensor, q_doc: Tensor | None, k_doc: Tensor | None, causal: bool,
-             window: tuple[int, int]) -> Tensor:
-    """(b or 1, sq, sk) bool: which keys each query sees, from global positions and documents."""
-    diff = q_idx[:, None] - k_idx[None, :]  # query position − key position
-    ok = torch.ones(diff.shape, dtype=torch.bool, device=diff.device)
-    left, right = window
-    if causal:
-        ok &= diff >= 0
-    if left >= 0:
-        ok &= diff <= left
-    if right >= 0 and not causal:
-        ok &= diff >= -right
-    ok = ok[None]
-    if q_doc is not None:
-        ok = ok & (q_doc[:, :, None] == k_doc[:, None, :])
-    return ok
+class BlockOpts:
+    """What every call of one op shares: the softmax scale and the soft cap (0: none)."""
 
-
-def nothing_visible(q_idx: Tensor, k_idx: Tensor, causal: bool, window: tuple[int, int]) -> bool:
-    """No query can see any key of the block (decided from the index ranges alone)."""
-    q0, q1, k0, k1 = int(q_idx.min()), int(q_idx.max()), int(k_idx.min()), int(k_idx.max())
-    if causal and k0 > q1:
-        return True
-    left, right = window
-    if left >= 0 and q0 - k1 > left:
-        return True
-    return right >= 0 and not causal and k0 - q1 > right
+    def __init__(self, scale: float, softcap: float):
+        self.scale, self.softcap = scale, softcap
 
 
 def acc_dtype(t: Tensor) -> torch.dtype:
     """Accumulation dtype: float32, float64 for float64 inputs (the fp64 oracle stays exact)."""
     return lse_dtype(t.dtype)
-
-
-def _expand_kv(t: Tensor, h: int) -> Tensor:
-    return t.repeat_interleave(h // t.shape[2], dim=2) if t.shape[2] != h else t
-
-
-def _scores(q: Tensor, k: Tensor, scale: float, softcap: float) -> tuple[Tensor, Tensor | None]:
-    """(b, h, sq, sk) fp32 scores (softcapped) and tanh of the capped part (for the backward)."""
-    a = acc_dtype(q)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.to(a), _expand_kv(k, q.shape[2]).to(a)) * scale
-    if softcap > 0:
-        t = torch.tanh(s / softcap)
-        return softcap * t, t
-    return s, None
-
-
-def _masked_block_fwd(q, k, v, mask, scale, softcap) -> tuple[Tensor, Tensor]:
-    """(o (b, sq, h, d) fp32, lse (b, h, sq) fp32; -inf where a query sees nothing)."""
-    s, _ = _scores(q, k, scale, softcap)
-    s = s.masked_fill(~mask[:, None], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None].clamp(min=-1e30)).nan_to_num(0.0)
-    o = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, q.shape[2]).to(p.dtype))
-    return o, lse
-
-
-def _masked_block_bwd(do, q, k, v, o, lse, mask, scale, softcap) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one block given the final o and lse (fp32; dk, dv summed over a KV head's group)."""
-    h, hk = q.shape[2], k.shape[2]
-    s, t = _scores(q, k, scale, softcap)
-    s = s.masked_fill(~mask[:, None], float("-inf"))
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows that see nothing: lse -inf, p 0
-    a = s.dtype
-    dof, ve = do.to(a), _expand_kv(v, h).to(a)
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
-    dp = torch.einsum("bqhd,bkhd->bhqk", dof, ve)
-    delta = (dof * o.to(a)).sum(-1).transpose(1, 2)  # (b, h, sq)
-    ds = p * (dp - delta[..., None])
-    if t is not None:
-        ds = ds * (1 - t * t)
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, _expand_kv(k, h).to(a)) * scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(a)) * scale
-    if hk != h:
-        g = h // hk
-        dk = dk.reshape(*dk.shape[:2], hk, g, dk.shape[-1]).sum(3)
-        dv = dv.reshape(*dv.shape[:2], hk, g, dv.shape[-1]).sum(3)
-    return dq, dk, dv
-
-
-class BlockOpts:
-    """What every block of one call shares."""
-
-    def __init__(self, scale, causal, window, softcap, L, plain):
-        self.scale, self.causal, self.window, self.softcap, self.L, self.plain = \
-            scale, causal, window, softcap, L, plain
-
-
-def _pairs(q_idx: Tensor, k_idx: Tensor, o: BlockOpts):
-    """(q rows, k rows, causal) of the kernel calls of one plain block: the zigzag halves of both
-    sides, each pair diagonal (causal), past (full) or future (skipped)."""
-    L = o.L
-    for a in (0, 1):
-        qa = int(q_idx[a * L])
-        for b in (0, 1):
-            kb = int(k_idx[b * L])
-            if o.causal and kb > qa:
-                continue
-            yield slice(a * L, (a + 1) * L), slice(b * L, (b + 1) * L), o.causal and kb == qa
-
-
-def _block_mask(q_idx, k_idx, q_doc, k_doc, o: BlockOpts):
-    """None when no query of the block sees a key; else the (b or 1, sq, sk) mask, or True for a
-    plain block (the kernels mask it themselves)."""
-    if nothing_visible(q_idx, k_idx, o.causal, o.window):
-        return None
-    if o.plain:
-        return True
-    mask = _visible(q_idx, k_idx, q_doc, k_doc, o.causal, o.window)
-    return mask if bool(mask.any()) else None
-
-
-def block_fwd(q, k, v, q_idx, k_idx, q_doc, k_doc, o: BlockOpts):
-    """(o fp32, lse fp32) of queries against one K/V block, or None when nothing is visible."""
-    mask = _block_mask(q_idx, k_idx, q_doc, k_doc, o)
-    if mask is None:
-        return None
-    if not o.plain:
-        return _masked_block_fwd(q, k, v, mask, o.scale, o.softcap)
-    out, lse = empty_out(q)
-    _pairs_into(out, lse, q, k, v, q_idx, k_idx, o)
-    return out, lse
-
-
-def accumulate_block(out, lse, q, k, v, q_idx, k_idx, q_doc, k_doc, o: BlockOpts) -> None:
-    """Merge the attention of queries against one K/V block into the running (out, lse): a plain
-    block's kernel calls merge straight into them (no block-sized temporary and second merge)."""
-    if o.plain:
-        if _block_mask(q_idx, k_idx, q_doc, k_doc, o) is not None:
-            _pairs_into(out, lse, q, k, v, q_idx, k_idx, o)
-        return
-    res = block_fwd(q, k, v, q_idx, k_idx, q_doc, k_doc, o)
-    if res is not None:
-        merge_(out, lse, *res)
-
-
-def _pairs_into(out, lse, q, k, v, q_idx, k_idx, o: BlockOpts) -> None:
-    for qs, ks, causal in _pairs(q_idx, k_idx, o):
-        ob, lb = attention_fwd(q[:, qs], k[:, ks], v[:, ks], o.scale, causal, softcap=o.softcap)
-        merge_(out[:, qs], lse[:, :, qs], ob.to(out.dtype), lb.to(out.dtype))
 
 
 def empty_out(q: Tensor) -> tuple[Tensor, Tensor]:
@@ -204,26 +73,6 @@ def empty_out(q: Tensor) -> tuple[Tensor, Tensor]:
             torch.full((b, h, sq), float("-inf"), dtype=a, device=q.device))
 
 
-def block_bwd(do, q, k, v, out, lse, q_idx, k_idx, q_doc, k_doc, o: BlockOpts):
-    """(dq, dk, dv) fp32 of one block, or None when nothing is visible."""
-    mask = _block_mask(q_idx, k_idx, q_doc, k_doc, o)
-    if mask is None:
-        return None
-    if not o.plain:
-        return _masked_block_bwd(do, q, k, v, out, lse, mask, o.scale, o.softcap)
-    a = acc_dtype(q)
-    dq, dk, dv = (torch.zeros(t.shape, dtype=a, device=t.device) for t in (q, k, v))
-    o_cast = out.to(q.dtype)
-    lse_k = lse.to(lse_dtype(q.dtype))
-    for qs, ks, causal in _pairs(q_idx, k_idx, o):
-        g = attention_bwd(do[:, qs].contiguous(), q[:, qs], k[:, ks], v[:, ks], o_cast[:, qs].contiguous(),
-                          lse_k[:, :, qs].contiguous(), o.scale, causal, softcap=o.softcap)
-        dq[:, qs] += g[0].to(a)
-        dk[:, ks] += g[1].to(a)
-        dv[:, ks] += g[2].to(a)
-    return dq, dk, dv
-
-
 def merge_(out: Tensor, lse: Tensor, ob: Tensor, lb: Tensor) -> None:
     """out, lse ← the softmax-weighted union of (out, lse) and (ob, lb), in place, fp32."""
     new = torch.logaddexp(lse, lb)
@@ -232,3 +81,68 @@ def merge_(out: Tensor, lse: Tensor, ob: Tensor, lb: Tensor) -> None:
     wb = torch.exp(lb - safe).transpose(1, 2)[..., None]
     out.copy_(out * wa + ob * wb)
     lse.copy_(new)
+
+
+def _pack(t: Tensor, runs) -> Tensor:
+    """(total, heads, dim): the key runs (row, start, end) of ``t`` (b, s, heads, dim) one after another."""
+    if len(runs) == 1:
+        r, s, e = runs[0]
+        return t[r, s:e]
+    return torch.cat([t[r, s:e] for r, s, e in runs])
+
+
+def _unpack_add_(acc: Tensor, packed: Tensor, runs) -> None:
+    at = 0
+    for r, s, e in runs:
+        acc[r, s:e] += packed[at:at + e - s].to(acc.dtype)
+        at += e - s
+
+
+def _rows(t: Tensor, rows: slice) -> Tensor:
+    """(b·m, ...) of rows ``rows`` of (b, s, ...): a view for one batch row, a copy otherwise."""
+    return t[:, rows].reshape(-1, *t.shape[2:])
+
+
+def _lse_rows(lse: Tensor, rows: slice) -> Tensor:
+    """(h, b·m) varlen layout of lse (b, h, s) rows ``rows``."""
+    return lse[:, :, rows].transpose(0, 1).reshape(lse.shape[1], -1)
+
+
+def run_forward(out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, calls: list[KernelCall],
+                o: BlockOpts) -> None:
+    """Merge the attention of q's rows against k/v over ``calls`` into the running (out, lse)."""
+    b, _, h, d = q.shape
+    for c in calls:
+        m = c.q_rows.stop - c.q_rows.start
+        if c.varlen is None:
+            ob, lb = attention_fwd(q[:, c.q_rows], k[:, c.k_rows], v[:, c.k_rows], o.scale, False, window=c.window,
+                                   softcap=o.softcap)
+        else:
+            vl = c.varlen
+            ob, lb = attention_fwd(_rows(q, c.q_rows), _pack(k, vl.k_runs), _pack(v, vl.k_runs), o.scale, False,
+                                   vl.cu_q, vl.cu_k, vl.max_q, vl.max_k, window=c.window, softcap=o.softcap)
+            ob, lb = ob.view(b, m, h, d), lb.view(h, b, m).transpose(0, 1)
+        merge_(out[:, c.q_rows], lse[:, :, c.q_rows], ob.to(out.dtype), lb.to(out.dtype))
+
+
+def run_backward(dq: Tensor, dk: Tensor, dv: Tensor, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                 lse: Tensor, calls: list[KernelCall], o: BlockOpts) -> None:
+    """Add the gradients of ``calls`` (given the final out and lse) into dq, dk, dv (accumulation dtype)."""
+    b, _, h, d = q.shape
+    for c in calls:
+        m = c.q_rows.stop - c.q_rows.start
+        if c.varlen is None:
+            g = attention_bwd(do[:, c.q_rows].contiguous(), q[:, c.q_rows], k[:, c.k_rows], v[:, c.k_rows],
+                              out[:, c.q_rows].contiguous(), lse[:, :, c.q_rows].contiguous(), o.scale, False,
+                              window=c.window, softcap=o.softcap)
+            dk[:, c.k_rows] += g[1].to(dk.dtype)
+            dv[:, c.k_rows] += g[2].to(dv.dtype)
+            dq[:, c.q_rows] += g[0].to(dq.dtype)
+            continue
+        vl = c.varlen
+        g = attention_bwd(_rows(do, c.q_rows).contiguous(), _rows(q, c.q_rows), _pack(k, vl.k_runs),
+                          _pack(v, vl.k_runs), _rows(out, c.q_rows).contiguous(), _lse_rows(lse, c.q_rows).contiguous(),
+                          o.scale, False, vl.cu_q, vl.cu_k, vl.max_q, vl.max_k, window=c.window, softcap=o.softcap)
+        dq[:, c.q_rows] += g[0].view(b, m, h, d).to(dq.dtype)
+        _unpack_add_(dk, g[1], vl.k_runs)
+        _unpack_add_(dv, g[2], vl.k_runs)

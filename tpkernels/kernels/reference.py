@@ -10,6 +10,8 @@ import math
 import torch
 from torch import Tensor
 
+from tpkernels.kernels.window import band
+
 # Constants of the GeLU formulas (see csrc/gelu/bias_gelu_math.h for their meaning).
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -336,17 +338,72 @@ def _cpu_bwd(do, q, k, v, o, lse, scale, bounds) -> tuple[Tensor, Tensor, Tensor
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
-def _dense_fwd(q, k, v, scale, bounds, softcap):
+def _block_fwd(q, k, v, scale, bounds, softcap):
     if q.device.type == "cpu" and softcap == 0 and _torch_cpu_kernel() is not None:
         return _cpu_fwd(q, k, v, scale, bounds)
     return _chunked_fwd(q, k, v, scale, bounds, softcap)
 
 
-def _dense_bwd(do, q, k, v, o, lse, scale, bounds, softcap, dlse):
+def _block_bwd(do, q, k, v, o, lse, scale, bounds, softcap, dlse):
     if q.device.type == "cpu" and softcap == 0 and _torch_cpu_kernel() is not None and (
             dlse is None or not bool(dlse.any())):
         return _cpu_bwd(do, q, k, v, o, lse, scale, bounds)
     return _chunked_bwd(do, q, k, v, o, lse, scale, bounds, softcap, dlse)
+
+
+# ---- windows: query blocks against their key band ----
+# A window that no maskless path covers (a left side, a right side other than the causal corner, or
+# more queries than keys) runs per block of BAND_ROWS queries against the keys that block sees, each
+# call with its own small mask: O(seqlen · (window + BAND_ROWS)) work and memory instead of a
+# (seqlen_q, seqlen_k) mask. The rows per block follow the window (64 to 512): the masked-out corners
+# of a band cost about rows²/2 scores, the window's own work rows · window.
+BAND_ROWS = (64, 512)
+
+
+def _banded(bounds: tuple[int, int], seqlen_q: int, seqlen_k: int) -> bool:
+    left, right = bounds
+    if left < 0 and right < 0:
+        return False
+    return not (left < 0 and right == 0 and seqlen_q <= seqlen_k)  # the causal corner has maskless paths
+
+
+def _bands(bounds: tuple[int, int], seqlen_q: int, seqlen_k: int):
+    """Yield (query rows, key columns, the block's own bounds) of each block that sees some key."""
+    left, right = bounds
+    rows = min(BAND_ROWS[1], max(BAND_ROWS[0], max(left, 0) + max(right, 0)))
+    off = seqlen_k - seqlen_q  # query i stands at key position i + off
+    for i0 in range(0, seqlen_q, rows):
+        b = band(i0 + off, min(i0 + rows, seqlen_q) + off, 0, seqlen_k, left, right)
+        if b is not None:
+            yield slice(b.qs - off, b.qe - off), slice(b.ks, b.ke), (b.left, b.right)
+
+
+def _dense_fwd(q, k, v, scale, bounds, softcap):
+    sq, sk = q.shape[1], k.shape[1]
+    if not _banded(bounds, sq, sk):
+        return _block_fwd(q, k, v, scale, bounds, softcap)
+    o = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=_opmath(q[:0]).dtype, device=q.device)
+    for rows, cols, sub in _bands(bounds, sq, sk):
+        o[:, rows], lse[:, :, rows] = _block_fwd(q[:, rows], k[:, cols], v[:, cols], scale, sub, softcap)
+    return o, lse
+
+
+def _dense_bwd(do, q, k, v, o, lse, scale, bounds, softcap, dlse):
+    sq, sk = q.shape[1], k.shape[1]
+    if not _banded(bounds, sq, sk):
+        return _block_bwd(do, q, k, v, o, lse, scale, bounds, softcap, dlse)
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    acc = _opmath(k[:0]).dtype
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for rows, cols, sub in _bands(bounds, sq, sk):
+        g = _block_bwd(do[:, rows], q[:, rows], k[:, cols], v[:, cols], o[:, rows], lse[:, :, rows], scale, sub,
+                       softcap, None if dlse is None else dlse[:, :, rows])
+        dq[:, rows] = g[0]
+        dk[:, cols] += g[1]
+        dv[:, cols] += g[2]
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor):

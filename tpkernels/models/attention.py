@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tpkernels.functional.attention import flash_attn_func, flash_attn_varlen_func
-from tpkernels.functional.context_parallel import context_parallel_attention, zigzag_indices
+from tpkernels.functional.context_parallel import context_parallel_attention
 from tpkernels.functional.rotary import apply_rotary
 from tpkernels.models.context import LayerContext
 from tpkernels.models.hf_checkpoint import Part
@@ -80,7 +80,7 @@ class SelfAttention(nn.Module):
         ctx = self.ctx
         if ctx.cp_size > 1:  # this rank holds a zigzag share; positions are global (rotary used them)
             o = context_parallel_attention(q, k, v, ctx.cp_group, algo=ctx.cp_algo, causal=True, window=self.window,
-                                           doc_ids=None if info.cu_seqlens is None else self._doc_ids(info, s))
+                                           cu_seqlens=info.cp_cu_seqlens)  # the global documents, on the host
         elif info.cu_seqlens is None:
             o = flash_attn_func(q, k, v, causal=True, window_size=self.window)
         else:
@@ -89,12 +89,6 @@ class SelfAttention(nn.Module):
                                        v.reshape(b * s, self.nkv, self.hd), cu, cu, n, n, causal=True,
                                        window_size=self.window)
         return o.reshape(b, s, self.nq * self.hd)
-
-    def _doc_ids(self, info: SequenceInfo, s: int) -> torch.Tensor:
-        """(batch, s) ids of packed documents under CP: each token's document start in the whole
-        sequence (global index − position in its document): equal within a document on every rank."""
-        idx = zigzag_indices(s * self.ctx.cp_size, self.ctx.cp_size, self.ctx.cp_rank, device=info.position_ids.device)
-        return idx[None, :] - info.position_ids
 
     # ---- Hugging Face layout ----
     def _qkv_parts(self, tp_rank: int, param: str) -> list[Part]:

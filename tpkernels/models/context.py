@@ -11,7 +11,7 @@ from tpkernels.models.hf_names import HF_NAMES, TRANSPOSED
 from tpkernels.parallel.param_tags import tag
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerContext:
     """mc: the model; tp_group/tp_rank/tp_size: this rank's TP group; sequence_parallel: activations
     between the TP regions are sharded along the sequence (dim 1 of (batch, seq, hidden));

@@ -1,14 +1,17 @@
 """Where the tokens of a batch sit: positions and, for packed rows, document boundaries.
 
 Documents packed into one row are marked the Hugging Face way: their ``position_ids`` restart at
-0. Every row starts a document. ``SequenceInfo.of(position_ids)`` turns that into the
-``cu_seqlens`` of varlen attention, so no attention crosses a document, and rotary positions
-restart with each document. Rows without restarts keep the dense (batch, seq) attention.
+0. Every row starts a document. A model's stages carry the boundaries per row
+(``tpkernels.models.inputs.StageInput.documents``); ``SequenceInfo.from_documents`` turns them
+into the ``cu_seqlens`` of varlen attention (no attention crosses a document; rotary positions
+restart with each document) or, under context parallelism, into the global boundaries on the host
+that the CP attention plans its kernel calls from. ``SequenceInfo.of(position_ids)`` finds them
+from positions directly. Rows without restarts keep the dense (batch, seq) attention.
 
 Host reads: none for a batch with default positions. For packed batches the first stage finds
 the boundaries on the host, from the step's host copy of the positions (no device sync); each
-later pipeline stage reads the longest document from the boundaries it receives with the
-activations (one read per micro-batch, beside the P2P header it reads anyway).
+later pipeline stage reads the boundaries it receives with the activations once per micro-batch
+(beside the P2P header it reads anyway).
 """
 
 from __future__ import annotations
@@ -22,12 +25,17 @@ from tpkernels.functional.attention import trust_cu_seqlens
 
 @dataclass
 class SequenceInfo:
-    """position_ids: (batch, seq) int64; cu_seqlens: (documents + 1,) int32 over the flattened
-    batch, or None (one document per row); max_seqlen: the longest document."""
+    """position_ids: (batch, seq) int64; cu_seqlens: (documents + 1,) int32 over the flattened batch, on
+    the device, or None (one document per row, or context parallelism); max_seqlen: the longest
+    document; cp_cu_seqlens: under context parallelism, the global documents' boundaries over the
+    flattened batch of whole sequences, a host tensor (None: one document per row); documents: the
+    per-row boundaries to hand the next pipeline stage (StageInput.documents), on the device."""
 
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor | None
     max_seqlen: int
+    cp_cu_seqlens: torch.Tensor | None = None
+    documents: torch.Tensor | None = None
 
     @classmethod
     def dense(cls, position_ids: torch.Tensor) -> "SequenceInfo":
@@ -35,35 +43,23 @@ class SequenceInfo:
         return cls(position_ids, None, position_ids.shape[1])
 
     @classmethod
-    def from_cu_seqlens(cls, position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> "SequenceInfo":
-        """From the boundaries an earlier pipeline stage found (empty: dense rows; no host read then)."""
-        if cu_seqlens.numel() == 0:
-            return cls.dense(position_ids)
-        return cls(position_ids, cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
-
-    def on(self, position_ids: torch.Tensor) -> "SequenceInfo":
-        """This info (found on the host) for ``position_ids`` on their device: the boundaries follow
-        them there (an asynchronous copy, no sync), trusted by varlen attention (they were made from
-        checked values), so it reads nothing back."""
-        cu = None
-        if self.cu_seqlens is not None:
-            cu = trust_cu_seqlens(self.cu_seqlens.to(position_ids.device, non_blocking=True),
-                                  position_ids.numel(), self.max_seqlen)
-        return SequenceInfo(position_ids, cu, self.max_seqlen)
-
-    def boundaries(self) -> torch.Tensor:
-        """cu_seqlens, or an empty int32 tensor for dense rows: what the next pipeline stage receives."""
-        if self.cu_seqlens is not None:
-            return self.cu_seqlens
-        return torch.empty(0, dtype=torch.int32, device=self.position_ids.device)
-
-    @classmethod
-    def rows(cls, position_ids: torch.Tensor) -> "SequenceInfo":
-        """Each row one document, stated as boundaries (cu_seqlens at the row starts): what a CP rank
-        whose share holds no document start uses when its group's sequences are packed."""
+    def from_documents(cls, position_ids: torch.Tensor, documents: torch.Tensor, cp: int = 1) -> "SequenceInfo":
+        """From per-row boundaries (batch, n) of sequences of seq·cp tokens (StageInput.documents): free
+        for a host tensor (the first stage's), one read of a device one (a later stage's)."""
         b, s = position_ids.shape
-        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=position_ids.device)
-        return cls(position_ids, cu, s)
+        send = documents.to(position_ids.device, non_blocking=True)
+        if documents.shape[1] == 0:
+            return cls(position_ids, None, s, None, send)
+        T = s * cp
+        cu = [0]
+        for r, row in enumerate(documents.tolist()):  # ascending from 0, padded with T
+            cu += [r * T + x for x in sorted(set(row) | {T}) if x > 0]
+        longest = max(y - x for x, y in zip(cu, cu[1:]))
+        if cp > 1:
+            return cls(position_ids, None, longest, torch.tensor(cu, dtype=torch.int32), send)
+        dev = trust_cu_seqlens(torch.tensor(cu, dtype=torch.int32).to(position_ids.device, non_blocking=True),
+                               b * s, longest)  # made from host values: varlen attention reads nothing back
+        return cls(position_ids, dev, longest, None, send)
 
     @classmethod
     def of(cls, position_ids: torch.Tensor) -> "SequenceInfo":

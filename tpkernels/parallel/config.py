@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 CP_ALGOS = ("ring", "allgather", "a2a")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+# The short spellings of ParallelConfig's fields in a layout string (``TP=4,SP=on,mbs=2``: ``tpkernels plan
+# --fix / --explain``), beside each field's own name, in any case. The one table of them.
+SHORT_NAMES = {"v": "virtual_stages", "vpp": "virtual_stages", "mbs": "micro_batch_size", "sp": "sequence_parallel",
+               "rc": "recompute", "zero": "zero1"}
 
 
 # ---- the rules, one message each; ParallelConfig and the pipeline schedules both use these ----
@@ -64,9 +68,10 @@ class ParallelConfigError(ValueError):
         super().__init__("invalid parallel layout:\n  - " + "\n  - ".join(self.errors))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """One training layout (world size = tp · cp · pp · dp). Each field's ``help`` says what it is."""
+    """One training layout (world size = tp · cp · pp · dp). Each field's ``help`` says what it is.
+    Built by keyword: fifteen fields in a row are easy to misplace."""
 
     tp: int = field(default=1, metadata={"help": "tensor-parallel size: heads and FFN columns split over tp GPUs "
                                                  "of one node"})

@@ -75,7 +75,8 @@ def layer_activations(model: ModelConfig, *, seq: int, micro_batch: int, tp: int
     if cp > 1 and cp_algo == "allgather":
         split += (cp - 1) * local_kv  # the whole sequence's K/V, kept for the backward
     elif cp > 1 and cp_algo == "ring":
-        transient = local_kv * (1.0 + 2.0 + 2.0)  # the next block in flight, fp32 dK/dV and the ones in flight
+        # the next block in flight; fp32 dK/dV of the block computed, of the one sent and of the one arriving
+        transient = local_kv * (1.0 + 3 * 2.0)
     elif cp > 1:  # a2a: q, k, v and the output, head-sharded
         transient = 2.0 * (2.0 * model.q_dim / model.hidden_size / tp) + local_kv
     scores = terms["scores"] * a_s_over_h / tp

@@ -90,7 +90,8 @@ def a100_rows(data_dir: Path | None = None) -> list[Row]:
         tp, pp, v, gpus = int(r["tp"]), int(r["pp"]), int(r["virtual_stages"]), int(r["gpus"])
         gbs, mbs = int(r["global_batch"]), int(r["micro_batch"])
         dp = gpus // (tp * pp)
-        cfg = ParallelConfig(tp, pp, dp, v, mbs, gbs // (mbs * dp), **PAPER_FIXED)
+        cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs,
+                             num_microbatches=gbs // (mbs * dp), **PAPER_FIXED)
         train = TrainingSetup(gbs, 2048, precision="fp16", flash_attention=False, overlap_grad_reduce=False)
         l, h, s, V = spec.num_layers, spec.hidden_size, 2048, spec.vocab_size
         flops = 96 * gbs * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
@@ -127,8 +128,10 @@ def _h100_table(data_dir: Path | None = None, table: str = H100_TABLE) -> list[R
                            max_position_embeddings=n["seq_length"], name=r["model"])
         dp = n["gpus"] // (n["tp"] * n["pp"] * n["cp"])
         recompute, precision = r.get("recompute") or "none", r.get("precision") or "fp8"
-        cfg = ParallelConfig(n["tp"], n["pp"], dp, n["virtual_stages"], n["micro_batch"],
-                             n["global_batch"] // (n["micro_batch"] * dp), sequence_parallel=n["tp"] > 1,
+        cfg = ParallelConfig(tp=n["tp"], pp=n["pp"], dp=dp, virtual_stages=n["virtual_stages"],
+                             micro_batch_size=n["micro_batch"],
+                             num_microbatches=n["global_batch"] // (n["micro_batch"] * dp),
+                             sequence_parallel=n["tp"] > 1,
                              recompute=recompute, zero1=dp * n["cp"] > 1, cp=n["cp"])
         train = TrainingSetup(n["global_batch"], n["seq_length"], precision=precision, overlap_grad_reduce=True,
                               overlap_param_gather=True, overlap_p2p=True)

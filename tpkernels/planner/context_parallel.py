@@ -7,7 +7,10 @@ forward time A_f and backward time A_b on this rank (tpkernels.functional.contex
   ring       forward: cp − 1 hops of B (isend/irecv to the next rank), each overlapping the
              computation of the block already held (A_f / cp): exposed = Σ max(0, hop − A_f / cp).
              Backward: cp − 1 hops of B (K/V) and cp hops of the fp32 dK/dV accumulators (2B in
-             16-bit training), against A_b / cp per block.
+             16-bit training). The code posts block i's accumulators once its gradient is added and
+             waits for them after block i + 1's backward (A_b / cp), beside block i + 1's K/V hop:
+             block 0 hides a K/V hop, blocks 1 .. cp−2 a K/V hop and an accumulator hop together
+             (one link), block cp−1 an accumulator hop, and the last hop home hides behind nothing.
   allgather  forward: an all-gather of K/V (cp · B) over the CP group; backward: a reduce-scatter
              of dK/dV. Not overlapped.
   a2a        forward: all-to-all of q, k, v (to head-sharded) and of the output (back); backward:
@@ -47,8 +50,9 @@ def cp_attention_comm(model: ModelConfig, cfg: ParallelConfig, seq: int, value_b
         fwd = (n - 1) * hop
         fwd_exposed = (n - 1) * max(0.0, hop - att_f / n)
         bwd = (n - 1) * hop + n * acc_hop
-        # each step's K/V and accumulator transfers run beside the block's backward
-        bwd_exposed = (n - 1) * max(0.0, hop + acc_hop - att_b / n) + acc_hop
+        block = att_b / n
+        bwd_exposed = (max(0.0, hop - block) + (n - 2) * max(0.0, hop + acc_hop - block)
+                       + max(0.0, acc_hop - block) + acc_hop)
         return {"fwd": fwd, "fwd_exposed": fwd_exposed, "bwd": bwd, "bwd_exposed": bwd_exposed}
     if cfg.cp_algo == "allgather":
         fwd = group_collective_time("all_gather", n * B, n, cfg.tp, cluster, eff)

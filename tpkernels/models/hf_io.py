@@ -1,0 +1,137 @@
+"""Hugging Face weights in and out of a ParallelTransformer: each rank reads and writes only its own
+slices (the layers of its pipeline stage, the TP shard of each), through the ``Part`` mapping of
+:mod:`tpkernels.models.hf_checkpoint`.
+
+    model = from_hf(ParallelTransformer, "path/to/hf_checkpoint", state)   # = ParallelTransformer.from_hf
+    load_hf_(model, source)          # folder, state dict, module or TensorSource
+    init_weights_(model, seed)       # the same model at every layout from one seed
+    to_hf_state_dict(model)          # this stage's HF tensors, gathered over TP, on the CPU
+    save_hf(model, "out/")           # what transformers.AutoModelForCausalLM.from_pretrained loads
+
+The model's methods of the same names call these.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tpkernels.description import ModelConfig
+from tpkernels.models.hf_checkpoint import Part, RandomInit, TensorSource, assemble, open_source
+from tpkernels.parallel import control
+from tpkernels.parallel.mappings import all_gather_dim
+from tpkernels.parallel.param_tags import tag_of
+from tpkernels.parallel.raise_together import raise_together
+
+
+def from_hf(cls, source, state=None, *, config: ModelConfig | None = None, drop_dropout: bool = False, **kwargs):
+    """A ``cls`` (ParallelTransformer) from a checkpoint folder (config.json + safetensors; each rank
+    reads only its slices) or an in-memory ``transformers`` model."""
+    if config is None:
+        hf_cfg = source.config if isinstance(source, nn.Module) else source
+        config = ModelConfig.from_hf(hf_cfg, drop_dropout=drop_dropout)
+    kwargs.setdefault("dtype", torch.float32)
+    model = cls(config, state, init=None, **kwargs)
+    model.load_hf_(source)
+    return model
+
+
+def param_parts(model, tp_rank: int | None = None) -> dict[str, list[Part]]:
+    """Our parameter name → the HF parts it is made of, for TP rank ``tp_rank`` (default: this rank)."""
+    r = model.ctx.tp_rank if tp_rank is None else tp_rank
+    return {f"chunks.{c}.{k}": v for c, chunk in enumerate(model.chunks) for k, v in chunk.parts(r).items()}
+
+
+def _shapes(model) -> dict[str, tuple[int, ...]]:
+    return {k: v for chunk in model.chunks for k, v in chunk.shapes().items()}
+
+
+@torch.no_grad()
+def load_hf_(model, source):
+    """Copy this rank's slices of ``source`` (folder, state dict, module or TensorSource) into ``model``."""
+    # every rank checks and reads its own tensors; a rank that finds a bad one stops them all
+    with raise_together("loading Hugging Face weights", active=model.state.config.world_size > 1):
+        src = source if isinstance(source, TensorSource) else open_source(source)
+        parts = param_parts(model)
+        params = dict(model.named_parameters())
+        missing = sorted(set(params) - set(parts))
+        if missing:
+            raise RuntimeError(f"no Hugging Face mapping for {missing[:4]}")
+        transposed = {part.name for ps in parts.values() for part in ps if part.transpose}
+        src.check(_shapes(model), transposed)
+        for name, p in params.items():
+            pieces = [src.read(part, p.dtype) for part in parts[name]]
+            value = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+            if value.shape != p.shape:
+                raise ValueError(f"{name}: the checkpoint gives shape {tuple(value.shape)}, the model at this "
+                                 f"layout needs {tuple(p.shape)} (parts {parts[name]})")
+            p.copy_(value)
+    return model
+
+
+def init_weights_(model, seed: int):
+    """Seeded initialisation, identical at every layout (each tensor made whole from (seed, name), then
+    sliced)."""
+    shapes = _shapes(model)
+    cfg = model.config
+    scaled = {n for n in shapes if cfg.family == "gpt2" and n.endswith("c_proj.weight")}
+    return load_hf_(model, RandomInit(shapes, seed, cfg.initializer_range, scaled, cfg.num_layers))
+
+
+@torch.no_grad()
+def to_hf_state_dict(model, which: str = "data") -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors of this rank's pipeline stage, full (gathered over TP), on the CPU.
+    Collective over the TP group. A tied head on the last stage is left out (the embedding is it).
+    ``which="grad"``: the gradients instead, in the same names (zeros where there is none)."""
+    if which not in ("data", "grad"):
+        raise ValueError(f"which ({which!r}) must be 'data' or 'grad'")
+    tp = model.ctx.tp_size
+    all_parts = [param_parts(model, r) for r in range(tp)]
+    pieces = []
+    for name, p in model.named_parameters():
+        t = tag_of(p)
+        if (t is not None and t.tied == "copy") or name not in all_parts[0]:  # LoRA adapters: merge_lora_ first
+            continue
+        t = p.detach() if which == "data" else (p.grad if p.grad is not None else torch.zeros_like(p))
+        shards = [t] if tp == 1 else list(all_gather_dim(t.contiguous(), 0, model.ctx.tp_group).chunk(tp, dim=0))
+        for r, shard in enumerate(shards):
+            offset = 0
+            for part in all_parts[r][name]:
+                rows = part.zero_shape[0] if part.name is None else (
+                    part.rows[1] - part.rows[0] if part.rows else shard.shape[0])
+                pieces.append((part, shard[offset:offset + rows].cpu()))
+                offset += rows
+    return assemble(pieces)
+
+
+def save_hf(model, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + safetensors (one file per pipeline stage, with an index) that
+    ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads. Collective over all ranks."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    folder = Path(folder)
+    sd = to_hf_state_dict(model)
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    st, pp = model.state, model.state.pp_size
+    fname = "model.safetensors" if pp == 1 else f"model-{st.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
+    writer = st.tp_rank == 0 and st.dp_rank == 0
+    if writer:
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(folder / fname), metadata={"format": "pt"})
+    names = {k: fname for k in sd} if writer else {}
+    names = {k: v for d in control.all_gather_objects(names) for k, v in d.items()}
+    if st.rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        model.config.to_hf().save_pretrained(str(folder))
+        if pp > 1:
+            (folder / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {}, "weight_map": dict(sorted(names.items()))}, indent=1))
+    control.barrier()
+    return folder
+
+
+__all__ = ["from_hf", "init_weights_", "load_hf_", "param_parts", "save_hf", "to_hf_state_dict"]
