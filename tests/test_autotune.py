@@ -1,6 +1,10 @@
 """The autotune trial phase: candidates train the run's own steps, one after another, then the fastest
-goes on; the losses and final weights equal a run at one fixed layout (no step lost or repeated);
-a candidate every rank refuses is reported and skipped; bad autotune settings are named."""
+goes on; the losses and final weights equal a run at one fixed layout (no step lost or repeated),
+on packed documents of uneven length with candidates of different micro-batch sizes (the loss is
+the global token mean, so switching micro-batching does not change the objective); a candidate
+every rank refuses is reported and skipped; a stop inside the trials stops there; several nodes
+without a shared save_dir are refused; adapt switches through a checkpoint of the exact step,
+with or without periodic saves; bad autotune settings are named."""
 
 from __future__ import annotations
 
@@ -16,17 +20,17 @@ import torch
 from test_train import SMALL, small
 from tpkernels.parallel import ParallelConfig
 
-# one global batch of 4 sequences at every layout, as the planner's candidates share it
-CANDIDATES = [ParallelConfig(tp=2, pp=2, dp=1, num_microbatches=4, sequence_parallel=True),
+# one global batch of 4 sequences at every layout, as the planner's candidates share it, cut into
+# micro-batches of 2, 1 and 1 rows
+CANDIDATES = [ParallelConfig(tp=2, pp=2, dp=1, micro_batch_size=2, num_microbatches=2, sequence_parallel=True),
               ParallelConfig(tp=1, pp=1, dp=4, num_microbatches=1),
               ParallelConfig(tp=1, pp=2, dp=2, num_microbatches=2, schedule="zb-h1")]
 
 
 def _cands(pcs):
-    from tpkernels.train.autotune import Candidate, label
+    from tpkernels.train.autotune import Candidate, Prediction
 
-    return [Candidate(pc, {"step_s": 0.1 * (i + 1), "bubble": 0.0, "comm_ratio": 0.0, "memory_gib": 1.0,
-                           "layout": label(pc)}) for i, pc in enumerate(pcs)]
+    return [Candidate(pc, Prediction(step_s=0.1 * (i + 1), memory_gib=1.0)) for i, pc in enumerate(pcs)]
 
 
 def _autotune_worker(rank, world, kw, pcs, save_dir):
@@ -104,21 +108,44 @@ def test_budget_leaves_the_winner_steps():
     assert trial_budget(small(steps=2, **{"layout": "auto", "autotune.candidates": 3}), 3) == 1
 
 
-def test_cli_autotunes_on_spawned_ranks(tmp_path):
-    """`tpkernels train --layout auto --autotune 3 --nproc 4 --verify-step0` with a layout of its own
-    (TP2 PP2 GPipe, which the planner never ranks first: 1F1B has its bubble with less memory): the
-    table, the planner's three and "your layout", the winner, the metrics record, and step 0 checked
-    against the single-process model (which runs no trials)."""
-    metrics = tmp_path / "m.jsonl"
-    args = ["--layout", "auto", "--autotune", "3", "--nproc", "4", "--layers", "2", "--hidden", "32", "--heads", "4",
-            "--kv-heads", "2", "--ffn", "48", "--vocab", "97", "--seq-length", "16", "--steps", "24",
-            "--num-microbatches", "4", "--progress", "false", "--metrics-file", str(metrics), "--verify-step0",
-            "--tp", "2", "--pp", "2", "--schedule", "gpipe"]
-    r = subprocess.run([sys.executable, "-m", "tpkernels.train", *args], capture_output=True, text=True, timeout=300,
-                       cwd=Path(__file__).resolve().parents[1])
+def _corpus(path: Path, seed: int) -> Path:
+    """Paragraphs of 1 to 40 words (documents of very uneven length), byte-level tokenized by the run."""
+    g = torch.Generator().manual_seed(seed)
+    words = ["tensor", "pipeline", "of", "a", "the", "gradient", "sequence", "rank", "kernel", "to", "is", "ring"]
+    docs = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (int(torch.randint(1, 41, ())),),
+                                                           generator=g)) for _ in range(400)]
+    path.write_text("\n\n".join(docs))
+    return path
+
+
+def _train_cli(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tpkernels.train", *args], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+
+
+def _losses(metrics: Path) -> list[float]:
+    return [x["loss"] for x in map(json.loads, metrics.read_text().splitlines()) if "step" in x]
+
+
+def test_cli_autotunes_on_spawned_ranks(tmp_path, fresh_seed):
+    """`tpkernels train --layout auto --autotune 3 --nproc 4 --verify-step0` on packed text, with a layout
+    of its own (TP2 PP2 GPipe, which the planner never ranks first: 1F1B has its bubble with less
+    memory): the table, the planner's three and "your layout", the winner, the metrics record; step
+    0 equals the whole-batch fp64 reference, and every step equals the run at that fixed layout."""
+    corpus = _corpus(tmp_path / "corpus.txt", fresh_seed)
+    metrics, fixed = tmp_path / "m.jsonl", tmp_path / "fixed.jsonl"
+    common = ["--nproc", "4", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "48",
+              "--vocab", "300", "--seq-length", "16", "--steps", "24", "--progress", "false",
+              "--data", str(corpus), "--verify-step0", "--tp", "2", "--pp", "2", "--schedule", "gpipe"]
+    # layout auto's global batch: micro_batch_size × num_microbatches × ranks = 16 rows; the fixed run's alike
+    r = _train_cli(["--layout", "auto", "--autotune", "3", "--num-microbatches", "4", "--metrics-file", str(metrics),
+                    *common])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "autotune: " in r.stdout and "← fastest measured" in r.stdout and "continuing with " in r.stdout, r.stdout
-    assert "from the single-process model on the same batch: equal" in r.stdout, r.stdout[-2000:]
+    assert "from the single-process fp64 model on the whole batch at once: equal" in r.stdout, r.stdout[-2000:]
+    f = _train_cli(["--num-microbatches", "16", "--metrics-file", str(fixed), *common])
+    assert f.returncode == 0 and "whole batch at once: equal" in f.stdout, f.stderr[-3000:]
+    torch.testing.assert_close(torch.tensor(_losses(metrics)), torch.tensor(_losses(fixed)), rtol=1e-5, atol=0)
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [x["step"] for x in records if "step" in x] == list(range(24))
     summary = next(x for x in records if "autotune" in x)
@@ -129,9 +156,9 @@ def test_cli_autotunes_on_spawned_ranks(tmp_path):
     assert summary["winner"] in {x["layout"] for x in summary["autotune"]}
 
 
-def _adapt_worker(rank, world, steps, metrics):
+def _adapt_worker(rank, world, steps, metrics, save_dir=None, save_every=0):
     import tpkernels.functional.gemm_comm as gemm_comm
-    from tpkernels.train.autotune import Candidate, label, train_autotuned
+    from tpkernels.train.autotune import Candidate, Prediction, train_autotuned
 
     # rank 1's link is slow from step 6 on: a sleep inside its TP transfers (both ranks wait in them)
     holder = {}
@@ -157,32 +184,76 @@ def _adapt_worker(rank, world, steps, metrics):
     tp2 = ParallelConfig(tp=2, pp=1, dp=1, num_microbatches=4, sequence_parallel=True)
     dp2 = ParallelConfig(tp=1, pp=1, dp=2, num_microbatches=2)
     # the planner's figures: TP2 predicted fastest, DP2 (no TP traffic) slower unless TP's links degrade
-    cands = [Candidate(tp2, {"step_s": 0.15, "bubble": 0.0, "comm_ratio": 0.5, "memory_gib": 1.0, "layout": label(tp2),
-                             "compute_s": 0.10, "comm_s": 0.05}),
-             Candidate(dp2, {"step_s": 0.16, "bubble": 0.0, "comm_ratio": 0.0, "memory_gib": 1.0, "layout": label(dp2),
-                             "compute_s": 0.16, "comm_s": 0.0})]
+    cands = [Candidate(tp2, Prediction(0.15, comm_ratio=0.5, memory_gib=1.0, compute_s=0.10, comm_s=0.05)),
+             Candidate(dp2, Prediction(0.16, memory_gib=1.0, compute_s=0.16, comm_s=0.0))]
+    saving = {"checkpoint.save_dir": save_dir, "checkpoint.save_every": save_every} if save_dir else {}
     cfg = small(steps=steps, metrics_file=metrics, **{
         "layout": "auto", "autotune.candidates": 2, "autotune.steps": 2, "autotune.monitor_every": 3,
-        "autotune.sustain": 2, "autotune.slowdown": 0.3, "autotune.adapt": True})
+        "autotune.sustain": 2, "autotune.slowdown": 0.3, "autotune.adapt": True}, **saving)
     history = train_autotuned(cfg, cands, tries=1)
     return [h["step"] for h in history], [h["loss"] for h in history]
 
 
-def test_adapt_switches_away_from_a_slow_link_without_losing_a_step(rank_pool, tmp_path):
+# the trials take steps 0-2; the monitor's windows are 3-5 (its baseline), 6-8 and 9-11 (slow): the
+# slowdown is reported after step 11, i.e. at step 12, a multiple of save_every 4 (the stop used to
+# skip that step's save and resume step 8's); without save_dir the trial folder carries the switch
+@pytest.mark.parametrize("save_every", [None, 4])
+def test_adapt_switches_away_from_a_slow_link_without_losing_a_step(rank_pool, tmp_path, save_every):
     metrics = tmp_path / "m.jsonl"
-    out = rank_pool(2).run(_adapt_worker, 16, str(metrics), timeout=400)
+    save_dir = str(tmp_path / "ck") if save_every else None
+    out = rank_pool(2).run(_adapt_worker, 16, str(metrics), save_dir, save_every or 0, timeout=400)
     want_loss, _ = _reference(16)
     for steps, losses in out:
-        assert steps == list(range(16)), steps
+        assert steps == list(range(16)), steps  # a resume from an older checkpoint would repeat steps
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_loss), rtol=1e-5, atol=1e-6)
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
     move = next(r["adapt"] for r in records if "adapt" in r)
     slow = next(r["slowdown"] for r in records if "slowdown" in r)
     assert slow["kind"] == "link" and slow["wait_phase"] == "tp_comm", slow["text"]
-    assert move["from"] == CANDIDATES[0].replace(dp=1, num_microbatches=4, sequence_parallel=True,
+    assert move["from"] == CANDIDATES[0].replace(dp=1, micro_batch_size=1, num_microbatches=4, sequence_parallel=True,
                                                  pp=1, schedule=None).short() and move["to"].startswith("TP1 PP1 DP2")
     layouts = [r["layout"] for r in records if "step" in r]
     assert layouts[-1].startswith("TP1 PP1 DP2") and layouts[3].startswith("TP2")
+    if save_dir:
+        kept = sorted(int(p.name.split("_")[1]) for p in Path(save_dir).iterdir() if p.name.startswith("step_"))
+        assert move["step"] in kept and kept[-1] == 16, (move["step"], kept)
+
+
+def _stop_worker(rank, world, save_dir):
+    from tpkernels.train.autotune import train_autotuned
+
+    cfg = small(steps=12, stop_at_step=4, **{"layout": "auto", "autotune.candidates": 3, "autotune.steps": 1,
+                                               "checkpoint.save_dir": save_dir})
+    return [h["step"] for h in train_autotuned(cfg, _cands(CANDIDATES))]
+
+
+def test_a_stop_inside_the_trials_stops_there_and_saves_that_step(rank_pool, tmp_path):
+    """stop_at_step 4 with trials of 2 steps: the second trial stops after step 3; the run resumes at 4."""
+    out = rank_pool(4).run(_stop_worker, str(tmp_path / "ck"), timeout=300)
+    for steps in out:
+        assert steps == [0, 1, 2, 3], steps
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000004"]
+
+
+def _two_nodes_worker(rank, world):
+    import socket
+
+    from tpkernels.train.autotune import train_autotuned
+
+    real = socket.gethostname
+    socket.gethostname = lambda: f"node{rank // 2}"  # ranks 0-1 on one host, 2-3 on another
+    try:
+        train_autotuned(small(steps=8, **{"layout": "auto", "autotune.candidates": 2}), _cands(CANDIDATES[:2]))
+    except ValueError as e:
+        return str(e)
+    finally:
+        socket.gethostname = real  # the pool's workers serve the next tests
+    return "trained"
+
+
+def test_several_nodes_without_a_shared_save_dir_are_refused(rank_pool):
+    for said in rank_pool(4).run(_two_nodes_worker, timeout=120):
+        assert "autotune.candidates (2) on 2 nodes needs checkpoint.save_dir" in said, said
 
 
 def test_the_configs_own_layout_is_a_candidate_at_the_runs_batch():
@@ -202,7 +273,7 @@ def test_the_configs_own_layout_is_a_candidate_at_the_runs_batch():
     assert manual_candidate(c, p, 4) == (None, "")  # no layout set: the planner's only
     mine, why = manual_candidate(cfg(tp=2, pp=2, sequence_parallel=True, schedule="gpipe"), p, 4)
     assert why == "" and mine.why == "your layout" and mine.parallel.num_microbatches == 12  # 24 / (2 × DP1)
-    assert label(mine.parallel) == "TP2 PP2 DP1 mbs2 SP gpipe" and mine.predicted["step_s"] > 0
+    assert label(mine.parallel) == "TP2 PP2 DP1 mbs2 SP gpipe" and mine.predicted.step_s > 0
     none, why = manual_candidate(cfg(tp=3), p, 4)
     assert none is None and "your layout (TP3" in why and "num_attention_heads (4)" in why, why
     none, why = manual_candidate(cfg(tp=2, micro_batch_size=5), p, 4)

@@ -36,7 +36,7 @@ CASES = {
     "max-restarts without nproc": (["--max-restarts", "2"], r"--max-restarts \(2\) needs --nproc"),
     "initial_loss_scale 0": (["--initial-loss-scale", "0"], r"training.initial_loss_scale \(0.0\) must be > 0"),
     "world not TP x PP x DP": (["--nproc", "3", "--tp", "2"], r"world_size \(3\) must be divisible by parallel.tp \(2\)"),
-    "data missing": (["--vocab", "300", "--data", "{under}"], r"data.source \('.*sub'\) must be 'random', a text file or a folder"),
+    "data missing": (["--vocab", "300", "--data", "{under}"], r"data.source \('.*sub'\) must be 'random', 'random-documents', a text file or a folder"),
 }
 
 

@@ -1,16 +1,15 @@
 """Whole models at a context-parallel layout train like the single-process model: ten steps of
-losses, every step's gradient norm and the final weights, at CP2 (each algorithm), CP4, TP2×CP2
-with SP, CP2×PP2 (1F1B and zero-bubble) and DP2×CP2; packed documents across the zigzag chunks;
-a run saved at CP2 resumes at CP1 and TP2 with the same losses."""
+losses, every step's gradient norm and the final weights (float64, packed documents of uneven
+length: the single process takes the whole batch at once), at CP2 (each algorithm), CP4, TP2×CP2
+with SP, CP2×PP2 (1F1B and zero-bubble) and DP2×CP2; byte-level text whose documents cross the
+zigzag chunks; a run saved at CP2 resumes at CP1 and TP2 with the same losses."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from test_train import SMALL, _run, small
-
-LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "cp_algo", "sequence_parallel", "schedule", "virtual_stages", "zero1")
+from test_train import _check_against_reference, _reference, _run, small
 
 CASES = {
     "cp2-ring": dict(cp=2, num_microbatches=2),
@@ -32,17 +31,7 @@ def _worker(rank, world, kw):
 @pytest.mark.parametrize("case", list(CASES))
 def test_ten_steps_at_a_cp_layout_equal_the_single_process_run(rank_pool, case):
     kw = CASES[case]
-    ref = {k: v for k, v in kw.items() if k not in LAYOUT_KEYS}
-    if "dp" in kw:
-        ref["num_microbatches"] = kw["num_microbatches"] * kw["dp"]
-    want_loss, want_norm, want_w = _run(small(**ref))
-    world = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("dp", 1) * kw["cp"]
-    assert min(want_norm) > SMALL["optimizer.clip_grad"]
-    for loss, norm, weights in rank_pool(world).run(_worker, kw, timeout=300):
-        torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(torch.tensor(norm), torch.tensor(want_norm), rtol=1e-4, atol=1e-6)
-        for k in want_w:
-            torch.testing.assert_close(weights[k], want_w[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    _check_against_reference(rank_pool, kw, kw.get("tp", 1) * kw.get("pp", 1) * kw.get("dp", 1) * kw["cp"])
 
 
 @pytest.mark.parametrize("algo", ["ring", "a2a"])
@@ -51,8 +40,7 @@ def test_packed_documents_across_the_zigzag_chunks(rank_pool, tmp_path, algo):
     text = "".join(f"doc {i} " + "xy" * (i % 7) + "\n\n" for i in range(60))
     (tmp_path / "corpus.txt").write_text(text)
     kw = dict(cp=2, cp_algo=algo, num_microbatches=2, vocab=300, data=str(tmp_path / "corpus.txt"), steps=4)
-    ref = {k: v for k, v in kw.items() if k not in LAYOUT_KEYS}
-    want_loss, want_norm, _ = _run(small(**ref))
+    want_loss, want_norm, _ = _reference(kw)
     for loss, norm, _ in rank_pool(2).run(_worker, kw, timeout=300):
         torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(norm), torch.tensor(want_norm), rtol=1e-4, atol=1e-6)

@@ -105,7 +105,7 @@ def test_two_launcher_agents_meet_by_c10d_rendezvous_as_two_nodes_would(tmp_path
     assert [m["step"] for m in lines] == [0, 1], "rank 0 (on one of the agents) logs each step once"
     os.chdir(root)  # the config's data source is the README, relative to the repository
     cfg = TrainConfig.load(config, {"training.steps": 2, "optimizer.warmup_steps": 1})
-    want = single_process_loss(cfg, 1)
+    want = single_process_loss(cfg, cfg.parallel_config(4).global_batch_size)
     assert abs(lines[0]["loss"] - want) <= 1e-5 * max(1.0, abs(want)), (lines[0]["loss"], want)
     assert (tmp_path / "ck" / "step_00000002" / "meta.json").is_file()
     assert any("TP2 PP2 DP1 mbs2 SP: 2 steps: loss" in out for out, _ in outs)

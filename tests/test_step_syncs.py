@@ -1,10 +1,11 @@
 """Host reads of a training step: a fixed few per step, none per micro-batch.
 
 On a GPU every read of a device tensor's value (``item``, ``tolist``, ``bool``, ``int``, ``float``)
-stalls the host until the device catches up. The step reads three values: the loss (mean over
-micro-batches), the gradient norm (clipping) and the worst rank's comm/compute ratio (+1 for the
-DP mean of the reported loss, +1 for the fp16 overflow check). The inputs are checked once per step
-on the host, where they are born (ParallelTransformer._batch/_target, given host tensors: no device
+stalls the host until the device catches up. The step reads two values: the loss and the gradient
+norm (clipping); on logging steps (``logging.log_every``) of a multi-rank run the worst rank's
+comm/compute ratio (+1 for the DP×CP sum of the reported loss, +1 for the fp16 overflow check). The
+loss's denominator, the global count of targets, is counted on the host from the batch. The inputs are checked once per step
+on the host, where they are born (tpkernels.models.inputs, given host tensors: no device
 read), so the layers check nothing per micro-batch. Counted here by patching those methods on
 the step path of our code (torch's own optimizer internals and the CPU-only reference kernels,
 which never run on a GPU, are left out)."""
@@ -22,16 +23,16 @@ from tpkernels.train import TrainConfig, Trainer
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 # read host tensors by design: the trainer passes host tensors, documents are found on the host, and a
 # device copy of those boundaries is trusted by varlen attention (check_cu_seqlens reads host tensors only)
-HOST_CHECKS = ("_batch", "_target", "of", "check_cu_seqlens")
-PER_STEP = 3  # loss, gradient norm, comm/compute ratio
+HOST_CHECKS = ("_check_ranges", "_positions", "stage_target", "from_documents", "check_cu_seqlens", "prepare_batch")
+PER_STEP = 2  # loss, gradient norm; a logging step of several ranks adds the worst rank's comm/compute ratio
 
 
-def _config(microbatches: int, source: str = "random", **parallel) -> TrainConfig:
+def _config(microbatches: int, source: str = "random", log_every: int = 10, **parallel) -> TrainConfig:
     return TrainConfig.from_values({
         "model": {"name": "Llama-2-7B", "layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 48,
                   "vocab": 300},
-        "data": {"seq_length": 32, "source": source}, "logging": {"progress": False}, "training": {"steps": 4},
-        "parallel": {"num_microbatches": microbatches, **parallel}})
+        "data": {"seq_length": 32, "source": source}, "logging": {"progress": False, "log_every": log_every},
+        "training": {"steps": 4}, "parallel": {"num_microbatches": microbatches, **parallel}})
 
 
 def count_reads(trainer: Trainer) -> collections.Counter:
@@ -76,17 +77,22 @@ def test_a_step_reads_the_device_a_fixed_few_times_whatever_its_microbatches(tmp
         source = str(tmp_path / "docs.txt")
     one, four = (count_reads(Trainer(_config(m, source))) for m in (1, 4))
     assert _on_device(one) == _on_device(four) == PER_STEP, (one, four)
-    assert {fn for (_, _, fn) in four} - set(HOST_CHECKS) <= {"step", "clip_grads_", "train_step"}, four
+    assert {fn for (_, _, fn) in four} - set(HOST_CHECKS) <= {"step", "clip_grads_"}, four
 
 
-def _tp_worker(rank, world, microbatches):
-    counts = count_reads(Trainer(_config(microbatches, tp=2, sequence_parallel=True)))
+def _tp_worker(rank, world, microbatches, log_every=10):
+    counts = count_reads(Trainer(_config(microbatches, log_every=log_every, tp=2, sequence_parallel=True)))
     return _on_device(counts), sorted(str(k) for k in counts)
 
 
 def test_tensor_parallel_steps_read_no_more(rank_pool):
+    """The counted step is step 1: not a logging step at log_every 10, one at log_every 1 (+ the
+    comm/compute ratio's all-reduce)."""
     one, four = (rank_pool(2).run(_tp_worker, m, timeout=300) for m in (1, 4))
     assert [c for c, _ in one] == [c for c, _ in four] == [PER_STEP] * 2, (one, four)
+    logged = rank_pool(2).run(_tp_worker, 2, 1, timeout=300)
+    assert [c for c, _ in logged] == [PER_STEP + 1] * 2, logged
+    assert all("all_reduce_values" in " ".join(names) for _, names in logged), logged
 
 
 def test_host_tensors_are_checked_on_the_host():

@@ -1,9 +1,14 @@
 """The training job: ten steps at TP2×PP2 with SP (1f1b and zb-h1), DP2×TP2 and TP4 with replicated
-KV heads equal ten steps of the single-process model (losses and final weights, fp32), with
-gradient clipping active every step (the global norm must count every parameter once); the
-config file and flags; the data; the CLI under --nproc. Weights after ten AdamW steps agree to
-1e-5 absolute (lr 3e-3: Adam's update is scale-free, so a rounding difference in a near-zero
-gradient moves a weight by up to ~lr·1e-3; a wrong gradient moves many by ~lr)."""
+KV heads equal ten steps of the single-process model taking the whole batch at once (losses,
+gradient norms and final weights), on packed documents of uneven length, with gradient clipping
+active every step (the global norm must count every parameter once); the config file and flags;
+the data; the CLI under --nproc.
+
+The layout cases run in float64, so they agree to reduction order (~1e-12) and any slip in the
+composition shows. One case runs fp32 on uniform random tokens, as users' fp32 runs do: there
+weights after ten AdamW steps agree to 1e-5 absolute (lr 3e-3: Adam's update is scale-free, so a
+rounding difference in a near-zero gradient moves a weight by up to ~lr·1e-3; a wrong gradient
+moves many by ~lr)."""
 
 from __future__ import annotations
 
@@ -22,12 +27,15 @@ from tpkernels.train.data import EOD, PackedText, RandomTokens, restart_per_docu
 
 SMALL = {"model.name": "Llama-2-7B", "model.layers": 4, "model.hidden": 32, "model.heads": 4, "model.kv_heads": 2,
          "model.ffn": 48, "model.vocab": 97, "data.seq_length": 16, "training.steps": 10, "optimizer.lr": 3e-3,
-         "optimizer.min_lr": 3e-4, "optimizer.warmup_steps": 2, "optimizer.clip_grad": 0.05, "logging.progress": False}
+         "optimizer.min_lr": 3e-4, "optimizer.warmup_steps": 2, "optimizer.clip_grad": 0.05, "logging.progress": False,
+         "data.source": "random-documents"}  # packed documents of uneven length: what normalisation bugs need
 
 
 def small(**kw) -> TrainConfig:
-    """SMALL with ``kw`` on top: short aliases (tp=2, steps=8) or dotted keys (given as a dict)."""
-    return TrainConfig.from_values({**SMALL, **{ALIASES.get(k, k): v for k, v in kw.items()}})
+    """SMALL with ``kw`` on top: short aliases (tp=2, steps=8, model="GPT-1.7B") or dotted keys (given as a
+    dict)."""
+    names = {**ALIASES, "model": "model.name", "data": "data.source"}
+    return TrainConfig.from_values({**SMALL, **{names.get(k, k): v for k, v in kw.items()}})
 
 
 def _run(cfg: TrainConfig):
@@ -43,10 +51,16 @@ def _worker(rank, world, kw):
     return _run(small(**kw))
 
 
+LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "cp_algo", "sequence_parallel", "schedule", "virtual_stages", "zero1",
+               "overlap_dp", "bucket_mb", "micro_batch_size", "num_microbatches")
+
+
 def _reference(kw):
-    base = {k: v for k, v in kw.items() if k not in ("tp", "pp", "dp", "sequence_parallel", "schedule",
-                                                     "virtual_stages", "zero1", "overlap_dp", "bucket_mb")}
-    return _run(small(**base))
+    """The same run in one process, the whole global batch as one micro-batch."""
+    pc = small(**kw).parallel
+    batch = pc.micro_batch_size * pc.num_microbatches * (pc.dp or 1)
+    return _run(small(**{k: v for k, v in kw.items() if k not in LAYOUT_KEYS}, micro_batch_size=batch,
+                      num_microbatches=1))
 
 
 CASES = {
@@ -58,36 +72,36 @@ CASES = {
     "pp2-interleaved-v2": dict(pp=2, virtual_stages=2, num_microbatches=2, schedule="interleaved"),
     "dp2pp2-zb-serial-dp": dict(pp=2, dp=2, num_microbatches=2, schedule="zb-h1", overlap_dp=False),
     "dp2pp2-zb-small-buckets": dict(pp=2, dp=2, num_microbatches=2, schedule="zb-h1", bucket_mb=0.001),
+    "tp2pp2-sp-1f1b-fp32-random": dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2, micro_batch_size=2,
+                                       precision="fp32", **{"data.source": "random"}),
 }
+FP64 = dict(loss=dict(rtol=1e-9, atol=0), norm=dict(rtol=1e-9, atol=0), weight=dict(rtol=1e-8, atol=1e-10))
+FP32 = dict(loss=dict(rtol=1e-5, atol=1e-6), norm=dict(rtol=1e-4, atol=1e-6), weight=dict(rtol=1e-4, atol=1e-5))
+
+
+def _check_against_reference(rank_pool, kw, world):
+    kw = {"precision": "fp64", **kw}
+    tol = FP64 if kw["precision"] == "fp64" else FP32
+    want_loss, want_norm, want_w = _reference(kw)
+    assert min(want_norm) > SMALL["optimizer.clip_grad"]  # clipping acts on every step
+    for loss, norm, weights in rank_pool(world).run(_worker, kw, timeout=300):
+        torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), **tol["loss"])
+        torch.testing.assert_close(torch.tensor(norm), torch.tensor(want_norm), **tol["norm"])
+        assert set(weights) == set(want_w)
+        for k in want_w:
+            torch.testing.assert_close(weights[k], want_w[k], **tol["weight"], msg=lambda m, k=k: f"{k}: {m}")
+    assert want_loss[-1] != want_loss[0]
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_ten_steps_equal_the_single_process_run(rank_pool, case):
     kw = CASES[case]
-    if "dp" in kw:  # the same global batch: the reference sees the DP replicas' rows as more micro-batches
-        ref_kw = {**kw, "num_microbatches": kw["num_microbatches"] * kw["dp"]}
-    else:
-        ref_kw = kw
-    want_loss, want_norm, want_w = _reference(ref_kw)
-    world = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("dp", 1)
-    assert min(want_norm) > SMALL["optimizer.clip_grad"]  # clipping acts on every step
-    for loss, norm, weights in rank_pool(world).run(_worker, kw, timeout=300):
-        torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(torch.tensor(norm), torch.tensor(want_norm), rtol=1e-4, atol=1e-6)
-        assert set(weights) == set(want_w)
-        for k in want_w:
-            torch.testing.assert_close(weights[k], want_w[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
-    assert want_loss[-1] != want_loss[0]
+    _check_against_reference(rank_pool, kw, kw.get("tp", 1) * kw.get("pp", 1) * kw.get("dp", 1))
 
 
 def test_gpt2_tied_embeddings_across_stages(rank_pool):
-    kw = dict(model="GPT-1.7B", tp=2, pp=2, sequence_parallel=True, num_microbatches=2)
-    shape = dict(layers=4, hidden=32, heads=4, kv_heads=None, ffn=48, vocab=97)
-    want_loss, _, want_w = _reference({**kw, **shape})
-    for loss, _, weights in rank_pool(4).run(_worker, {**kw, **shape}, timeout=300):
-        torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=1e-5, atol=1e-6)
-        for k in want_w:
-            torch.testing.assert_close(weights[k], want_w[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    _check_against_reference(rank_pool, dict(model="GPT-1.7B", tp=2, pp=2, sequence_parallel=True, num_microbatches=2,
+                                             layers=4, hidden=32, heads=4, kv_heads=None, ffn=48, vocab=97), 4)
 
 
 # ---- config ----
@@ -198,7 +212,7 @@ def test_cli_trains_on_spawned_ranks_and_dry_run_explains_a_bad_layout(tmp_path)
     # the progress bar's lock is a semaphore: ranks ended by os._exit leaked it (a warning at every exit)
     assert "leaked semaphore" not in r.stderr and "100%" in r.stderr
     assert "TP2 PP1 DP1 mbs1 SP: 4 steps: loss" in r.stdout
-    assert "from the single-process model on the same batch: equal" in r.stdout
+    assert "from the single-process fp64 model on the whole batch at once: equal" in r.stdout
     assert (tmp_path / "ck" / "step_00000004" / "meta.json").is_file()
     import json
 
@@ -493,7 +507,7 @@ def _kill_worker(rank, world, kw, folder, victim, at_step):
                 with open(os.path.join(folder, "killed_at"), "w") as f:
                     f.write(repr(time.time()))
                 os._exit(3)  # the process dies mid-run
-            trainer._guarded_step()
+            trainer._guarded(trainer.train_step, f"step {trainer.step_index}")
             if trainer.step_index % 2 == 0:
                 trainer.save()
     except RankLostError as e:
@@ -655,10 +669,10 @@ def test_dry_run_checks_what_the_run_would(capsys):
     from tpkernels.cli import main
 
     assert main(["train", "--data", "no/such/corpus.txt", "--dry-run"]) == 2
-    assert "data.source ('no/such/corpus.txt') must be 'random', a text file or a folder" in capsys.readouterr().err
+    assert "data.source ('no/such/corpus.txt') must be 'random', 'random-documents', a text file or a folder" in capsys.readouterr().err
     readme = str(Path(__file__).resolve().parents[1] / "README.md")
     assert main(["train", "--data", readme, "--tokenizer", "no/such/tokenizer.json", "--dry-run"]) == 2
     assert "data.tokenizer ('no/such/tokenizer.json') does not exist" in capsys.readouterr().err
     # before a launch the data's paths are checked once, in the parent, without reading the corpus
     assert main(["train", "--nproc", "2", "--data", "no/such/corpus.txt"]) == 2
-    assert "data.source ('no/such/corpus.txt') must be 'random', a text file or a folder" in capsys.readouterr().err
+    assert "data.source ('no/such/corpus.txt') must be 'random', 'random-documents', a text file or a folder" in capsys.readouterr().err

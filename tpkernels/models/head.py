@@ -11,7 +11,6 @@ does form them: (batch, seq, vocab), gathered over TP, padding cut off.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tpkernels.functional.linear_cross_entropy import linear_cross_entropy
@@ -19,6 +18,7 @@ from tpkernels.models.context import LayerContext
 from tpkernels.models.embedding import vocab_rows
 from tpkernels.models.hf_checkpoint import Part
 from tpkernels.models.norm import ResidualNorm
+from tpkernels.parallel import control
 from tpkernels.parallel.param_tags import tag
 from tpkernels.parallel.mappings import (
     copy_to_tensor_parallel,
@@ -54,22 +54,27 @@ class LMHead(nn.Module):
     def _sp(self) -> bool:
         return self.ctx.sequence_parallel and self.ctx.tp_size > 1
 
-    def loss(self, y: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Mean cross-entropy over the tokens whose target is not ``ignore_index``; target (batch, seq).
-        Under CP (this rank holds a share of each sequence): this share's token sum over the mean
-        count per CP rank, so that the average over the CP group (the gradient reduction, the
-        reported loss) is the exact mean over the whole sequences, whatever each share holds."""
+    def loss(self, y: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+             reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy over the tokens whose target is not ``ignore_index``; target (batch, seq).
+        ``reduction="sum"``: the sum of the token losses (a training step divides the sum over all its
+        micro-batches and replicas by their count of targets: ``ParallelTransformer.step``).
+        ``"mean"``: the token mean of this call; under CP (this rank holds a share of each sequence)
+        the share's token sum over the mean count per CP rank, so that the average over the CP group
+        is the exact mean over the whole sequences, whatever each share holds."""
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction ({reduction!r}) must be 'mean' or 'sum'")
         if self._sp:
             y = gather_from_sequence_parallel(y, self.ctx.tp_group, dim=1, reduce_grad=True)
         cp = self.ctx.cp_size
         loss = linear_cross_entropy(y, self.weight, target, tp_group=self.ctx.tp_group,
                                     vocab_size=self.ctx.mc.vocab_size, ignore_index=ignore_index,
                                     reduce_input_grad=not self._sp, check_targets=False,  # checked per step
-                                    reduction="sum" if cp > 1 else "mean")
-        if cp == 1:
+                                    reduction="sum" if cp > 1 or reduction == "sum" else "mean")
+        if cp == 1 or reduction == "sum":
             return loss
         count = (target != ignore_index).sum().to(torch.float64)  # on the device: no host sync
-        dist.all_reduce(count, group=self.ctx.cp_group)
+        control.all_reduce_(count, "sum", self.ctx.cp_group)
         return loss * (cp / count.clamp(min=1)).to(loss.dtype)
 
     def logits(self, y: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,11 @@
     loss = runtime.step(inputs=batch if rank == 0 else None, targets=labels if rank == p - 1 else None)
 
 Inputs are split into micro-batches along dim 0 on the first stage, targets on the last. The loss
-of each micro-batch is scaled by 1/num_microbatches, so the gradients equal those of the mean loss
-over the batch; ``step`` returns that mean on every rank. Losses accumulate on the device: the
-host waits for them once per step, not once per micro-batch.
+of each micro-batch is multiplied by ``loss_scale`` (default 1/num_microbatches: the gradients are
+those of the mean of the micro-batch losses), and ``step`` returns the sum of the scaled losses on
+every rank. A model whose loss_fn returns a token sum passes 1/(tokens of the step) instead, so
+the objective is the token mean of the whole batch however it is cut into micro-batches.
+Losses accumulate on the device: the host waits for them once per step, not once per micro-batch.
 
 Zero-bubble schedules: F runs inside ``split_weight_grads()`` and B inside
 ``defer_weight_grads(store)``, so every linear layer of the
@@ -110,13 +112,18 @@ class PipelineRuntime:
         for i, (op, a, peer) in enumerate(ops):
             self._more_after[(a.kind, a.mb, a.chunk)] = any(q == peer for _, _, q in ops[i + 1:])
         self.timeline: list[tuple[Action, float, float]] = []
+        self.loss_scale: float | torch.Tensor = 1.0 / self.m
 
     def _vs(self, chunk: int) -> int:
         return chunk * self.p + self.rank
 
-    def step(self, inputs: Any = None, targets: Any = None, return_loss: bool = True) -> float | None:
+    def step(self, inputs: Any = None, targets: Any = None, return_loss: bool = True,
+             loss_scale: float | torch.Tensor | None = None) -> float | None:
         """One step over ``num_microbatches`` micro-batches: forwards, backwards (gradients accumulate
-        in the parameters' .grad) and, if asked, the mean loss on every rank."""
+        in the parameters' .grad) and, if asked, the sum of the scaled micro-batch losses on every rank.
+        ``loss_scale`` (read on the last stage; default 1/num_microbatches) multiplies each
+        micro-batch's loss before its backward."""
+        self.loss_scale = 1.0 / self.m if loss_scale is None else loss_scale
         saved: dict[tuple[int, int], tuple] = {}
         stores: dict[tuple[int, int], WeightGradStore] = {}
         losses: list[torch.Tensor] = []
@@ -170,7 +177,7 @@ class PipelineRuntime:
 
     def _end_of_step(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Up the chain: every stage before this rank finished; down the chain: the loss. Returns the
-        mean loss (a float64 tensor; summed on the device, no host sync here)."""
+        sum of the scaled losses (a float64 tensor; summed on the device, no host sync here)."""
         r, p = self.rank, self.p
         dev = self.p2p.device
         if self.is_last:
@@ -206,7 +213,7 @@ class PipelineRuntime:
         with split_weight_grads(self.split_backward):  # zero bubble: weights reach autograd in W only
             out = self.chunks[a.chunk](x)
         if vs == self.last_vs:
-            loss = self.loss_fn(out, ys[a.mb]) / self.m
+            loss = self.loss_fn(out, ys[a.mb]) * self.loss_scale
             saved[(a.mb, a.chunk)] = (x, loss)
             self.timeline.append((a, t0, time.perf_counter()))
             return loss.detach()

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from tpkernels.parallel import ParallelConfig
+from tpkernels.parallel import ParallelConfig, control
 from tpkernels.parallel.config import ParallelConfigError
 from tpkernels.train import checkpoint
 from tpkernels.train.auto_layout import KEPT
@@ -42,9 +43,36 @@ from tpkernels.train.metrics import MetricsFile, median
 
 
 @dataclasses.dataclass(frozen=True)
+class Prediction:
+    """The planner's figures for one candidate: step time, its bubble and comm/compute shares, memory per
+    GPU and (for the fit) the step's compute and communication parts, and the machine they are for."""
+
+    step_s: float
+    bubble: float = 0.0
+    comm_ratio: float = 0.0
+    memory_gib: float = 0.0
+    compute_s: float | None = None
+    comm_s: float | None = None
+    machine: str | None = None
+
+    @classmethod
+    def of(cls, est, p) -> "Prediction":
+        """From the planner's Estimate ``est`` of the Plan ``p``."""
+        from tpkernels.planner.fit import components  # noqa: PLC0415
+
+        compute, comm = components(est.time, p.efficiency)
+        return cls(est.step_time, est.bubble_fraction, est.time.comm_ratio, est.memory.total / 2**30, compute, comm,
+                   p.machine_key)
+
+    def report(self, layout: str) -> dict:
+        """What the run's prediction report reads (``TrainConfig.predicted``)."""
+        return {"step_s": self.step_s, "bubble": self.bubble, "comm_ratio": self.comm_ratio, "layout": layout}
+
+
+@dataclasses.dataclass(frozen=True)
 class Candidate:
     parallel: ParallelConfig
-    predicted: dict  # the planner's step_s, bubble, comm_ratio, memory_gib, layout
+    predicted: Prediction
     why: str = "planner's rank"  # how it came to be tried: the planner's ranking, or the config's own layout
 
 
@@ -73,18 +101,8 @@ def candidates_from_plan(cfg: TrainConfig, p, k: int) -> list[Candidate]:
     out = []
     for est in diverse_order(p.ranked[:k]):
         parallel = est.config.replace(**{f: getattr(cfg.parallel, f) for f in KEPT})  # the user's comm knobs
-        out.append(Candidate(parallel, _predicted(est, parallel, p)))
+        out.append(Candidate(parallel, Prediction.of(est, p)))
     return out
-
-
-def _predicted(est, parallel: ParallelConfig, p) -> dict:
-    """What a candidate carries of the planner's Estimate ``est`` (of the Plan ``p``)."""
-    from tpkernels.planner.fit import components  # noqa: PLC0415
-
-    compute, comm = components(est.time, p.efficiency)
-    return {"step_s": est.step_time, "bubble": est.bubble_fraction, "comm_ratio": est.time.comm_ratio,
-            "memory_gib": est.memory.total / 2**30, "layout": label(parallel), "compute_s": compute, "comm_s": comm,
-            "machine": p.machine_key}
 
 
 # the parallel keys that make a layout (micro-batching only sets the batch under layout: auto)
@@ -114,7 +132,7 @@ def manual_candidate(cfg: TrainConfig, p, world: int) -> tuple[Candidate | None,
         est = estimate(p.model, p.train, p.cluster, pc, p.efficiency)
     except (ParallelConfigError, ValueError) as e:
         return None, f"your layout ({user.short()}) is not tried: " + " ".join(str(e).split())
-    return Candidate(pc, _predicted(est, pc, p), why="your layout"), ""
+    return Candidate(pc, Prediction.of(est, p), why="your layout"), ""
 
 
 def with_manual(cands: list[Candidate], tries: int, mine: Candidate | None) -> list[Candidate]:
@@ -139,29 +157,22 @@ def trial_budget(cfg: TrainConfig, n: int) -> int:
     return max(1, min(n, int(room) // per))
 
 
-def _agree(flag: bool) -> bool:
-    """True on every rank when it is true on every rank."""
-    if group_rank_size(None)[1] == 1:
-        return flag
-    t = torch.tensor([int(flag)])
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
-
-
 def _trial_folder(cfg: TrainConfig) -> Path:
-    """The folder trial checkpoints go to, emptied: under save_dir when there is one (every rank of a
-    multi-node job sees it); else a temporary folder made by rank 0, whose path every rank takes (one
-    node: they share /tmp). The run removes it at the end."""
-    rank, world = group_rank_size(None)
+    """The folder trial checkpoints go to, emptied: under save_dir when there is one; else a temporary
+    folder made by rank 0, whose path every rank takes, which only works when every rank shares its
+    /tmp: a job on several nodes must give a save_dir they all see. The run removes it at the end."""
     if cfg.checkpoint.save_dir:
-        name = [str(Path(cfg.checkpoint.save_dir) / "autotune")]
-        if rank == 0:  # a crashed run's trials would be resumed as if they were this one's
-            shutil.rmtree(name[0], ignore_errors=True)
-    else:
-        name = [tempfile.mkdtemp(prefix="tpk_autotune_") if rank == 0 else None]
-    if world > 1:
-        dist.broadcast_object_list(name, src=0)
-    return Path(name[0])
+        name = str(Path(cfg.checkpoint.save_dir) / "autotune")
+        if group_rank_size(None)[0] == 0:  # a crashed run's trials would be resumed as if they were this one's
+            shutil.rmtree(name, ignore_errors=True)
+        return Path(control.broadcast_object(name))
+    nodes = len(set(control.all_gather_objects(socket.gethostname())))
+    if nodes > 1:
+        raise ValueError(f"autotune.candidates ({cfg.autotune.candidates}) on {nodes} nodes needs checkpoint.save_dir "
+                         "on storage every node sees: the trials hand the model from one layout to the next through "
+                         "a checkpoint there (without it rank 0's private temporary folder would be used)")
+    mine = tempfile.mkdtemp(prefix="tpk_autotune_") if group_rank_size(None)[0] == 0 else None
+    return Path(control.broadcast_object(mine))
 
 
 def _fits_here(c: Candidate) -> bool:
@@ -169,15 +180,104 @@ def _fits_here(c: Candidate) -> bool:
     if not torch.cuda.is_available():
         return True
     free, _ = torch.cuda.mem_get_info()
-    return _agree(c.predicted["memory_gib"] * 2**30 <= free)
+    return control.agree_all(c.predicted.memory_gib * 2**30 <= free)
 
 
-def _shared(obj):
-    """Rank 0's ``obj`` on every rank (the ranks time their own steps: they must pick one winner)."""
-    box = [obj]
-    if group_rank_size(None)[1] > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
+@dataclasses.dataclass
+class TrialResult:
+    """One candidate's trial: measured (``steps`` trained, medians of its timed steps) or skipped (why)."""
+
+    candidate: int
+    layout: str
+    why: str
+    predicted: Prediction
+    skipped: str | None = None
+    steps: tuple[int, int] | None = None  # first and last step trained
+    step_s: float = math.nan
+    bubble: float = math.nan
+    comm_ratio: float = math.nan
+    tokens_per_s: float = math.nan
+
+    @property
+    def measured(self) -> bool:
+        return self.skipped is None
+
+    def row(self) -> dict:
+        """The metrics file's record of the trial."""
+        out = {"candidate": self.candidate, "layout": self.layout, "why": self.why,
+               "predicted_step_s": self.predicted.step_s, "predicted_bubble": self.predicted.bubble,
+               "predicted_comm_ratio": self.predicted.comm_ratio,
+               "status": "ok" if self.measured else f"skipped: {self.skipped}"}
+        if self.measured:
+            out.update(steps=f"{self.steps[0]}-{self.steps[1]}", measured_step_s=self.step_s, bubble=self.bubble,
+                       comm_ratio=self.comm_ratio, tokens_per_s=self.tokens_per_s)
+        return out
+
+
+class TrialRunner:
+    """Trains candidates one after another, each 1 + ``autotune.steps`` steps from where the last one
+    stopped (through checkpoints in ``folder``), up to the run's last step (``training.stop_at_step``
+    when set). ``results`` are rank 0's measurements on every rank (one winner for all)."""
+
+    def __init__(self, cfg: TrainConfig, folder: Path, source: Path | None):
+        self.cfg, self.folder, self.source = cfg, folder, source
+        self.per = 1 + cfg.autotune.steps
+        stop = cfg.training.stop_at_step
+        self.last = cfg.training.steps if stop is None else min(cfg.training.steps, stop)
+        self.first: int | None = None  # the first step the trials trained
+        self.step: int | None = None  # the next step to train
+        self.results: list[TrialResult] = []
+        self.history: list[dict] = []
+
+    @property
+    def done(self) -> bool:
+        return self.step is not None and self.step >= self.last
+
+    def room_for_one_more(self) -> bool:
+        return (self.step or 0) + self.per < self.last
+
+    def _trial_config(self, c: Candidate) -> TrainConfig:
+        cfg, ck = self.cfg, self.cfg.checkpoint
+        return dataclasses.replace(
+            cfg, layout="manual", parallel=c.parallel, predicted=None,
+            autotune=dataclasses.replace(cfg.autotune, candidates=0, adapt=False, monitor_every=0),
+            checkpoint=dataclasses.replace(ck, save_dir=str(self.folder), save_every=0, resume=False,
+                                           async_save=False),
+            logging=dataclasses.replace(cfg.logging, progress=False, trace=None))
+
+    def run(self, i: int, c: Candidate, why: str) -> None:
+        """Train candidate ``i`` for its trial's steps (or record why it cannot run here)."""
+        from tpkernels.train.trainer import Trainer  # noqa: PLC0415
+
+        result = TrialResult(i, label(c.parallel), why, c.predicted)
+        if not _fits_here(c):
+            result.skipped = f"the planner's {c.predicted.memory_gib:.1f} GiB per GPU exceeds the free device memory"
+        else:
+            trial_cfg = self._trial_config(c)
+            try:
+                trainer = Trainer(trial_cfg, resume_dir=self.source)
+            except (ParallelConfigError, ValueError) as e:  # every rank refuses the same layout alike
+                result.skipped = " ".join(str(e).split())[:200]
+            else:
+                self._measure(trainer, trial_cfg, result)
+                del trainer
+                gc.collect()
+        self.results = control.broadcast_object(self.results + [result])
+
+    def _measure(self, trainer, trial_cfg: TrainConfig, result: TrialResult) -> None:
+        start = trainer.step_index
+        self.first = start if self.first is None else self.first
+        trainer.cfg = dataclasses.replace(trial_cfg, training=dataclasses.replace(
+            trial_cfg.training, stop_at_step=min(start + self.per, self.last)))
+        h = trainer.train()  # saves its last step into the trial folder: the next layout starts there
+        self.step, self.source = trainer.step_index, self.folder
+        self.history += h
+        timed = h[1:] or h
+        result.steps = (h[0]["step"], h[-1]["step"]) if h else (start, start)
+        result.step_s = median([r["step_s"] for r in timed]) if timed else math.nan
+        result.bubble = median([r["bubble"] for r in timed]) if timed else math.nan
+        result.comm_ratio = median([r["comm_ratio"] for r in timed]) if timed else math.nan
+        result.tokens_per_s = trainer.pc.global_batch_size * self.cfg.data.seq_length / result.step_s
 
 
 def train_autotuned(cfg: TrainConfig, cands: list[Candidate], tries: int | None = None) -> list[dict]:
@@ -185,148 +285,134 @@ def train_autotuned(cfg: TrainConfig, cands: list[Candidate], tries: int | None 
     them by default), then, when the corrections fitted to those trials make the planner prefer an
     untried candidate, that one too (steps permitting); then the fastest measured to the last step.
     Returns the history of every step, trial steps included."""
-    from tpkernels.train.trainer import Trainer  # noqa: PLC0415
-
     t_start = time.perf_counter()
-    rank, world = group_rank_size(None)
-    cands = _shared(list(cands))  # under torchrun each rank planned for itself: rank 0's list for all
+    cands = control.broadcast_object(list(cands))  # under torchrun each rank planned for itself: rank 0's list
     folder = _trial_folder(cfg)
-    ck, steps, per = cfg.checkpoint, cfg.training.steps, 1 + cfg.autotune.steps
-    tries = len(cands) if tries is None else tries
-    # each trial and the winner run one fixed layout; only the winner's phase is monitored
-    off = dataclasses.replace(cfg.autotune, candidates=0, adapt=False, monitor_every=0)
-    watched = dataclasses.replace(cfg.autotune, candidates=0, adapt=False)
+    ck = cfg.checkpoint
     # a resumed run goes on from its own latest checkpoint, the trial phase included
     source = Path(ck.save_dir) if ck.save_dir and ck.resume and checkpoint.latest(ck.save_dir) else None
-    history: list[dict] = []
-    rows: list[dict] = []
-    state = {"first": None, "step": None, "source": source}
-
-    def trial(i: int, c: Candidate, why: str) -> None:
-        """Train candidate ``i`` for 1 + autotune.steps steps from where the last one stopped."""
-        row = {"candidate": i, "layout": label(c.parallel), "predicted_step_s": c.predicted["step_s"],
-               "predicted_bubble": c.predicted["bubble"], "predicted_comm_ratio": c.predicted["comm_ratio"],
-               "why": why}
-        if not _fits_here(c):
-            rows.append({**row, "status": f"skipped: the planner's {c.predicted['memory_gib']:.1f} GiB per GPU "
-                                           "exceeds the free device memory"})
-            return
-        trial_cfg = dataclasses.replace(
-            cfg, layout="manual", parallel=c.parallel, predicted=None, autotune=off,
-            checkpoint=dataclasses.replace(ck, save_dir=str(folder), save_every=0, resume=False, async_save=False),
-            logging=dataclasses.replace(cfg.logging, progress=False, trace=None))
-        try:
-            trainer = Trainer(trial_cfg, resume_dir=state["source"])
-        except (ParallelConfigError, ValueError) as e:  # every rank refuses the same layout alike
-            rows.append({**row, "status": "skipped: " + " ".join(str(e).split())[:200]})
-            return
-        step = trainer.step_index
-        state["first"] = step if state["first"] is None else state["first"]
-        trainer.cfg = dataclasses.replace(trial_cfg, training=dataclasses.replace(
-            trial_cfg.training, stop_at_step=min(step + per, steps)))
-        h = trainer.train()  # saves its last step into the trial folder: the next layout starts there
-        state["step"], state["source"] = trainer.step_index, folder
-        timed = h[1:] or h
-        gb = trainer.pc.global_batch_size * cfg.data.seq_length
-        measured = median([r["step_s"] for r in timed])
-        rows.append({**row, "status": "ok", "steps": f"{h[0]['step']}-{h[-1]['step']}" if h else "-",
-                     "measured_step_s": measured, "bubble": median([r["bubble"] for r in timed]),
-                     "comm_ratio": median([r["comm_ratio"] for r in timed]), "tokens_per_s": gb / measured})
-        history.extend(h)
-        del trainer
-        gc.collect()
-
-    for i, c in enumerate(cands[:tries]):
-        if state["step"] is not None and state["step"] >= steps:
+    trials = TrialRunner(cfg, folder, source)
+    for i, c in enumerate(cands[:len(cands) if tries is None else tries]):
+        if trials.done:
             break
-        trial(i, c, c.why)
-    rows = _shared(rows)
-    refit = _refit(cands, rows)
-    if refit is not None and (state["step"] or 0) + per < steps:
-        # the planner again, with what the trials taught it: its new favourite, if untried, is tried too
-        f, pick, predicted = refit
-        done = {r["candidate"] for r in rows}
-        best_measured = min(r["measured_step_s"] for r in rows if r["status"] == "ok")
-        if pick not in done and predicted[pick] < 0.95 * best_measured:
-            trial(pick, cands[pick], "refit planner's pick")
-            rows = _shared(rows)
-    first, step, source = state["first"], state["step"], state["source"]
-    measured = [r for r in rows if r["status"] == "ok"]
-    if not measured:
-        raise RuntimeError("autotune: every candidate was skipped: " + "; ".join(f"{r['layout']}: {r['status']}"
-                                                                                  for r in rows))
-    best = min(measured, key=lambda r: r["measured_step_s"])
-    winner = cands[best["candidate"]]
+        trials.run(i, c, c.why)
+    favourite = _untried_favourite(cands, trials.results)
+    if favourite is not None and trials.room_for_one_more():
+        trials.run(favourite, cands[favourite], "refit planner's pick")
+    best = _fastest(trials.results)
     t_trials = time.perf_counter() - t_start
-    if rank == 0:
-        print(report(rows, best, first, step, cfg), flush=True)
-        refit = learn(cfg, cands, rows)
-        if refit:
-            print(refit, flush=True)
-    switches: list[dict] = []
-    current = best["candidate"]
+    if group_rank_size(None)[0] == 0:
+        print(report(trials, best), flush=True)
+        said = learn(cfg, cands, trials.results)
+        if said:
+            print(said, flush=True)
+    history, switches = trials.history, []
+    if not trials.done:
+        more, switches = _run_winner(cfg, cands, trials, best.candidate)
+        history = history + more
+    elif ck.save_dir:  # the trials ran to the last step: their last checkpoint is the run's
+        _hand_over(trials.folder, Path(ck.save_dir))
+    _summarise(cfg, trials, best, switches, t_trials, time.perf_counter() - t_start)
+    control.barrier()  # every rank has loaded the last trial before its folder goes
+    if group_rank_size(None)[0] == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    return history
+
+
+def _fastest(results: list[TrialResult]) -> TrialResult:
+    measured = [r for r in results if r.measured]
+    if not measured:
+        raise RuntimeError("autotune: every candidate was skipped: " + "; ".join(f"{r.layout}: {r.skipped}"
+                                                                                  for r in results))
+    return min(measured, key=lambda r: r.step_s)
+
+
+def _untried_favourite(cands: list[Candidate], results: list[TrialResult]) -> int | None:
+    """The candidate the planner, refitted to the trials, predicts fastest, when it was not tried and
+    is predicted faster than the best measured by more than 5% (less is within the trials' noise)."""
+    refit = _refit(cands, results)
+    if refit is None:
+        return None
+    _, pick, predicted = refit
+    best = min(r.step_s for r in results if r.measured)
+    if pick in {r.candidate for r in results} or predicted[pick] >= 0.95 * best:
+        return None
+    return pick
+
+
+def _run_winner(cfg: TrainConfig, cands: list[Candidate], trials: TrialRunner, current: int
+                ) -> tuple[list[dict], list[dict]]:
+    """The fastest measured layout from the last trial's checkpoint to the run's last step, watched by the
+    slowdown monitor; with ``autotune.adapt``, one switch to a re-ranked candidate through a
+    checkpoint after a sustained slowdown. Returns (history, switches)."""
+    from tpkernels.train.trainer import Trainer  # noqa: PLC0415
+
+    ck = cfg.checkpoint
+    watched = dataclasses.replace(cfg.autotune, candidates=0, adapt=False)
     # adapting needs a checkpoint to switch through: the trial folder when the run keeps none
-    final_ck = ck if ck.save_dir or not cfg.autotune.adapt else dataclasses.replace(ck, save_dir=str(folder),
-                                                                                      save_every=0)
+    final_ck = ck if ck.save_dir or not cfg.autotune.adapt else dataclasses.replace(
+        ck, save_dir=str(trials.folder), save_every=0)
+    history, switches, source = [], [], trials.source
     while True:
         c = cands[current]
-        final_cfg = dataclasses.replace(cfg, layout="manual", parallel=c.parallel, autotune=watched,
-                                        checkpoint=final_ck, predicted={**c.predicted, "layout": label(c.parallel)})
-        trainer = Trainer(final_cfg, resume_dir=source)
+        run_cfg = dataclasses.replace(cfg, layout="manual", parallel=c.parallel, autotune=watched, checkpoint=final_ck,
+                                      predicted=c.predicted.report(label(c.parallel)))
+        trainer = Trainer(run_cfg, resume_dir=source)
         history += trainer.train(stop_on_slowdown=cfg.autotune.adapt and not switches)
-        source = final_ck.save_dir
-        slow = trainer.slowdowns[-1] if trainer.slowdowns else None
-        if slow is None or not cfg.autotune.adapt or switches or trainer.step_index >= steps:
-            break
-        move = _adapt(cands, rows, current, slow, cfg.autotune.slowdown)
+        source, slow = final_ck.save_dir, (trainer.slowdowns[-1] if trainer.slowdowns else None)
+        if slow is None or not cfg.autotune.adapt or switches or trainer.step_index >= trials.last:
+            return history, switches
+        move = _adapt(cands, trials.results, current, slow, cfg.autotune.slowdown)
         switches.append({"step": trainer.step_index, "from": label(c.parallel), **move})
-        if rank == 0:
+        if group_rank_size(None)[0] == 0:
             MetricsFile(cfg.logging.metrics_file).write({"adapt": switches[-1]})
             print(move["text"], flush=True)
         current = move["to_candidate"] if move["to_candidate"] is not None else current
         del trainer
         gc.collect()
-    if ck.save_dir and not trainer.history:  # the trials ran to the end: their last checkpoint is the run's
-        if rank == 0:
-            done = checkpoint.latest(folder)
-            shutil.copytree(done, Path(ck.save_dir) / done.name, dirs_exist_ok=True)
-        if world > 1:
-            dist.barrier()
-    del trainer
-    total = time.perf_counter() - t_start
-    summary = {"autotune": rows, "winner": best["layout"], "trial_steps": step - first, "trial_s": t_trials,
-               "run_s": total, "trial_share": t_trials / total, "switches": switches}
-    if rank == 0:
-        MetricsFile(cfg.logging.metrics_file).write(summary)
-        print(f"autotune: the trial phase ({step - first} steps) took {t_trials:.1f} s of the run's {total:.1f} s "
-              f"({100 * t_trials / total:.0f}%); each of its steps trained the model", flush=True)
-    if world > 1:
-        dist.barrier()  # every rank has loaded the last trial before its folder goes
-    if rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)
-    return history
 
 
-def _refit(cands: list[Candidate], rows: list[dict]):
+def _hand_over(folder: Path, save_dir: Path) -> None:
+    """The trial folder's last checkpoint copied into the run's save_dir (rank 0; every rank waits)."""
+    if group_rank_size(None)[0] == 0:
+        done = checkpoint.latest(folder)
+        shutil.copytree(done, save_dir / done.name, dirs_exist_ok=True)
+    control.barrier()
+
+
+def _summarise(cfg: TrainConfig, trials: TrialRunner, best: TrialResult, switches: list[dict], t_trials: float,
+               total: float) -> None:
+    """The run's autotune record in the metrics file and one line on rank 0."""
+    if group_rank_size(None)[0] != 0:
+        return
+    n = (trials.step or 0) - (trials.first or 0)
+    MetricsFile(cfg.logging.metrics_file).write({
+        "autotune": [r.row() for r in trials.results], "winner": best.layout, "trial_steps": n, "trial_s": t_trials,
+        "run_s": total, "trial_share": t_trials / total, "switches": switches})
+    print(f"autotune: the trial phase ({n} steps) took {t_trials:.1f} s of the run's {total:.1f} s "
+          f"({100 * t_trials / total:.0f}%); each of its steps trained the model", flush=True)
+
+
+def _refit(cands: list[Candidate], results: list[TrialResult]):
     """(the fitted corrections, the candidate they predict fastest, every candidate's prediction), or
     None when the trials measured nothing or the candidates carry no planner components."""
     from tpkernels.planner import fit as fitting  # noqa: PLC0415
 
-    ok = [(cands[r["candidate"]].predicted, r["measured_step_s"]) for r in rows if r["status"] == "ok"]
-    if not ok or not all("compute_s" in c.predicted for c in cands):
+    ok = [(cands[r.candidate].predicted, r.step_s) for r in results if r.measured]
+    if not ok or any(c.predicted.compute_s is None or c.predicted.comm_s is None for c in cands):
         return None
-    f = fitting.fit([(p["compute_s"], p["comm_s"], t) for p, t in ok])
-    predicted = [f.compute_scale * c.predicted["compute_s"] + f.comm_scale * c.predicted["comm_s"] + f.step_overhead_s
+    f = fitting.fit([(p.compute_s, p.comm_s, t) for p, t in ok])
+    predicted = [f.compute_scale * c.predicted.compute_s + f.comm_scale * c.predicted.comm_s + f.step_overhead_s
                  for c in cands]
     return f, min(range(len(cands)), key=predicted.__getitem__), predicted
 
 
-def _adapt(cands: list[Candidate], rows: list[dict], current: int, slow, threshold: float) -> dict:
+def _adapt(cands: list[Candidate], results: list[TrialResult], current: int, slow, threshold: float) -> dict:
     """After a sustained slowdown: the trials' corrections scaled by how much the slowest rank's own work
     (compute, host) and waiting (TP/CP, P2P, DP) grew, every candidate predicted again, and the
     fastest taken when it beats the degraded step by more than ``threshold``. Every rank computes the
     same (the monitor's figures were exchanged)."""
-    refit = _refit(cands, rows)
+    refit = _refit(cands, results)
     here = label(cands[current].parallel)
     if refit is None:
         return {"to": here, "to_candidate": None,
@@ -337,7 +423,7 @@ def _adapt(cands: list[Candidate], rows: list[dict], current: int, slow, thresho
     wait = lambda x: x["tp_comm"] + x["p2p_wait"] + x["dp_reduce"]  # noqa: E731
     a = f.compute_scale * (own(n) / own(b) if own(b) > 0 else 1.0)
     c = f.comm_scale * (wait(n) / wait(b) if wait(b) > 1e-6 else 1.0)
-    predicted = [a * x.predicted["compute_s"] + c * x.predicted["comm_s"] + f.step_overhead_s for x in cands]
+    predicted = [a * x.predicted.compute_s + c * x.predicted.comm_s + f.step_overhead_s for x in cands]
     j = min(range(len(cands)), key=predicted.__getitem__)
     head = (f"adapt: the step slowed from {slow.baseline_s:.3g} s to {slow.now_s:.3g} s ({slow.kind}: "
             f"{slow.wait_phase}); refitted: compute ×{a:.3g}, communication ×{c:.3g}")
@@ -350,41 +436,42 @@ def _adapt(cands: list[Candidate], rows: list[dict], current: int, slow, thresho
             "text": f"{head}; no candidate is predicted faster by more than {100 * threshold:.0f}%: staying on {here}"}
 
 
-def learn(cfg: TrainConfig, cands: list[Candidate], rows: list[dict]) -> str | None:
+def learn(cfg: TrainConfig, cands: list[Candidate], results: list[TrialResult]) -> str | None:
     """Fit the planner's corrections to the measured trials and keep them for this machine (rank 0);
     returns what it says, or None (cache off, no machine, no measurement)."""
     from tpkernels.planner import fit as fitting  # noqa: PLC0415
 
-    key = cands[0].predicted.get("machine") if cands else None
-    refit = _refit(cands, rows)
+    key = cands[0].predicted.machine if cands else None
+    refit = _refit(cands, results)
     if not (cfg.autotune.cache and key and refit):
         return None
     f = refit[0]
-    path = fitting.save(key, f, layouts=[r["layout"] for r in rows if r["status"] == "ok"], model=cfg.model.name,
+    path = fitting.save(key, f, layouts=[r.layout for r in results if r.measured], model=cfg.model.name,
                         seq_length=cfg.data.seq_length)
     return f"planner refit for {key}: {f.describe()}; kept in {path} for the next plan on this machine"
 
 
-def report(rows: list[dict], best: dict, first: int, step: int, cfg: TrainConfig) -> str:
+def report(trials: TrialRunner, best: TrialResult) -> str:
     """The trial phase's table: predicted and measured step, bubble, comm/compute, tokens/s, the winner."""
+    cfg, results = trials.cfg, trials.results
     head = ("layout", "tried as", "steps", "predicted s", "measured s", "bubble", "comm/comp", "tokens/s", "")
     body = []
-    for r in rows:
-        if r["status"] != "ok":
-            body.append((r["layout"], r["why"], "-", f"{r['predicted_step_s']:.3g}", "-", "-", "-", "-", r["status"]))
+    for r in results:
+        if not r.measured:
+            body.append((r.layout, r.why, "-", f"{r.predicted.step_s:.3g}", "-", "-", "-", "-", f"skipped: {r.skipped}"))
             continue
-        body.append((r["layout"], r["why"], r["steps"], f"{r['predicted_step_s']:.3g}", f"{r['measured_step_s']:.3g}",
-                     f"{100 * r['bubble']:.0f}%", f"{100 * r['comm_ratio']:.0f}%", f"{r['tokens_per_s']:.0f}",
+        body.append((r.layout, r.why, f"{r.steps[0]}-{r.steps[1]}", f"{r.predicted.step_s:.3g}", f"{r.step_s:.3g}",
+                     f"{100 * r.bubble:.0f}%", f"{100 * r.comm_ratio:.0f}%", f"{r.tokens_per_s:.0f}",
                      "← fastest measured" if r is best else ""))
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-    lines = [f"autotune: {len(rows)} candidate(s), 1 warm-up + {cfg.autotune.steps} timed step(s) each; steps "
-             f"{first}-{step - 1} of {cfg.training.steps} trained on the way"]
+    lines = [f"autotune: {len(results)} candidate(s), 1 warm-up + {cfg.autotune.steps} timed step(s) each; steps "
+             f"{trials.first}-{(trials.step or 0) - 1} of {cfg.training.steps} trained on the way"]
     lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in [head, *body]]
-    predicted_best = min(rows, key=lambda r: r["predicted_step_s"])["layout"]
-    why = ("the planner's first choice, confirmed" if best["layout"] == predicted_best else
+    predicted_best = min(results, key=lambda r: r.predicted.step_s).layout
+    why = ("the planner's first choice, confirmed" if best.layout == predicted_best else
            f"measured faster than the planner's first choice {predicted_best}")
-    lines.append(f"continuing with {best['layout']}: {why}")
+    lines.append(f"continuing with {best.layout}: {why}")
     return "\n".join(lines)
 
 
-__all__ = ["Candidate", "candidates_from_plan", "diverse_order", "family", "label", "learn", "report", "train_autotuned", "trial_budget"]
+__all__ = ["Candidate", "Prediction", "TrialResult", "TrialRunner", "candidates_from_plan", "diverse_order", "family", "label", "learn", "report", "train_autotuned", "trial_budget"]

@@ -27,7 +27,8 @@ def add_arguments(p) -> None:
                    help="launch this many local ranks (torch's elastic launcher; gloo without GPUs)")
     p.add_argument("--dry-run", action="store_true", help="validate the config and layout, print them, do not train")
     p.add_argument("--verify-step0", action="store_true",
-                   help="with --nproc: check step 0's loss against the single-process model on the same batch")
+                   help="with --nproc: check step 0's loss against the single-process fp64 model on the whole "
+                        "global batch at once (the token mean every layout must give)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="with --nproc: restart the ranks this many times after a failure (torchrun's --max-restarts); "
                         "each restart resumes from the latest complete checkpoint in save_dir")
@@ -47,7 +48,7 @@ def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
     """What the run would check before its first step (the model, the layout, the data), printed.
     ``read_data=False``: the data's paths, tokenizer and vocabulary only, not the tokenized corpus
     (before a launch, whose ranks each read it)."""
-    from tpkernels.train.data import make_data, text_source  # noqa: PLC0415
+    from tpkernels.train.data import SYNTHETIC, make_data, text_source  # noqa: PLC0415
     from tpkernels.train.output_paths import check_output_paths  # noqa: PLC0415
 
     mc = cfg.model_config()
@@ -56,7 +57,7 @@ def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
     pc = cfg.parallel_config(world)
     if read_data:
         make_data(cfg.data.source, cfg.data.seq_length, cfg.training.seed, mc.vocab_size, cfg.data.tokenizer)
-    elif cfg.data.source != "random":
+    elif cfg.data.source not in SYNTHETIC:
         text_source(cfg.data.source, mc.vocab_size, cfg.data.tokenizer)
     cp = ""
     if pc.cp > 1:
@@ -68,24 +69,27 @@ def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
             f"global batch {pc.global_batch_size} × {cfg.data.seq_length} tokens{cp}\nconfig: {cfg.dumps()}")
 
 
-def single_process_loss(cfg: TrainConfig, dp: int) -> float:
-    """Step 0's loss of ``cfg`` computed by the single-process model (TP = PP = DP = 1) on the same
-    global batch and micro-batches: what every layout must reproduce."""
-    import dataclasses  # noqa: PLC0415
+def single_process_loss(cfg: TrainConfig, global_batch: int) -> float:
+    """Step 0's loss of ``cfg`` from the whole global batch at once (one micro-batch of ``global_batch``
+    rows), by the single-process model in float64: the token mean over the batch that every layout,
+    micro-batching and data-parallel split must reproduce. Weights: the run's initial ones (its seed,
+    or ``model.init_from``; LoRA adapters start as a no-op)."""
+    import torch  # noqa: PLC0415
 
-    from tpkernels.models import next_token_targets  # noqa: PLC0415
-    from tpkernels.train.trainer import Trainer  # noqa: PLC0415
+    from tpkernels.models import ParallelTransformer, next_token_targets  # noqa: PLC0415
+    from tpkernels.parallel import ParallelConfig  # noqa: PLC0415
+    from tpkernels.parallel.state import ParallelState  # noqa: PLC0415
+    from tpkernels.train.data import make_data  # noqa: PLC0415
 
-    one = dataclasses.replace(
-        cfg, parallel=cfg.parallel.replace(tp=1, cp=1, pp=1, dp=1, virtual_stages=1, sequence_parallel=False, schedule=None,
-                                           num_microbatches=cfg.parallel.num_microbatches * dp),
-        checkpoint=dataclasses.replace(cfg.checkpoint, save_dir=None),
-        # one process trains nothing past step 0: no trials, no monitor (an autotuned run's step 0 is its
-        # first candidate's, the planner's choice, which is what ``cfg`` holds)
-        autotune=dataclasses.replace(cfg.autotune, candidates=0, monitor_every=0, adapt=False))
-    trainer = Trainer(one)
-    ids, pos = trainer.data.batch(0, trainer.pc.global_batch_size)
-    return trainer.model.evaluate(ids, next_token_targets(ids, pos), position_ids=pos)
+    mc = cfg.model_config()
+    state = ParallelState.create(ParallelConfig(micro_batch_size=global_batch, num_microbatches=1, dp=1))
+    if cfg.model.init_from:
+        model = ParallelTransformer.from_hf(cfg.model.init_from, state, config=mc, dtype=torch.float64)
+    else:
+        model = ParallelTransformer(mc, state, seed=cfg.training.seed, dtype=torch.float64)
+    data = make_data(cfg.data.source, cfg.data.seq_length, cfg.training.seed, mc.vocab_size, cfg.data.tokenizer)
+    ids, pos = data.batch(0, global_batch)
+    return model.evaluate(ids, next_token_targets(ids, pos), position_ids=pos, num_microbatches=1)
 
 
 def prediction_report(predicted: dict, history: list[dict]) -> str:
@@ -166,18 +170,20 @@ def run(args) -> int:
                          quiet=not args.debug)[0]
         if args.verify_step0:
             pc = cfg.parallel_config(args.nproc)
-            want = single_process_loss(cfg, pc.dp)
+            want = single_process_loss(cfg, pc.global_batch_size)
             got = history[0]["loss"]
-            ok = abs(got - want) <= 1e-5 * max(1.0, abs(want)) if cfg.training.precision == "fp32" else \
+            ok = abs(got - want) <= 1e-5 * max(1.0, abs(want)) if cfg.training.precision in ("fp32", "fp64") else \
                 abs(got - want) <= 2e-2 * abs(want)
-            print(f"step 0 loss {got:.6f} at {pc.short()} vs {want:.6f} from the single-process model on the same "
-                  f"batch: {'equal' if ok else 'DIFFERENT'} (|difference| {abs(got - want):.1e})")
+            print(f"step 0 loss {got:.6f} at {pc.short()} vs {want:.6f} from the single-process fp64 model on the "
+                  f"whole batch at once: {'equal' if ok else 'DIFFERENT'} (|difference| {abs(got - want):.1e})")
             if not ok:
                 return 1
         return 0
     if "RANK" in os.environ:  # torchrun
         import torch  # noqa: PLC0415
         import torch.distributed as dist  # noqa: PLC0415
+
+        from tpkernels.train.failures import close_process_groups  # noqa: PLC0415
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
@@ -186,7 +192,7 @@ def run(args) -> int:
         try:
             rank_main(cfg, candidates)
         finally:
-            dist.destroy_process_group()
+            close_process_groups()  # not again after a lost rank's abort: one clean message
         return 0
     rank_main(cfg, candidates)
     return 0

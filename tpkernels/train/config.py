@@ -29,7 +29,7 @@ from tpkernels.description.source import ModelSection
 from tpkernels.options import opt, section
 from tpkernels.parallel.config import ParallelConfig
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 LAYOUTS = ("manual", "auto")
 
 
@@ -38,7 +38,8 @@ class TrainingSection:
     steps: int = opt(10, "the schedule's length (the learning rate decays over it)")
     stop_at_step: int | None = opt(None, "end this run early, e.g. to resume later (default: steps)")
     seed: int = opt(0, "seed of the initial weights and of the data")
-    precision: str = opt("fp32", "fp32, bf16 (fp32 masters and accumulation) or fp16 (+ loss scaling)", PRECISIONS)
+    precision: str = opt("fp32", "fp32, bf16 (fp32 masters and accumulation), fp16 (+ loss scaling), or fp64 (every "
+                                 "tensor in double: the oracle runs that layouts are checked against)", PRECISIONS)
     initial_loss_scale: float = opt(65536.0, "fp16: the dynamic loss scale's start (halved on overflow)")
     global_batch: int | None = opt(None, "layout auto: sequences per step (default: the config's at pure DP)")
 
@@ -57,7 +58,8 @@ class OptimizerSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    source: str = opt("random", "random tokens, or a text file / folder of .txt files")
+    source: str = opt("random", "random (uniform tokens), random-documents (packed documents of uneven length), "
+                                "or a text file / folder of .txt files")
     tokenizer: str | None = opt(None, "a tokenizers JSON or Hugging Face tokenizer folder (default: byte-level)")
     seq_length: int = opt(128, "tokens per sequence")
 
@@ -72,7 +74,8 @@ class CheckpointSection:
 
 @dataclass(frozen=True)
 class LoggingSection:
-    log_every: int = opt(1, "steps between progress-bar updates")
+    log_every: int = opt(10, "steps between progress-bar updates and between the worst rank's comm/compute "
+                             "ratio (one all-reduce; other steps report each rank's own)")
     progress: bool = opt(True, "a progress bar on rank 0")
     metrics_file: str | None = opt(None, "a JSON line per step (rank 0)")
     trace: str | None = opt(None, "a Perfetto trace (Chrome JSON) of step trace_step: pipeline + TP spans")
@@ -167,6 +170,9 @@ class TrainConfig:
                         "sqrt(v) + adam_eps: 0 gives NaN where a gradient is 0)")
         if o.min_lr > o.lr:
             errs.append(f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")
+        if t.stop_at_step is not None and t.stop_at_step > t.steps:
+            errs.append(f"training.stop_at_step ({t.stop_at_step}) must be <= training.steps ({t.steps}): the run "
+                        "ends at training.steps, so a later stop never happens")
         if not 0 <= o.warmup_steps <= t.steps:
             errs.append(f"optimizer.warmup_steps ({o.warmup_steps}) must be in [0, training.steps ({t.steps})]")
         for f in ("beta1", "beta2"):
@@ -203,22 +209,29 @@ class TrainConfig:
     # ---- reading ----
     @classmethod
     def from_values(cls, values: dict, *, text: bool = False, base: "TrainConfig | None" = None,
-                    where: str | None = None) -> "TrainConfig":
+                    where: str | None = None, check: bool = True) -> "TrainConfig":
         """A config from a mapping (nested or dotted keys, or the aliases) over ``base`` (default: the
-        defaults); ``text``: values are command-line text; ``where``: the file they came from."""
-        flat = options.flatten(_old_sections(values), cls)
+        defaults); ``text``: values are command-line text; ``where``: the file they came from.
+        ``check=False``: keys and types only, the rules wait (for the flags still to come)."""
+        flat = options.flatten(_old_sections(values, where), cls, where=where)
         flat = options.resolve_aliases(flat, ALIASES, where=where)
-        return options.build(cls, flat, text=text, base=base).check()
+        cfg = options.build(cls, flat, text=text, base=base)
+        return cfg.check() if check else cfg
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: dict | None = None, *,
              text_overrides: bool = False) -> "TrainConfig":
-        """From a YAML (.yaml/.yml) or TOML (.toml) file, then ``overrides`` (flags) on top."""
+        """From a YAML (.yaml/.yml) or TOML (.toml) file, then ``overrides`` (flags) on top.
+
+        The rule of precedence: a flag beats the file, the file beats the defaults, and the rules are
+        checked once, on the merged config (a file's ``warmup_steps: 100`` with ``--steps 1000`` is
+        judged against 1000 steps, not the default 10). Keys and types are checked as each is read."""
         base = cls()
         if path is not None:
-            base = cls.from_values(options.read_file(path, "config"), where=str(path))
+            base = cls.from_values(options.read_file(path, "config"), where=str(path), check=False)
         given = {k: v for k, v in (overrides or {}).items() if v is not None}
-        return cls.from_values(given, text=text_overrides, base=base) if given else base.check()
+        merged = cls.from_values(given, text=text_overrides, base=base, check=False) if given else base
+        return merged.check()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -227,12 +240,15 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=1)
 
 
-def _old_sections(values: dict) -> dict:
+def _old_sections(values: dict, where: str | None = None) -> dict:
     """Old flat files named the model and the data by a string (``model: Llama-3-8B``, ``data: corpus.txt``),
-    where the sections now are: read them as ``model.name`` / ``data.source``."""
+    where the sections now are: read them as ``model.name`` / ``data.source`` (both given: refused)."""
     out = dict(values)
     for key, leaf in (("model", "name"), ("data", "source")):
         if isinstance(out.get(key), str):
+            if f"{key}.{leaf}" in out:
+                raise ValueError(f"config key '{key}.{leaf}' is given twice (as {key!r} and as '{key}.{leaf}')"
+                                 f"{f' in {where}' if where else ''}; give each key once")
             out[f"{key}.{leaf}"] = out.pop(key)
     return out
 

@@ -1,13 +1,16 @@
 """Training data: the global batch of step k, the same at every layout, sharded over DP.
 
-    data = make_data(source, seq, seed, vocab_size, tokenizer)   # "random" or a text file / folder
+    data = make_data(source, seq, seed, vocab_size, tokenizer)   # "random", "random-documents", a text file / folder
     ids, position_ids = data.batch(step, global_batch)      # (global_batch, seq), on the CPU
     mine = rows_of_dp_rank(ids, dp_rank, dp)
 
 Deterministic and resumable: the batch of step k depends only on (seed, k), so a run resumed at
 step k, or restarted at another layout, sees the same tokens (the data position is the step).
 
-* ``RandomTokens``: uniform ids (benchmarks, tests).
+* ``RandomTokens`` (``random``): uniform ids, one document per row (benchmarks).
+* ``RandomDocuments`` (``random-documents``): uniform ids in documents of uneven length packed into
+  rows, positions restarting at each: what packed text is to the loss (micro-batches hold
+  different numbers of targets) without a corpus; the tests' default.
 * ``PackedText``: a text file or a folder of ``*.txt`` files, tokenized by a ``tokenizers`` /
   ``transformers`` tokenizer from a local path, or byte-level (ids 0–255 of the UTF-8 bytes,
   256 = end of document) when none is given; documents (separated by blank lines) packed into
@@ -33,6 +36,28 @@ class RandomTokens:
     def batch(self, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         return torch.randint(0, self.vocab, (rows, self.seq), generator=g), None
+
+
+class RandomDocuments:
+    """Documents of 1 to ``seq // 2`` tokens (uniform lengths, at least 1 to 2), uniform ids, packed into
+    rows back to back; the last document of a row is cut at the row's end. ``batch`` returns
+    position_ids restarting at 0 at each document."""
+
+    def __init__(self, vocab_size: int, seq: int, seed: int):
+        self.vocab, self.seq, self.seed = vocab_size, seq, seed
+        self.longest = max(2, seq // 2)
+
+    def batch(self, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 7_777_777)
+        ids = torch.randint(0, self.vocab, (rows, self.seq), generator=g)
+        pos = torch.empty_like(ids)
+        for r in range(rows):
+            t = 0
+            while t < self.seq:
+                n = min(int(torch.randint(1, self.longest + 1, (), generator=g)), self.seq - t)
+                pos[r, t:t + n] = torch.arange(n)
+                t += n
+        return ids, pos
 
 
 def load_tokenizer(path: str):
@@ -71,7 +96,8 @@ def text_source(path: str | Path, vocab_size: int, tokenizer: str | None = None)
     path = Path(path)
     files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
-        raise ValueError(f"data.source ({str(path)!r}) must be 'random', a text file or a folder of .txt files")
+        raise ValueError(f"data.source ({str(path)!r}) must be 'random', 'random-documents', a text file or a "
+                         "folder of .txt files")
     return files, encode, eod
 
 
@@ -116,9 +142,12 @@ def restart_per_document(ids: torch.Tensor, eod: int = EOD) -> torch.Tensor:
     return t - torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
 
 
+SYNTHETIC = {"random": RandomTokens, "random-documents": RandomDocuments}
+
+
 def make_data(source: str, seq: int, seed: int, vocab_size: int, tokenizer: str | None = None):
-    if source == "random":
-        return RandomTokens(vocab_size, seq, seed)
+    if source in SYNTHETIC:
+        return SYNTHETIC[source](vocab_size, seq, seed)
     return PackedText(source, seq, seed, vocab_size, tokenizer)
 
 

@@ -15,9 +15,11 @@ accumulation, as Megatron's mixed-precision optimizer does.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from tpkernels.parallel import control
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+FULL = (torch.float32, torch.float64)  # the optimizer steps the parameters themselves
 
 
 class MixedPrecision:
@@ -53,9 +55,7 @@ class MixedPrecision:
         flag = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
         for p in self.params:
             flag = torch.maximum(flag, (~torch.isfinite(p.main_grad)).any().float())
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag)
+        return bool(control.all_reduce_(flag, "max", group))
 
     def unscale_(self) -> None:
         if self.scaling and self.scale != 1.0:

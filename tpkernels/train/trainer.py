@@ -7,8 +7,12 @@
 One step: this replica's rows of the global batch through ``model.step`` (the pipeline schedule
 over ``num_microbatches`` micro-batches), the DP average (:class:`DataParallelGradReduce`,
 overlapped with the backward by default), ``finish_grad_sync`` (SP, replicated KV, tied
-embeddings), the global gradient norm and clipping, AdamW, the next learning rate. The loss
-reported is the mean over the global batch (averaged over DP: one 8-byte all-reduce).
+embeddings), the global gradient norm and clipping, AdamW, the next learning rate.
+
+The loss is the sum of the token losses over the global batch divided by the global count of
+targets (those not ``IGNORE_INDEX``), counted on the host from the batch before the step: the
+micro-batch size, their number, DP, CP and PP never change the objective, its gradients, the
+norm or the clipping (Megatron's per-token loss; torchtitan's global token normalisation).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from tpkernels.models import ParallelTransformer, next_token_targets
 from tpkernels.models.grad_sync import DataParallelGradReduce
 from tpkernels.models.lora import apply_lora
+from tpkernels.parallel import control
 from tpkernels.parallel.state import ParallelState
 from tpkernels.train import checkpoint
 from tpkernels.train.config import TrainConfig
@@ -51,10 +56,46 @@ from tpkernels.train.metrics import (
     write_trace,
 )
 from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer
-from tpkernels.train.precision import DTYPES, MixedPrecision
+from tpkernels.train.precision import DTYPES, FULL, MixedPrecision
 
 
-RANK0_ONLY_KEYS = ("logging.metrics_file", "logging.progress", "logging.log_every")
+RANK0_ONLY_KEYS = ("logging.metrics_file", "logging.progress")
+IGNORE_INDEX = -100  # the targets the loss skips (a document's last token, a row's last, prompts)
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """One step's inputs on this rank, on the host: ids, positions and targets (rows, seq) of its DP
+    replica's rows (its zigzag share under CP), and the count of targets over the global batch."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor | None
+    target: torch.Tensor
+    num_targets: int
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What a step reports (the history entry, a line of the metrics file)."""
+
+    step: int
+    loss: float  # the token mean over the global batch
+    lr: float
+    grad_norm: float  # nan when the step was skipped
+    step_s: float
+    tokens_per_s: float
+    skipped: bool  # fp16: inf/NaN gradients on some rank
+    mfu: float
+    comm_ratio: float  # exposed TP/CP comm over compute: the worst rank's on logging steps, this rank's else
+    bubble: float
+    phases: dict
+    loss_scale: float | None = None  # fp16 only
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        if self.loss_scale is None:
+            del out["loss_scale"]
+        return out
 
 
 def agree_on_config(cfg: TrainConfig) -> None:
@@ -65,8 +106,7 @@ def agree_on_config(cfg: TrainConfig) -> None:
         return
     # what only rank 0 reads may differ (each node its own metrics path)
     mine = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in RANK0_ONLY_KEYS}
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = control.all_gather_objects(mine)
     for r, other in enumerate(every):
         diffs = [f"{k} ({every[0].get(k)!r} on rank 0, {other.get(k)!r} on rank {r})"
                  for k in sorted(set(every[0]) | set(other)) if every[0].get(k) != other.get(k)]
@@ -103,7 +143,7 @@ class Trainer:
         ms, opt = cfg.model, cfg.optimizer
         self.lora_layers = apply_lora(self.model, ms.lora_rank, ms.lora_alpha) if ms.finetune == "lora" else []
         self.mp = MixedPrecision(self.model, dtype, init_scale=cfg.training.initial_loss_scale) \
-            if dtype != torch.float32 else None
+            if dtype not in FULL else None
         params = self.mp.masters if self.mp else list(self.model.parameters())
         self.optimizer = make_optimizer(params, opt.lr, opt.weight_decay, (opt.beta1, opt.beta2), opt.adam_eps,
                                         zero1_group=self.state.dp_cp_group if self.pc.zero1 else None)
@@ -114,10 +154,7 @@ class Trainer:
                                                 self.pc.bucket_mb, overlap=self.pc.overlap_dp) \
             if self.pc.dp * self.pc.cp > 1 else None
         self.data = make_data(cfg.data.source, seq, cfg.training.seed, self.mc.vocab_size, cfg.data.tokenizer)
-        loss_fn = None
-        if self.mp is not None and self.mp.scaling:  # fp16: backward of the scaled loss
-            loss_fn = lambda y, t: self.model.head.loss(y, t) * self.mp.scale  # noqa: E731
-        self.runtime = self.model.pipeline(self.pc.pipeline_schedule, self.pc.num_microbatches, loss_fn=loss_fn,
+        self.runtime = self.model.pipeline(self.pc.pipeline_schedule, self.pc.num_microbatches,
                                            seq_length=seq)
         self.step_index = 0
         self.history: list[dict] = []
@@ -132,11 +169,14 @@ class Trainer:
         self.slowdowns: list = []
         ck = cfg.checkpoint
         source = resume_dir or (ck.save_dir if ck.resume else None)
+        self.saved_step: int | None = None  # the step of the newest checkpoint in save_dir of this run
         if source:
             found = checkpoint.resume(source, self.model, self.optimizer, self.master_of)
             if found is not None:
                 path, meta = found
                 self.step_index, self.resumed_from = int(meta["step"]), path
+                if ck.save_dir and Path(source).resolve() == Path(ck.save_dir).resolve():
+                    self.saved_step = self.step_index
                 if self.mp is not None and "loss_scale" in meta:
                     self.mp.load_state_dict(meta["loss_scale"])
 
@@ -144,6 +184,7 @@ class Trainer:
         """A checkpoint of the steps done so far under ``checkpoint.save_dir`` (collective). With ``async_save``
         it is written in the background and completed at the next save or at the end of ``train``."""
         self.finish_saving()
+        self.saved_step = self.step_index
         meta = {"config": self.cfg.to_dict(), "layout": self.pc.short(), "model": self.mc.name or self.mc.model_type,
                 "model_config": dataclasses.asdict(self.mc)}
         if self.mp is not None:
@@ -162,15 +203,8 @@ class Trainer:
         pending, self._pending = self._pending, None
         return pending.finish() if pending is not None else None
 
-    def _guarded_step(self) -> dict:
-        """train_step, with a lost rank named on every survivor (and where to restart from)."""
-        return self._guarded(self.train_step, f"step {self.step_index}")
-
-    def _guarded_save(self) -> None:
-        """A checkpoint save (or the completion of one in flight), a lost rank named as in a step."""
-        self._guarded(self.save, f"the checkpoint save after step {self.step_index}")
-
     def _guarded(self, fn, during: str):
+        """``fn()``, with a lost rank named on every survivor (and where to restart from)."""
         try:
             return fn()
         except (FloatingPointError, checkpoint.CheckpointSaveError, ValueError):
@@ -193,11 +227,7 @@ class Trainer:
 
     def _write_trace(self, tr: CommTrace) -> None:
         """Every rank's GEMM, TP-transfer and pipeline spans of this step into one Chrome trace (rank 0)."""
-        events = step_trace_events(self.state.rank, tr, self.runtime.timeline)
-        every = [events]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, events)
+        every = control.all_gather_objects(step_trace_events(self.state.rank, tr, self.runtime.timeline))
         if self.is_logger:
             write_trace(self.cfg.logging.trace, every)
 
@@ -205,127 +235,160 @@ class Trainer:
     def is_logger(self) -> bool:
         return self.state.rank == 0
 
-    def train_step(self) -> dict:
-        cfg, st = self.cfg, self.state
-        t0 = time.perf_counter()
-        gb = self.pc.global_batch_size
-        ids, pos = self.data.batch(self.step_index, gb)
-        ids, pos = rows_of_dp_rank(ids, st.dp_rank, self.pc.dp), rows_of_dp_rank(pos, st.dp_rank, self.pc.dp)
+    def _logging_step(self, step: int) -> bool:
+        return step % self.cfg.logging.log_every == 0 or step == self.cfg.training.steps - 1
+
+    def prepare_batch(self, step: int) -> StepBatch:
+        """Step ``step``'s rows of this rank (its DP replica's, its CP share) and the global count of
+        targets, all on the host: the model checks them there (no device sync) and moves them."""
+        pc, st = self.pc, self.state
+        ids, pos = self.data.batch(step, pc.global_batch_size)
         target = next_token_targets(ids, pos)
-        if self.pc.cp > 1:  # this CP rank's zigzag share of every sequence, targets made on the whole one
+        num_targets = int((target != IGNORE_INDEX).sum())  # the loss's denominator, whatever the layout
+        ids, pos, target = (rows_of_dp_rank(t, st.dp_rank, pc.dp) for t in (ids, pos, target))
+        if pc.cp > 1:  # this CP rank's zigzag share of every sequence, targets made on the whole one
             if pos is None:  # the rank's share needs its global positions (rotary, the causal mask)
                 pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-            ids, pos, target = (zigzag_split(t, self.pc.cp, st.cp_rank, dim=1) for t in (ids, pos, target))
-        # ids, positions and targets stay on the host: the model checks them there once for the step
-        # (no device sync) and moves them to the device itself
-        opt = cfg.optimizer
-        lr = lr_at(self.step_index, opt.lr, opt.min_lr, opt.warmup_steps, cfg.training.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        mp = self.mp
+            ids, pos, target = (zigzag_split(t, pc.cp, st.cp_rank, dim=1) for t in (ids, pos, target))
+        return StepBatch(ids, pos, target, num_targets)
+
+    def forward_backward(self, batch: StepBatch) -> tuple[float, CommTrace, float]:
+        """Forward and backward over the micro-batches, then the gradient reductions: (the step's loss,
+        its comm trace, seconds of forward + backward)."""
+        mp, st = self.mp, self.state
         if mp is not None:
             mp.zero_grad()
         else:
             self.model.zero_grad(set_to_none=True)
         if self.dp_reduce is not None:
             self.dp_reduce.start(self.pc.num_microbatches)
-        t_step = time.perf_counter()
+        t0 = time.perf_counter()
         with CommTrace() as tr:
-            loss = self.model.step(ids if st.is_first_stage else None, target, position_ids=pos,
-                                   runtime=self.runtime)
-        t_fb = time.perf_counter() - t_step
-        exposed = exposed_comm_s(tr)
-        comm = torch.tensor([exposed / max(t_fb - exposed, 1e-9)], dtype=torch.float64,
-                            device=self.device)  # NCCL reduces device tensors only
-        if dist.is_initialized() and dist.get_world_size() > 1:  # the worst rank's
-            dist.all_reduce(comm, op=dist.ReduceOp.MAX)
-        if cfg.logging.trace and self.step_index == cfg.logging.trace_step:
-            self._write_trace(tr)
-        t_dp = time.perf_counter()
+            loss = self.model.step(batch.input_ids if st.is_first_stage else None, batch.target,
+                                   position_ids=batch.position_ids, runtime=self.runtime,
+                                   num_targets=batch.num_targets, loss_scale=mp.scale if mp is not None else 1.0)
+        return loss, tr, time.perf_counter() - t0
+
+    def reduce_gradients(self) -> float:
+        """DP (and CP) average, then the TP-side sums; seconds spent waiting for them."""
+        t0 = time.perf_counter()
         if self.dp_reduce is not None:
             self.dp_reduce.finish()
         self.model.finish_grad_sync(reduce_dp=False)
-        t_dp = time.perf_counter() - t_dp
+        return time.perf_counter() - t0
+
+    def optimizer_step(self, lr: float) -> tuple[float, bool]:
+        """Loss-scale bookkeeping, the global gradient norm, clipping and AdamW at ``lr``: (norm, skipped)."""
+        mp, opt = self.mp, self.cfg.optimizer
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         skipped = False
         if mp is not None and mp.scaling:
-            loss /= mp.scale
             skipped = mp.found_inf()  # agreed over the whole world: every rank skips together
             mp.update_scale(skipped)
             if not skipped:
                 mp.unscale_()
-        norm = float("nan")
-        if not skipped:
-            norm = clip_grads_(self.model, opt.clip_grad, global_grad_norm(self.model, st.tp_group, st.pp_group))
-            if mp is not None:
-                mp.step(self.optimizer)
-            else:
-                self.optimizer.step()
-        replicas = self.pc.dp * self.pc.cp
-        if replicas > 1:  # the mean over DP replicas and CP shares (equal token counts)
-            t = torch.tensor([loss], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, group=st.dp_cp_group)
-            loss = t.item() / replicas
-        if not math.isfinite(loss):  # every rank has the same loss (the pipeline and DP share it): all stop
+        if skipped:
+            return float("nan"), True
+        norm = clip_grads_(self.model, opt.clip_grad, global_grad_norm(self.model, self.state.tp_group,
+                                                                       self.state.pp_group))
+        if mp is not None:
+            mp.step(self.optimizer)
+        else:
+            self.optimizer.step()
+        return norm, False
+
+    def train_step(self) -> dict:
+        """One step: batch, forward-backward, gradient reductions, optimizer; its record."""
+        cfg, t0, step = self.cfg, time.perf_counter(), self.step_index
+        opt = cfg.optimizer
+        lr = lr_at(step, opt.lr, opt.min_lr, opt.warmup_steps, cfg.training.steps)
+        loss, tr, t_fb = self.forward_backward(self.prepare_batch(step))
+        exposed = exposed_comm_s(tr)
+        comm = exposed / max(t_fb - exposed, 1e-9)
+        if self._logging_step(step):  # the worst rank's: one collective, only when it is shown
+            comm = control.all_reduce_values([comm], "max")[0]
+        if cfg.logging.trace and step == cfg.logging.trace_step:
+            self._write_trace(tr)
+        t_dp = self.reduce_gradients()
+        norm, skipped = self.optimizer_step(lr)
+        if not math.isfinite(loss):  # every rank has the same loss (the model agrees it): all stop
             last = checkpoint.latest(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else None
-            raise FloatingPointError(f"loss is {loss} at step {self.step_index} ({self.pc.short()}); last good "
+            raise FloatingPointError(f"loss is {loss} at step {step} ({self.pc.short()}); last good "
                                      f"checkpoint: {last or 'none'}; lower lr (now {lr:.3g}) or enable clip_grad")
         dt = time.perf_counter() - t0
-        rec = {"step": self.step_index, "loss": loss, "lr": lr, "grad_norm": norm, "step_s": dt,
-               "tokens_per_s": gb * cfg.data.seq_length / dt, "skipped": skipped,
-               "mfu": self.step_flops / (dt * self.pc.world_size * self.peak),
-               "comm_ratio": float(comm), "bubble": idle_share(self.runtime.timeline),
-               "phases": step_phases(dt, t_fb, exposed, t_dp, self.runtime.timeline if self.pc.pp > 1 else None)}
-        if rec["comm_ratio"] > COMM_WARN and not self._warned and self.is_logger:
-            self._warned = True
-            print(f"warning: communication/compute {100 * rec['comm_ratio']:.0f}% > {100 * COMM_WARN:.0f}% on the "
-                  f"worst rank at {self.pc.short()}: lower parallel.tp ({self.pc.tp})", flush=True)
-        if mp is not None and mp.scaling:
-            rec["loss_scale"] = mp.scale
-        self.metrics.write({**rec, "layout": self.pc.short(), "mfu_vs": self.peak_label})
+        timeline = self.runtime.timeline
+        rec = StepRecord(step=step, loss=loss, lr=lr, grad_norm=norm, step_s=dt,
+                         tokens_per_s=self.pc.global_batch_size * cfg.data.seq_length / dt, skipped=skipped,
+                         mfu=self.step_flops / (dt * self.pc.world_size * self.peak), comm_ratio=comm,
+                         bubble=idle_share(timeline),
+                         phases=step_phases(dt, t_fb, exposed, t_dp, timeline if self.pc.pp > 1 else None),
+                         loss_scale=self.mp.scale if self.mp is not None and self.mp.scaling else None)
+        self._warn_comm(rec)
+        out = rec.as_dict()
+        self.metrics.write({**out, "layout": self.pc.short(), "mfu_vs": self.peak_label})
         self.step_index += 1
-        self.history.append(rec)
-        return rec
+        self.history.append(out)
+        return out
+
+    def _warn_comm(self, rec: "StepRecord") -> None:
+        if rec.comm_ratio > COMM_WARN and not self._warned and self.is_logger and self._logging_step(rec.step):
+            self._warned = True
+            print(f"warning: communication/compute {100 * rec.comm_ratio:.0f}% > {100 * COMM_WARN:.0f}% on the "
+                  f"worst rank at {self.pc.short()}: lower parallel.tp ({self.pc.tp})", flush=True)
+
+    def _watch(self, rec: dict) -> bool:
+        """Feed the slowdown monitor; True when it reports a sustained slowdown now."""
+        found = self.monitor.observe(rec) if self.monitor is not None else None
+        if found is None:
+            return False
+        self.slowdowns.append(found)
+        self.metrics.write({"slowdown": found.as_dict(), "layout": self.pc.short()})
+        if self.is_logger:
+            print(found.text, flush=True)
+        return True
 
     def train(self, stop_on_slowdown: bool = False) -> list[dict]:
-        """Run to ``training.stop_at_step`` (else ``training.steps``), saving as configured; with
-        ``stop_on_slowdown``, stop (and save) after the step at which the slowdown monitor reports."""
-        cfg = self.cfg
-        steps, ck = cfg.training.steps, cfg.checkpoint
-        bar = None
-        if self.is_logger and cfg.logging.progress:
-            from tqdm import tqdm  # noqa: PLC0415
-
-            bar = tqdm(total=steps, initial=self.step_index, desc=f"train {self.pc.short()}", unit="step")
+        """Run to ``training.stop_at_step`` (else ``training.steps``), saving every ``save_every`` steps and
+        always at the step the run stops at; with ``stop_on_slowdown``, stop after the step at which
+        the slowdown monitor reports."""
+        cfg, ck = self.cfg, self.cfg.checkpoint
         stop = cfg.training.stop_at_step
-        last = steps if stop is None else min(steps, stop)
+        last = cfg.training.steps if stop is None else min(cfg.training.steps, stop)
+        bar = self._progress_bar()
         while self.step_index < last:
-            rec = self._guarded_step()
+            rec = self._guarded(self.train_step, f"step {self.step_index}")
             self.model.check_inputs = False  # checked on the first step; the batch shape never changes
-            if self.monitor is not None:
-                found = self.monitor.observe(rec)
-                if found is not None:
-                    self.slowdowns.append(found)
-                    self.metrics.write({"slowdown": found.as_dict(), "layout": self.pc.short()})
-                    if self.is_logger:
-                        print(found.text, flush=True)
-                    if stop_on_slowdown:
-                        break
+            slowed = self._watch(rec)
             if ck.save_dir and ck.save_every and self.step_index % ck.save_every == 0:
-                self._guarded_save()
-            if bar is not None:
-                bar.update(1)
-                if rec["step"] % cfg.logging.log_every == 0 or self.step_index == steps:
-                    bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",
-                                    tok_s=f"{rec['tokens_per_s']:.0f}", step_s=f"{rec['step_s']:.3f}",
-                                    mfu=f"{100 * rec['mfu']:.1f}%", comm=f"{100 * rec['comm_ratio']:.0f}%",
-                                    bubble=f"{100 * rec['bubble']:.0f}%")
+                self._guarded(self.save, f"the checkpoint save after step {self.step_index}")
+            self._show(bar, rec)
+            if slowed and stop_on_slowdown:
+                break
         if bar is not None:
             bar.close()
-        if ck.save_dir and not (ck.save_every and self.step_index % ck.save_every == 0) and \
-                (self.history or self.resumed_from is None):
-            self._guarded_save()
+        if ck.save_dir and self.saved_step != self.step_index:  # the step the run stops at, always
+            self._guarded(self.save, f"the checkpoint save after step {self.step_index}")
         self._guarded(self.finish_saving, f"the checkpoint save after step {self.step_index}")
         return self.history
+
+    def _progress_bar(self):
+        if not (self.is_logger and self.cfg.logging.progress):
+            return None
+        from tqdm import tqdm  # noqa: PLC0415
+
+        return tqdm(total=self.cfg.training.steps, initial=self.step_index, desc=f"train {self.pc.short()}",
+                    unit="step")
+
+    def _show(self, bar, rec: dict) -> None:
+        if bar is None:
+            return
+        bar.update(1)
+        if self._logging_step(rec["step"]):
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",
+                            tok_s=f"{rec['tokens_per_s']:.0f}", step_s=f"{rec['step_s']:.3f}",
+                            mfu=f"{100 * rec['mfu']:.1f}%", comm=f"{100 * rec['comm_ratio']:.0f}%",
+                            bubble=f"{100 * rec['bubble']:.0f}%")
 
 
 def out_of_memory_advice(trainer: "Trainer", err: Exception) -> str:
