@@ -1,108 +1,200 @@
 #!/usr/bin/env bash
-# The one script to run on a single H100/H200 machine (see DESIGN.md §4):
-#   build tpkernels._C in place, run the `cuda`-marked tests, run the GPU benchmarks.
-# Writes logs and CSVs to $OUT if set (the device tool's output folder), else benchmarks/results/.
-# Uses the machine's own python3 and packages (no venv, no network). Budget: under 9 minutes.
+# The one script to run on a single H100/H200 machine (see DESIGN.md §4): the preflight, build
+# tpkernels._C in place, the main job as users run it (torchrun, NCCL, --layout auto --autotune 2 on
+# packed text) and its step 0 against fp64, the `cuda`-marked tests, the GPU benchmarks (TP and CP
+# through the virtual-rank harness among them), then the roofline's measured column.
+#
+#   bash benchmarks/gpu_check.sh                      # on the GPU machine
+#   GPU_CHECK_DRY_RUN=1 bash benchmarks/gpu_check.sh  # anywhere (automatic without a GPU): every CUDA step
+#       prints "skipped: <reason>"; the script's syntax, the preflight, the main job's command line
+#       (tpkernels train --dry-run, same flags) and the roofline run on the CPU (tests/test_gpu_check_dry_run.py)
+#   GPU_CHECK_ARCHIVE=$OUT/gpu_check.tgz OUT=/tmp/gpu_check bash benchmarks/gpu_check.sh
+#       # everything in one archive, refreshed as each step ends (the device tool brings back 8 files
+#       # at most); the archive must lie outside OUT
+#
+# Writes logs and CSVs to $OUT if set (the device tool's output folder), else benchmarks/results/ (a
+# temporary folder in a dry run), and $OUT/steps.tsv: one line per step (status, seconds, note),
+# written as the step ends. Uses the machine's own python3 and packages (no venv, no network).
+# Budget: under 9 minutes (GPU_CHECK_BUDGET_S, default 540 s: the device tool allows 600 s a call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-benchmarks/results}"
-mkdir -p "$OUT"
-export OUT
+SCRIPT="benchmarks/gpu_check.sh"
 PY="${PYTHON:-python3}"
 status=0
 step() { echo; echo "=== $1 ($(date +%T))"; }
-# one budget for the whole script (the device tool allows 600 s a call): every step's timeout is
-# capped by what is left, so the late steps shrink instead of the call being killed
+
+# ---- a dry run without a GPU (or when asked): CUDA steps print why they are skipped
+DRY=""
+if [ "${GPU_CHECK_DRY_RUN:-0}" = "1" ]; then
+  DRY="dry run (GPU_CHECK_DRY_RUN=1)"
+elif ! command -v nvidia-smi > /dev/null 2>&1; then
+  DRY="no GPU here (no nvidia-smi)"
+elif ! $PY -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2> /dev/null; then
+  DRY="no GPU here (torch.cuda.is_available() is False)"
+fi
+if [ -n "$DRY" ] && [ -z "${OUT:-}" ]; then OUT="$(mktemp -d /tmp/gpu_check_dry.XXXXXX)"; fi
+OUT="${OUT:-benchmarks/results}"
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
+export OUT
+
+# one budget for the whole script: every step's timeout is capped by what is left, less RESERVE_S kept
+# for the roofline and the summary at the end, so the late steps shrink instead of the call being killed
 deadline=$((SECONDS + ${GPU_CHECK_BUDGET_S:-540}))
-cap() { local left=$((deadline - SECONDS)); if [ "$left" -lt "$1" ]; then echo $((left > 1 ? left : 1)); else echo "$1"; fi; }
+RESERVE_S=20
+cap() { local left=$((deadline - RESERVE_S - SECONDS)); if [ "$left" -lt "$1" ]; then echo $((left > 1 ? left : 1)); else echo "$1"; fi; }
+
+# each step's result, as it ends: $OUT/steps.tsv (and the archive, if asked for)
+STEPS="$OUT/steps.tsv"
+printf 'step\tstatus\tseconds\tnote\n' > "$STEPS"
+record() {  # record NAME STATUS SECONDS [NOTE]
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" >> "$STEPS"
+  if [ -n "${GPU_CHECK_ARCHIVE:-}" ]; then
+    tar czf "$GPU_CHECK_ARCHIVE.part" -C "$OUT" . && mv "$GPU_CHECK_ARCHIVE.part" "$GPU_CHECK_ARCHIVE"
+  fi
+}
+# run_step NAME SECONDS LOG CMD...: CMD under timeout (capped), its output to $OUT/LOG and to the console
+# its last TAIL lines (default 15), or its first HEAD lines if HEAD is set; its result to steps.tsv;
+# returns CMD's exit code
+run_step() {
+  local name=$1 secs=$2 log=$3 t0=$SECONDS limit rc
+  shift 3
+  step "$name"
+  limit=$(cap "$secs")
+  if [ -n "${HEAD:-}" ]; then  # sed reads to the end: no SIGPIPE for the command
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$log" | sed -n "1,${HEAD}p"
+  else
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$log" | tail -n "${TAIL:-15}"
+  fi
+  rc=${PIPESTATUS[0]}
+  case $rc in
+    0) record "$name" ok $((SECONDS - t0)) "$log" ;;
+    124) echo "TIMED OUT after ${limit} s (see $OUT/$log)"; record "$name" "timeout ${limit}s" $((SECONDS - t0)) "$log" ;;
+    *) echo "FAILED with exit code $rc (see $OUT/$log)"; record "$name" "failed ($rc)" $((SECONDS - t0)) "$log" ;;
+  esac
+  return "$rc"
+}
+# gpu_step NAME SECONDS LOG CMD...: run_step, or in a dry run "skipped: <reason>"
+gpu_step() {
+  if [ -n "$DRY" ]; then step "$1"; echo "skipped: $DRY"; record "$1" skipped 0 "$DRY"; return 0; fi
+  run_step "$@" || { status=1; return 1; }
+}
 
 step "machine"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu_info.csv" \
-  || echo "no nvidia-smi: a dry run without a GPU (the CUDA steps skip)"
+if [ -n "$DRY" ]; then
+  echo "skipped: $DRY: the CUDA steps are skipped; what the CPU can check runs"
+  record machine skipped 0 "$DRY"
+else
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu_info.csv"
+  record machine ok 0 gpu_info.csv
+fi
 # packages the image lacks travel as wheels in .whl/ (carried by the device tool; see its README)
 if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" || { echo "installing .whl/ failed"; exit 1; }
 fi
 
-step "preflight (versions, every module imports, a Triton kernel, a collective; stops here on failure)"
-if ! timeout $(cap 60) env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" $PY benchmarks/preflight.py 2>&1 \
-    | tee "$OUT/preflight.log"; then
+run_step "this script's syntax (bash -n)" 10 syntax.log bash -n "$SCRIPT" || exit 1
+if ! run_step "preflight (versions, every module imports, a Triton kernel, a collective; stops here on failure)" \
+    60 preflight.log env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" $PY benchmarks/preflight.py; then
   echo "PREFLIGHT FAILED: see $OUT/preflight.log"; exit 1
 fi
 [ "${PREFLIGHT_ONLY:-0}" = "1" ] && { echo "PREFLIGHT_ONLY=1: stopping after the preflight"; exit 0; }
 
-step "build tpkernels._C (in place)"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}" TPKERNELS_CUDA_ARCHS="${TPKERNELS_CUDA_ARCHS:-80;90}"
-if ! timeout $(cap 150) $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+if ! TAIL=2 gpu_step "build tpkernels._C (in place)" 150 build.log $PY setup.py build_ext --inplace; then
   echo "BUILD FAILED (tail of $OUT/build.log):"; tail -40 "$OUT/build.log"; exit 1
 fi
-tail -2 "$OUT/build.log"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-$PY benchmarks/preflight.py --built 2>&1 | tee -a "$OUT/preflight.log" || { echo "PREFLIGHT FAILED after the build"; exit 1; }
-$PY -m tpkernels.cli info | tee "$OUT/tpkernels_info.txt"
+gpu_step "preflight after the build (tpkernels._C loads with CUDA)" 30 preflight_built.log \
+  $PY benchmarks/preflight.py --built || { echo "PREFLIGHT FAILED after the build"; exit 1; }
+TAIL=40 gpu_step "tpkernels info" 30 tpkernels_info.txt $PY -m tpkernels.cli info
 
-step "cuda-marked tests (all but attention)"
-timeout $(cap 100) $PY -m pytest tests -m cuda -q --timeout $(cap 60) -p no:cacheprovider --ignore tests/test_gpu_attention.py \
-  --ignore tests/test_gpu_models.py --ignore tests/test_gpu_gemm_comm.py \
-  --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# ---- the main job as users run it: one GPU under torchrun, so every host-side collective meets NCCL;
+# the planner picks the layout and autotune measures its best 2 (and the config's own) in the first
+# steps; packed text (this README, byte-level tokens, documents packed into rows); the demo's model
+# (4 layers, hidden 128) in bf16 with fp32 masters, 20 steps, a checkpoint at the end; every step's
+# metrics appended to $OUT/train_nccl_metrics.jsonl as it ends
+CKPT="$(mktemp -d /tmp/tpk_gpu_check_ckpt.XXXXXX)"
+# the planner's per-machine corrections that autotune fits: this check's own, never the user's
+TRAIN=(env TPKERNELS_CACHE_DIR="$CKPT/planner_cache" $PY)
+MAIN_JOB=(--config python/configs/demo_llama_tp2_pp2.yaml --parallel.tp 1 --parallel.pp 1
+          --parallel.sequence_parallel false --layout auto --autotune 2 --data.source README.md
+          --training.precision bf16 --training.steps 20 --checkpoint.save_dir "$CKPT/main"
+          --logging.progress false)
+if [ -n "$DRY" ]; then  # the same flags through the CLI's own checks: config, layout plan, data
+  HEAD=4 run_step "main job's command line (tpkernels train --dry-run, the same flags)" 60 train_nccl_dry_run.log \
+    "${TRAIN[@]}" -m tpkernels.train "${MAIN_JOB[@]}" --logging.metrics_file "$OUT/train_nccl_metrics.jsonl" --dry-run \
+    || status=1
+fi
+TAIL=8 gpu_step "main job: torchrun --standalone --nproc-per-node 1 (NCCL), --layout auto --autotune 2, packed text" \
+  120 train_nccl.log "${TRAIN[@]}" -m torch.distributed.run --standalone --nproc-per-node 1 -m tpkernels.train "${MAIN_JOB[@]}" \
+  --logging.metrics_file "$OUT/train_nccl_metrics.jsonl"
+# step 0 against the single-process fp64 model on the whole batch (--verify-step0 is a --nproc option:
+# the same flags through torch's elastic launcher, NCCL too, one step at the planner's layout; checked
+# on the CPU with gloo: "step 0 loss 6.251701 at TP1 PP1 DP1 mbs8 vs 6.251713 ...: equal")
+STEP0=(--nproc 1 --verify-step0 "${MAIN_JOB[@]}" --autotune 0 --training.steps 1 --optimizer.warmup_steps 0
+       --checkpoint.save_dir "$CKPT/step0")
+if [ -n "$DRY" ]; then
+  HEAD=4 run_step "step 0 check's command line (tpkernels train --dry-run, the same flags)" 60 train_step0_dry_run.log \
+    "${TRAIN[@]}" -m tpkernels.train "${STEP0[@]}" --dry-run || status=1
+fi
+TAIL=3 gpu_step "main job's step 0 vs fp64 (tpkernels train --nproc 1 --verify-step0)" 60 train_step0.log \
+  "${TRAIN[@]}" -m tpkernels.train "${STEP0[@]}"
+# To add as they land, each a few steps of the main job under torchrun with its own metrics file
+# (none of these is in the code yet, so no command stands here for them):
+#   - SFT: a chat-templated dataset, loss on the assistant tokens only
+#   - DPO: chosen/rejected pairs against a frozen reference model
+#   - QLoRA: an NF4-quantised base with LoRA adapters (model.finetune lora on a 4-bit base)
+#   - FP8: training.precision fp8 (FP8 GEMMs, the planner's FP8 peak)
+rm -rf "$CKPT"
 
-step "cuda-marked fused GEMM-comm tests (virtual TP on this GPU; NCCL + symmetric memory when >= 2 GPUs)"
-timeout $(cap 120) $PY -m pytest tests/test_gpu_gemm_comm.py -m cuda -q --timeout $(cap 100) -p no:cacheprovider \
-  --junitxml="$OUT/gpu_gemm_comm_tests.xml" 2>&1 | tee "$OUT/gpu_gemm_comm_tests.log" | tail -15
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+gpu_step "cuda-marked tests (all but attention)" 100 gpu_tests.log \
+  $PY -m pytest tests -m cuda -q --timeout "$(cap 60)" -p no:cacheprovider --ignore tests/test_gpu_attention.py \
+  --ignore tests/test_gpu_models.py --ignore tests/test_gpu_gemm_comm.py --junitxml="$OUT/gpu_tests.xml"
+gpu_step "cuda-marked fused GEMM-comm tests (virtual TP on this GPU; NCCL + symmetric memory when >= 2 GPUs)" 120 \
+  gpu_gemm_comm_tests.log $PY -m pytest tests/test_gpu_gemm_comm.py -m cuda -q --timeout "$(cap 100)" \
+  -p no:cacheprovider --junitxml="$OUT/gpu_gemm_comm_tests.xml"
+gpu_step "cuda-marked attention tests (Triton compiles one config per variant: ~40 kernels)" 180 \
+  gpu_attention_tests.log $PY -m pytest tests/test_gpu_attention.py -m cuda -q --timeout "$(cap 120)" \
+  -p no:cacheprovider --junitxml="$OUT/gpu_attention_tests.xml"
+gpu_step "cuda-marked model tests (Llama, GPT-2, Mistral in bf16: our model and apply_kernels vs float64)" 120 \
+  gpu_model_tests.log $PY -m pytest tests/test_gpu_models.py -m cuda -q --timeout "$(cap 100)" \
+  -p no:cacheprovider --junitxml="$OUT/gpu_model_tests.xml"
 
-step "cuda-marked attention tests (Triton compiles one config per variant: ~40 kernels)"
-timeout $(cap 180) $PY -m pytest tests/test_gpu_attention.py -m cuda -q --timeout $(cap 120) -p no:cacheprovider \
-  --junitxml="$OUT/gpu_attention_tests.xml" 2>&1 | tee "$OUT/gpu_attention_tests.log" | tail -15
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-step "cuda-marked model tests (Llama, GPT-2, Mistral in bf16: our model and apply_kernels vs float64)"
-timeout $(cap 120) $PY -m pytest tests/test_gpu_models.py -m cuda -q --timeout $(cap 100) -p no:cacheprovider \
-  --junitxml="$OUT/gpu_model_tests.xml" 2>&1 | tee "$OUT/gpu_model_tests.log" | tail -15
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-step "benchmarks"
-timeout $(cap 40) $PY benchmarks/bench_bias_gelu.py --sizes 1 16 64 2>&1 | tee "$OUT/bench_bias_gelu.log" | tail -30
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# ---- benchmarks (their CSVs fill the roofline's measured column at the end)
 # attention at the key shapes of the issue's targets (bf16, headdim 128, seqlen >= 2k), autotuned
-timeout $(cap 100) $PY benchmarks/bench_attention.py --headdims 128 --seqlens 2048 8192 --name attention_key_shapes \
-  2>&1 | tee "$OUT/bench_attention.log" | tail -30
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-# RMSNorm, SwiGLU, rotary, linear_cross_entropy at Llama-3-8B widths, bf16 (Liger-Kernel too if it imports)
-timeout $(cap 60) $PY benchmarks/bench_llama_ops.py --reps 5 2>&1 | tee "$OUT/bench_llama_ops.log" | tail -30
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-# fused AG+GEMM / GEMM+RS / GEMM+AR at Flux's and Llama-3-70B's TP=8 shapes: virtual TP=8 on one GPU
-# (every emulated rank's kernels at once), the real ops when >= 2 GPUs are visible
-timeout $(cap 90) $PY benchmarks/bench_gemm_comm.py --reps 5 2>&1 | tee "$OUT/bench_gemm_comm.log" | tail -12
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+TAIL=30 gpu_step "bench: attention (hd128, s 2k/8k, bf16)" 100 bench_attention.log \
+  $PY benchmarks/bench_attention.py --headdims 128 --seqlens 2048 8192 --name attention_key_shapes
+# RMSNorm, SwiGLU, rotary, linear_cross_entropy at Llama-3-8B widths, bf16
+TAIL=30 gpu_step "bench: Llama ops" 60 bench_llama_ops.log $PY benchmarks/bench_llama_ops.py --reps 5
+# LayerNorm (GPT-2 widths, with and without the residual add), bf16
+if [ -f benchmarks/bench_norms.py ]; then
+  TAIL=20 gpu_step "bench: LayerNorm" 40 bench_norms.log $PY benchmarks/bench_norms.py --reps 5
+fi
+TAIL=30 gpu_step "bench: bias_gelu" 40 bench_bias_gelu.log $PY benchmarks/bench_bias_gelu.py --sizes 1 16 64
+# TP through the virtual-rank harness: fused AG+GEMM / GEMM+RS / GEMM+AR at Flux's and Llama-3-70B's TP=8
+# shapes, every emulated rank's kernels at once on this GPU
+TAIL=12 gpu_step "bench: GEMM + TP comm, virtual TP=8" 90 bench_gemm_comm.log \
+  $PY benchmarks/bench_gemm_comm.py --mode virtual --reps 5
+# CP through the virtual-rank harness: every CP rank's attention forward in turn (zigzag vs the plain
+# ring), Llama-3-8B heads (32/8, headdim 128) at a 32k sequence; target: zigzag at CP 8 >= 90% of the
+# whole sequence's attention rate / 8 (ring-flash-attention: zigzag 93.6%, plain ring 68.8% on 8×H800)
+TAIL=6 gpu_step "bench: context parallel, virtual CP 2/4/8" 60 bench_context_parallel.log \
+  $PY benchmarks/bench_context_parallel.py --mode virtual --seq 32768 --cp 2 4 8 --reps 5
 # the other movers at Flux's shapes: copy kernel, push reduce-scatter; CUDA reducer
-timeout $(cap 40) $PY benchmarks/bench_gemm_comm.py --reps 5 --mode virtual --shapes flux --copy kernel --rs-mode push \
-  --tag copy_kernel_push 2>&1 | tee "$OUT/bench_gemm_comm_movers.log" | tail -4
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-timeout $(cap 40) $PY benchmarks/bench_gemm_comm.py --reps 5 --mode virtual --shapes flux --reducer cuda \
-  --tag cuda_reducer 2>&1 | tee -a "$OUT/bench_gemm_comm_movers.log" | tail -4
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-# context parallelism on one GPU: every CP rank's attention forward in turn (zigzag vs the plain ring),
-# Llama-3-8B heads (32/8, headdim 128) at a 32k sequence; target: zigzag at CP 8 >= 90% of the whole
-# sequence's attention rate / 8 (ring-flash-attention: zigzag 93.6%, plain ring 68.8% on 8×H800)
-timeout $(cap 60) $PY benchmarks/bench_context_parallel.py --mode virtual --seq 32768 --cp 2 4 8 --reps 5 \
-  2>&1 | tee "$OUT/bench_context_parallel.log" | tail -6
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
+TAIL=4 gpu_step "bench: GEMM + TP comm movers (copy kernel, push RS)" 40 bench_gemm_comm_movers.log \
+  $PY benchmarks/bench_gemm_comm.py --reps 5 --mode virtual --shapes flux --copy kernel --rs-mode push --tag copy_kernel_push
+TAIL=4 gpu_step "bench: GEMM + TP comm movers (CUDA reducer)" 40 bench_gemm_comm_reducer.log \
+  $PY benchmarks/bench_gemm_comm.py --reps 5 --mode virtual --shapes flux --reducer cuda --tag cuda_reducer
 # a whole training step: transformers (SDPA) vs transformers + apply_kernels vs ParallelTransformer, 2 Llama-3-8B layers
-timeout $(cap 60) $PY benchmarks/bench_models.py --reps 3 2>&1 | tee "$OUT/bench_models.log" | tail -8
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+TAIL=8 gpu_step "bench: models" 60 bench_models.log $PY benchmarks/bench_models.py --reps 3
 
-# the main job on one GPU: the demo's model in bf16 (fp32 masters), 20 steps, a checkpoint, Triton kernels
-timeout $(cap 90) $PY -m tpkernels.train --config python/configs/demo_llama_tp2_pp2.yaml --parallel.tp 1 \
-  --parallel.pp 1 --parallel.sequence_parallel false --training.precision bf16 --training.steps 20 \
-  --checkpoint.save_dir /tmp/tpk_gpu_ckpt --logging.progress false \
-  --logging.metrics_file "$OUT/train_gpu_metrics.jsonl" 2>&1 | tee "$OUT/train_gpu.log" | tail -4
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# ---- the roofline: every kernel's floor on the H100-SXM and the H200, and what the benchmarks above
+# measured against it (CPU only: runs in a dry run too, with the measured column empty)
+RESERVE_S=0
+TAIL=60 run_step "roofline (floors, and the measured column from the CSVs above)" 20 roofline.log \
+  $PY benchmarks/roofline.py --measured "$OUT" --out "$OUT" || status=1
 
-step "done: status $status"
+step "done: status $status ($((SECONDS)) s; $OUT/steps.tsv)"
+column -t -s $'\t' "$STEPS" 2> /dev/null || cat "$STEPS"
 exit $status

@@ -1,6 +1,8 @@
 """GPU and cluster descriptions for the planner.
 
-Peak figures are the vendors' dense tensor-core numbers (no 2:4 sparsity). Link bandwidths are
+Peak figures are the vendors' dense tensor-core numbers (no 2:4 sparsity): NVIDIA's H100 and H200
+datasheets give 1,979 TFLOP/s bf16 and 3,958 fp8 for the SXM parts with sparsity, half that dense
+(989 and 1,979), and HBM 3.35 TB/s (H100 SXM, 80 GB) and 4.8 TB/s (H200, 141 GB). Link bandwidths are
 per GPU and per direction: NVLink 3 (A100) 300 GB/s, NVLink 4 (H100/H200) 450 GB/s, PCIe 4.0 x16
 32 GB/s, PCIe 5.0 x16 64 GB/s. Inter-node bandwidth is per GPU (one 200 Gb/s HDR NIC per A100
 in a DGX A100 = 25 GB/s; one 400 Gb/s NDR NIC per H100/H200 = 50 GB/s). Every field can be
