@@ -150,13 +150,15 @@ def extension_modules():
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
     cpu_sources = ["csrc/extension.cpp", "csrc/common/cpu_isa.cpp", "csrc/gelu/bias_gelu_cpu.cpp",
-                   "csrc/llama/llama_ops_cpu.cpp",
+                   "csrc/llama/llama_ops_cpu.cpp", "csrc/layer_norm/layer_norm_cpu.cpp",
                    # DEFAULT first: for inline functions shared by the variants the linker keeps
                    # the first definition, so the plain-ISA copy wins (ATen does the same).
                    "csrc/gelu/bias_gelu_cpu_default.cpp", "csrc/gelu/bias_gelu_cpu_avx2.cpp",
                    "csrc/gelu/bias_gelu_cpu_avx512.cpp",
                    "csrc/llama/llama_cpu_default.cpp", "csrc/llama/llama_cpu_avx2.cpp",
-                   "csrc/llama/llama_cpu_avx512.cpp"]
+                   "csrc/llama/llama_cpu_avx512.cpp",
+                   "csrc/layer_norm/layer_norm_cpu_default.cpp", "csrc/layer_norm/layer_norm_cpu_avx2.cpp",
+                   "csrc/layer_norm/layer_norm_cpu_avx512.cpp"]
     # The C++ standard flag comes from torch.utils.cpp_extension (c++17 or c++20 per torch version).
     # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's headers; without the flag
     # the pragma is ignored and every CPU kernel silently runs on one thread.

@@ -3,6 +3,7 @@
 
 #include "comm/comm_ops.h"
 #include "gelu/bias_gelu.h"
+#include "layer_norm/layer_norm.h"
 #include "llama/llama_ops.h"
 
 #ifdef TPKERNELS_WITH_CUDA
@@ -45,6 +46,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bwd_cpu", &tpkernels::rms_norm_bwd_cpu, "(dx, dweight) of RMSNorm from the saved h and rstd",
         pybind11::arg("dy"), pybind11::arg("h"), pybind11::arg("weight"), pybind11::arg("rstd"),
         pybind11::arg("dh") = pybind11::none(), pybind11::arg("dx_out") = pybind11::none());
+  m.def("layer_norm_fwd_cpu", &tpkernels::layer_norm_fwd_cpu,
+        "(y, h or None, mean, rstd) of LayerNorm on (rows, n) views", pybind11::arg("x"), pybind11::arg("weight"),
+        pybind11::arg("bias"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none(), pybind11::arg("h_out") = pybind11::none());
+  m.def("layer_norm_bwd_cpu", &tpkernels::layer_norm_bwd_cpu,
+        "(dx, dweight, dbias) of LayerNorm from the saved h, mean and rstd", pybind11::arg("dy"), pybind11::arg("h"),
+        pybind11::arg("weight"), pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("dh") = pybind11::none(),
+        pybind11::arg("dx_out") = pybind11::none());
   m.def("swiglu_fwd_cpu", &tpkernels::swiglu_fwd_cpu, "out = silu(gate) * up on (rows, f) views",
         pybind11::arg("gate"), pybind11::arg("up"), pybind11::arg("out"));
   m.def("swiglu_bwd_cpu", &tpkernels::swiglu_bwd_cpu, "(dgate, dup) of silu(gate) * up, written into the given views",

@@ -35,8 +35,9 @@ def _grads(model):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
 def test_training_loss_and_gradients_match(family):
     ref, ours, swapped = _pair(family)
-    expected_kinds = {"bias_gelu"} if family == "gpt2" else {"rms_norm", "attention+rotary", "swiglu"}
+    expected_kinds = {"bias_gelu", "layer_norm"} if family == "gpt2" else {"rms_norm", "attention+rotary", "swiglu"}
     assert expected_kinds | {"linear_cross_entropy"} <= set(swapped), swapped
+    assert swapped.get("layer_norm" if family == "gpt2" else "rms_norm") == 2 * 2 + 1  # two per layer + the final
     ids = torch.randint(0, VOCAB, (3, 17))
     want = ref(ids, labels=ids)
     want.loss.backward()

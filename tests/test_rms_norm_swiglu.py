@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import tpkernels
+from compile_checks import assert_compiled_block_matches_eager
 from tpkernels import backends
 from tpkernels._extension import extension
 from tpkernels.functional.swiglu import _kernels as swiglu_kernels
@@ -275,19 +276,5 @@ class LlamaMLPBlock(torch.nn.Module):
 
 
 def test_torch_compile_fullgraph_over_a_prenorm_block():
-    torch._dynamo.reset()
     torch.manual_seed(0)
-    block = LlamaMLPBlock()
-    x, res = torch.randn(2, 7, 32), torch.randn(2, 7, 32)
-    eager_in = [t.clone().requires_grad_() for t in (x, res)]
-    out = block(*eager_in)
-    out.square().sum().backward()
-    eager_grads = [t.grad for t in eager_in] + [p.grad.clone() for p in block.parameters()]
-    block.zero_grad()
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
-    comp_in = [t.clone().requires_grad_() for t in (x, res)]
-    out_c = compiled(*comp_in)
-    out_c.square().sum().backward()
-    torch.testing.assert_close(out_c, out)
-    for a, b in zip([t.grad for t in comp_in] + [p.grad for p in block.parameters()], eager_grads):
-        torch.testing.assert_close(a, b)
+    assert_compiled_block_matches_eager(LlamaMLPBlock(), torch.randn(2, 7, 32), torch.randn(2, 7, 32))

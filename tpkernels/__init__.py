@@ -16,6 +16,7 @@ Public API (this release):
     tpkernels.nn.ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding
     tpkernels.vocab_parallel_cross_entropy            loss over vocabulary-sharded logits
     tpkernels.rms_norm(x, weight, eps, residual=None) RMSNorm, fused with the residual add
+    tpkernels.layer_norm(x, weight, bias, eps, residual=None)  LayerNorm (GPT-2), fused with the residual add
     tpkernels.swiglu(gate, up=None)                   silu(gate) * up, or of a fused [gate | up]
     tpkernels.apply_rotary(q, k, cos, sin, ...)       rotary embedding (half-split or interleaved, packed)
     tpkernels.rotary_cache(head_dim, max_pos, theta, scaling)  cos/sin as Hugging Face computes them
@@ -42,6 +43,7 @@ from tpkernels.functional import (
     bias_gelu,
     flash_attn_func,
     flash_attn_varlen_func,
+    layer_norm,
     linear_cross_entropy,
     matmul_all_reduce,
     matmul_reduce_scatter,
@@ -52,5 +54,5 @@ from tpkernels.functional import (
 )
 
 __all__ = ["__version__", "all_gather_matmul", "apply_rotary", "backends", "bias_gelu", "build_info", "flash_attn_func",
-           "flash_attn_varlen_func", "linear_cross_entropy", "matmul_all_reduce", "matmul_reduce_scatter", "nn", "rms_norm", "rotary_cache", "swiglu",
+           "flash_attn_varlen_func", "layer_norm", "linear_cross_entropy", "matmul_all_reduce", "matmul_reduce_scatter", "nn", "rms_norm", "rotary_cache", "swiglu",
            "vocab_parallel_cross_entropy"]

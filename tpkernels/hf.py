@@ -6,7 +6,9 @@
 What is swapped, per module instance (no global monkey-patching: other models in the process are
 untouched, as in Liger-Kernel's ``apply_liger_kernel_to_llama`` but scoped to one model):
 
-* RMSNorm -> :func:`tpkernels.rms_norm`.
+* RMSNorm -> :func:`tpkernels.rms_norm`; ``nn.LayerNorm`` over the last dim (GPT-2's ``ln_1``,
+  ``ln_2``, ``ln_f``) -> :func:`tpkernels.layer_norm`. (Hugging Face's blocks add the residual
+  outside the norm, so these run unfused; our own models fuse it.)
 * attention (Llama family) -> q/k/v projections, :func:`tpkernels.apply_rotary` (on Hugging
   Face's own cos/sin, so every rope type and its attention scaling stays exact), and the
   attention core through the registered "tpkernels" attention implementation:
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from tpkernels.functional.attention import flash_attn_func, flash_attn_varlen_func
 from tpkernels.functional.bias_gelu import bias_gelu
 from tpkernels.functional.linear_cross_entropy import linear_cross_entropy
-from tpkernels.functional.norms import rms_norm
+from tpkernels.functional.norms import layer_norm, rms_norm
 from tpkernels.functional.rotary import apply_rotary
 from tpkernels.functional.swiglu import swiglu
 from tpkernels.models.sequence import SequenceInfo
@@ -92,6 +94,10 @@ def _register() -> None:
 
 def _rms_norm_forward(self, hidden_states):
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _layer_norm_forward(self, hidden_states):
+    return layer_norm(hidden_states, self.weight, self.bias, self.eps)
 
 
 def _swiglu_forward(self, x):
@@ -165,9 +171,9 @@ def _swap(module, fn, what: str, done: dict) -> None:
 
 
 def apply_kernels(model) -> dict[str, int]:
-    """Swap, in place, ``model``'s norms, rotary, attention, MLP activation and loss for ours (see the
-    module docstring). Returns how many modules of each kind were swapped. Raises ValueError for an
-    architecture it does not know."""
+    """Swap, in place, ``model``'s norms (RMSNorm, LayerNorm), rotary, attention, MLP activation and loss
+    for ours (see the module docstring). Returns how many modules of each kind were swapped. Raises
+    ValueError for an architecture it does not know."""
     kind = getattr(getattr(model, "config", None), "model_type", None)
     if kind not in ("llama", "qwen2", "mistral", "gpt2"):
         raise ValueError(f"model_type ({kind!r}) is not supported by apply_kernels; supported: llama, qwen2, "
@@ -180,6 +186,8 @@ def apply_kernels(model) -> dict[str, int]:
         name = type(m).__name__
         if name.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
             _swap(m, _rms_norm_forward, "rms_norm", done)
+        elif isinstance(m, torch.nn.LayerNorm) and len(m.normalized_shape) == 1:
+            _swap(m, _layer_norm_forward, "layer_norm", done)
         elif name.endswith("Attention") and all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
             _swap(m, _llama_attention_forward, "attention+rotary", done)
         elif name.endswith("MLP") and all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj")):

@@ -24,8 +24,8 @@ namespace TPK_CPU_NS {
 namespace {
 
 template <typename scalar_t, typename opmath_t>
-struct BiasGeluCpu : VecIO<scalar_t, opmath_t> {
-  using IO = VecIO<scalar_t, opmath_t>;
+struct BiasGeluCpu : RowIO<scalar_t, opmath_t> {
+  using IO = RowIO<scalar_t, opmath_t>;
   using Vec = typename IO::Vec;
   using IO::kW;
   using IO::load;
@@ -100,39 +100,21 @@ struct BiasGeluCpu : VecIO<scalar_t, opmath_t> {
     auto* dx = static_cast<scalar_t*>(a.out);
     auto* db = static_cast<scalar_t*>(a.grad_bias);
     const int64_t rows = a.rows, cols = a.cols;
-    // grad_bias: each chunk of rows sums into its own opmath row of `partial`, then the chunks
-    // are added in a fixed order. ~256K elements per chunk, at most 64 chunks.
-    const int64_t nchunks =
-        std::clamp<int64_t>(rows * cols / (int64_t(1) << 18), 1, std::min<int64_t>(rows, 64));
-    const int64_t rows_per_chunk = (rows + nchunks - 1) / nchunks;
-    std::vector<opmath_t> partial(static_cast<size_t>(nchunks * cols), opmath_t(0));
-    at::parallel_for(0, nchunks, 1, [&](int64_t k0, int64_t k1) {
-      for (int64_t k = k0; k < k1; ++k) {
-        opmath_t* acc = partial.data() + k * cols;
-        const int64_t r_end = std::min(rows, (k + 1) * rows_per_chunk);
-        for (int64_t r = k * rows_per_chunk; r < r_end; ++r) {
-          const scalar_t* xr = x + r * a.x_row_stride;
-          const scalar_t* gr = g + r * a.g_row_stride;
-          scalar_t* dxr = dx + r * cols;
-          for (int64_t c = 0; c < cols; c += kW) {
-            const int64_t n = std::min(kW, cols - c);
-            const Vec z = load(xr + c, n) + load(b + c, n);
-            const Vec d = load(gr + c, n) * gelu_grad(z, a.tanh_approx);
-            store(d, dxr + c, n);
-            // Sum the rounded value: grad_bias is then exactly the sum of the grad_x we return.
-            const Vec d_rounded = std::is_same_v<scalar_t, opmath_t> ? d : load(dxr + c, n);
-            (Vec::loadu(acc + c, n) + d_rounded).store(acc + c, n);
-          }
-        }
+    // grad_bias: deterministic chunked column sums (RowIO::column_sums)
+    IO::template column_sums<1>(rows, cols, [&](int64_t r, opmath_t* acc) {
+      const scalar_t* xr = x + r * a.x_row_stride;
+      const scalar_t* gr = g + r * a.g_row_stride;
+      scalar_t* dxr = dx + r * cols;
+      for (int64_t c = 0; c < cols; c += kW) {
+        const int64_t n = std::min(kW, cols - c);
+        const Vec z = load(xr + c, n) + load(b + c, n);
+        const Vec d = load(gr + c, n) * gelu_grad(z, a.tanh_approx);
+        store(d, dxr + c, n);
+        // Sum the rounded value: grad_bias is then exactly the sum of the grad_x we return.
+        const Vec d_rounded = std::is_same_v<scalar_t, opmath_t> ? d : load(dxr + c, n);
+        (Vec::loadu(acc + c, n) + d_rounded).store(acc + c, n);
       }
-    });
-    at::parallel_for(0, cols, 4096, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c) {
-        opmath_t s = 0;
-        for (int64_t k = 0; k < nchunks; ++k) s += partial[k * cols + c];
-        db[c] = static_cast<scalar_t>(s);
-      }
-    });
+    }, {db});
   }
 };
 

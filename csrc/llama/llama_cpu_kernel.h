@@ -19,20 +19,15 @@ namespace TPK_CPU_NS {
 namespace {
 
 template <typename scalar_t, typename opmath_t>
-struct LlamaCpu : VecIO<scalar_t, opmath_t> {
-  using IO = VecIO<scalar_t, opmath_t>;
+struct LlamaCpu : RowIO<scalar_t, opmath_t> {
+  using IO = RowIO<scalar_t, opmath_t>;
   using Vec = typename IO::Vec;
+  using IO::grain;
   using IO::kW;
   using IO::load;
+  using IO::row;
   using IO::store;
   using IO::sum;
-
-  static const scalar_t* row(const RowsView& v, int64_t r) {
-    return static_cast<const scalar_t*>(v.p) + r * v.row_stride;
-  }
-
-  // ~32K elements per task: large enough to amortise task start, small enough to balance.
-  static int64_t grain(int64_t n) { return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(n, 1)); }
 
   static void rms_norm_fwd(const RmsNormCpuArgs& a) {
     const int64_t n = a.n;
@@ -76,44 +71,27 @@ struct LlamaCpu : VecIO<scalar_t, opmath_t> {
     const int64_t rows = a.rows, n = a.n;
     const auto* w = static_cast<const scalar_t*>(a.weight);
     const auto* rstd = static_cast<const opmath_t*>(a.rstd);
-    // ~256K elements per chunk, at most 64 chunks: the count depends on the shape only
-    const int64_t nchunks = std::clamp<int64_t>(rows * n / (int64_t(1) << 18), 1, std::min<int64_t>(rows, 64));
-    const int64_t per_chunk = (rows + nchunks - 1) / nchunks;
-    std::vector<opmath_t> partial(static_cast<size_t>(nchunks * n), opmath_t(0));
-    at::parallel_for(0, nchunks, 1, [&](int64_t k0, int64_t k1) {
-      for (int64_t k = k0; k < k1; ++k) {
-        opmath_t* acc = partial.data() + k * n;
-        for (int64_t r = k * per_chunk; r < std::min(rows, (k + 1) * per_chunk); ++r) {
-          const scalar_t* dyr = row(a.dy, r);
-          const scalar_t* hr = row(a.x, r);  // the saved h travels in `x`
-          scalar_t* dxr = static_cast<scalar_t*>(a.y) + r * n;
-          const Vec vr(rstd[r]);
-          Vec dot(opmath_t(0));
-          for (int64_t c = 0; c < n; c += kW) {
-            const int64_t m = std::min(kW, n - c);
-            dot = dot + load(dyr + c, m) * load(w + c, m) * load(hr + c, m) * vr;  // dn · n
-          }
-          const Vec mean(sum(dot) / opmath_t(n));
-          for (int64_t c = 0; c < n; c += kW) {
-            const int64_t m = std::min(kW, n - c);
-            const Vec dyv = load(dyr + c, m);
-            const Vec nv = load(hr + c, m) * vr;
-            Vec dx = vr * (dyv * load(w + c, m) - nv * mean);
-            if (a.dh.p != nullptr) dx = dx + load(row(a.dh, r) + c, m);
-            store(dx, dxr + c, m);
-            (Vec::loadu(acc + c, m) + dyv * nv).store(acc + c, m);
-          }
-        }
+    IO::template column_sums<1>(rows, n, [&](int64_t r, opmath_t* acc) {
+      const scalar_t* dyr = row(a.dy, r);
+      const scalar_t* hr = row(a.x, r);  // the saved h travels in `x`
+      scalar_t* dxr = static_cast<scalar_t*>(a.y) + r * n;
+      const Vec vr(rstd[r]);
+      Vec dot(opmath_t(0));
+      for (int64_t c = 0; c < n; c += kW) {
+        const int64_t m = std::min(kW, n - c);
+        dot = dot + load(dyr + c, m) * load(w + c, m) * load(hr + c, m) * vr;  // dn · n
       }
-    });
-    auto* dw = static_cast<scalar_t*>(a.dweight);
-    at::parallel_for(0, n, 4096, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c) {
-        opmath_t s = 0;
-        for (int64_t k = 0; k < nchunks; ++k) s += partial[k * n + c];
-        dw[c] = static_cast<scalar_t>(s);
+      const Vec mean(sum(dot) / opmath_t(n));
+      for (int64_t c = 0; c < n; c += kW) {
+        const int64_t m = std::min(kW, n - c);
+        const Vec dyv = load(dyr + c, m);
+        const Vec nv = load(hr + c, m) * vr;
+        Vec dx = vr * (dyv * load(w + c, m) - nv * mean);
+        if (a.dh.p != nullptr) dx = dx + load(row(a.dh, r) + c, m);
+        store(dx, dxr + c, m);
+        (Vec::loadu(acc + c, m) + dyv * nv).store(acc + c, m);
       }
-    });
+    }, {static_cast<scalar_t*>(a.dweight)});
   }
 
   static Vec sigmoid(const Vec& g) {

@@ -19,6 +19,7 @@
 #include <tuple>
 
 #include "../common/cpu_isa.h"
+#include "../common/cpu_rows.h"
 
 namespace tpkernels {
 
@@ -39,11 +40,7 @@ at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& dy, const at::Tensor& gate, const at::Tensor& up,
                                                   at::Tensor dgate, at::Tensor dup);
 
-// Raw-pointer interface of the per-ISA kernels.
-struct RowsView {
-  const void* p;
-  int64_t row_stride;
-};
+// Raw-pointer interface of the per-ISA kernels (RowsView: csrc/common/cpu_rows.h).
 
 struct RmsNormCpuArgs {
   ScalarKind kind;

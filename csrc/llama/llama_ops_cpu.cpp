@@ -6,26 +6,7 @@
 namespace tpkernels {
 namespace {
 
-void check_rows(const at::Tensor& t, const char* op, const char* name, const at::Tensor& like) {
-  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.dim() == 2 && t.sizes() == like.sizes(), op, ": ", name, " must be 2-D of shape ", like.sizes(),
-              ", got ", t.sizes());
-  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, op, ": ", name, " must have last-dim stride 1");
-  TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": ", name, " dtype ", t.scalar_type(), " must be ",
-              like.scalar_type());
-}
-
-RowsView view(const at::Tensor& t) { return {t.data_ptr(), t.stride(0)}; }
-RowsView view(const OptTensor& t) { return t.has_value() ? view(*t) : RowsView{nullptr, 0}; }
-
-void check_weight(const at::Tensor& w, const at::Tensor& x) {
-  TORCH_CHECK(w.device().is_cpu() && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() &&
-                  w.scalar_type() == x.scalar_type(),
-              "rms_norm: weight must be a contiguous ", x.scalar_type(), " CPU tensor of shape (", x.size(1),
-              ",), got ", w.scalar_type(), " ", w.sizes());
-}
-
-at::ScalarType stat_type(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+void check_weight(const at::Tensor& w, const at::Tensor& x) { check_feature_vector(w, x, "rms_norm", "weight"); }
 
 template <typename Fn>
 void run(Fn&& fn) {
@@ -46,7 +27,7 @@ std::tuple<at::Tensor, OptTensor, at::Tensor> rms_norm_fwd_cpu(const at::Tensor&
   if (residual.has_value()) h = output_like(h_out, x, "rms_norm", "h_out");
   auto rstd = at::empty({x.size(0)}, x.options().dtype(stat_type(x)));
   if (x.numel() == 0) return {y, h, rstd};
-  RmsNormCpuArgs a{kind, x.size(0), x.size(1), eps, view(x), view(residual), {nullptr, 0}, {nullptr, 0},
+  RmsNormCpuArgs a{kind, x.size(0), x.size(1), eps, rows_view(x), rows_view(residual), {nullptr, 0}, {nullptr, 0},
                    weight.data_ptr(), y.data_ptr(), h.has_value() ? h->data_ptr() : nullptr, rstd.data_ptr(),
                    nullptr};
   run([&](auto k) { decltype(k)::rms_norm_fwd(a); });
@@ -67,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(const at::Tensor& dy, const 
   auto dx = output_like(dx_out, h, "rms_norm backward", "dx_out");
   auto dw = at::empty(weight.sizes(), weight.options());
   if (h.size(0) == 0) return {dx, dw.zero_()};
-  RmsNormCpuArgs a{kind, h.size(0), h.size(1), 0.0, view(h), {nullptr, 0}, view(dy), view(dh),
+  RmsNormCpuArgs a{kind, h.size(0), h.size(1), 0.0, rows_view(h), {nullptr, 0}, rows_view(dy), rows_view(dh),
                    weight.data_ptr(), dx.data_ptr(), nullptr, const_cast<void*>(rstd.data_ptr()), dw.data_ptr()};
   run([&](auto k) { decltype(k)::rms_norm_bwd(a); });
   return {dx, dw};
@@ -79,7 +60,7 @@ at::Tensor swiglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up, at::Tens
   check_rows(out, "swiglu", "out", gate);
   const ScalarKind kind = kind_of(gate, "swiglu");
   if (gate.numel() == 0) return out;
-  SwigluCpuArgs a{kind, gate.size(0), gate.size(1), view(gate), view(up), {nullptr, 0},
+  SwigluCpuArgs a{kind, gate.size(0), gate.size(1), rows_view(gate), rows_view(up), {nullptr, 0},
                   out.data_ptr(), out.stride(0), nullptr, 0};
   run([&](auto k) { decltype(k)::swiglu_fwd(a); });
   return out;
@@ -94,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& dy, const at
   check_rows(dup, "swiglu backward", "dup", gate);
   const ScalarKind kind = kind_of(gate, "swiglu backward");
   if (gate.numel() == 0) return {dgate, dup};
-  SwigluCpuArgs a{kind, gate.size(0), gate.size(1), view(gate), view(up), view(dy),
+  SwigluCpuArgs a{kind, gate.size(0), gate.size(1), rows_view(gate), rows_view(up), rows_view(dy),
                   dgate.data_ptr(), dgate.stride(0), dup.data_ptr(), dup.stride(0)};
   run([&](auto k) { decltype(k)::swiglu_bwd(a); });
   return {dgate, dup};

@@ -72,6 +72,36 @@ def rms_norm_bwd(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dh: Tensor
     return dx.to(h.dtype), (dyf * n).sum(0).to(weight.dtype)
 
 
+# ---- LayerNorm (GPT-2 family): y = (h − mean) · rstd · weight (+ bias), h = x (+ residual) ----
+
+def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, residual: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """x, residual: (rows, n); weight, bias: (n,) -> (y (rows, n), h = x + residual in x's dtype or None,
+    mean (rows,), rstd (rows,)), the statistics fp32 (fp64 for fp64) of h as stored (the backward's)."""
+    h = None if residual is None else (_opmath(x) + _opmath(residual)).to(x.dtype)
+    hf = _opmath(x if h is None else h)
+    mean = hf.mean(-1)
+    xc = hf - mean[:, None]
+    rstd = torch.rsqrt(xc.square().mean(-1) + eps)
+    y = xc * rstd[:, None] * _opmath(weight)
+    if bias is not None:
+        y = y + _opmath(bias)
+    return y.to(x.dtype), h, mean, rstd
+
+
+def layer_norm_bwd(dy: Tensor, h: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, dh: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias) of layer_norm at h from the saved mean and rstd; ``dh``: a gradient arriving
+    at h directly (the residual stream), added to dx. dx (rows, n) dtype of h; dweight, dbias (n,)."""
+    hf, dyf = _opmath(h), _opmath(dy)
+    xhat = (hf - mean[:, None].to(hf.dtype)) * rstd[:, None].to(hf.dtype)
+    g = dyf * _opmath(weight)
+    dx = rstd[:, None].to(hf.dtype) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    if dh is not None:
+        dx = dx + _opmath(dh)
+    return dx.to(h.dtype), (dyf * xhat).sum(0).to(weight.dtype), dyf.sum(0).to(weight.dtype)
+
+
 # ---- SwiGLU (Llama MLP): y = silu(gate) · up ----
 
 def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:

@@ -2,18 +2,16 @@
 
     y, h = norm(x, residual)       h = x + residual (the stream the next add uses), y = norm(h)
 
-RMSNorm runs :func:`tpkernels.rms_norm` (Triton / C++ / reference, one pass for add + norm);
-LayerNorm (GPT-2) is ``torch.nn.functional.layer_norm`` after the add: the package has no
-LayerNorm kernel yet, and torch's is a single fused kernel on CPU and GPU.
+RMSNorm (Llama family) runs :func:`tpkernels.rms_norm`, LayerNorm (GPT-2) :func:`tpkernels.layer_norm`:
+Triton / C++ / reference, one pass for add + norm each way.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tpkernels.functional.norms import rms_norm
+from tpkernels.functional.norms import layer_norm, rms_norm
 from tpkernels.models.context import LayerContext, replicated
 from tpkernels.models.hf_checkpoint import Part
 
@@ -39,8 +37,9 @@ class ResidualNorm(nn.Module):
             if residual is None:
                 return rms_norm(x, self.weight, self.eps), x
             return rms_norm(x, self.weight, self.eps, residual=residual)
-        h = x if residual is None else x + residual
-        return F.layer_norm(h, (h.shape[-1],), self.weight, self.bias, self.eps), h
+        if residual is None:
+            return layer_norm(x, self.weight, self.bias, self.eps), x
+        return layer_norm(x, self.weight, self.bias, self.eps, residual=residual)
 
     def hf_parts(self, tp_rank: int) -> dict[str, list[Part]]:
         parts = {"weight": [Part(self._names["weight"])]}

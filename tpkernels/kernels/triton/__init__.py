@@ -5,7 +5,8 @@ Every kernel module (``KERNEL_MODULES``) exposes ``compile_specs(arch)``;
 """
 
 KERNEL_MODULES = ("tpkernels.kernels.triton.bias_gelu", "tpkernels.kernels.triton.flash_attn",
-                  "tpkernels.kernels.triton.rms_norm", "tpkernels.kernels.triton.swiglu",
+                  "tpkernels.kernels.triton.rms_norm", "tpkernels.kernels.triton.layer_norm",
+                  "tpkernels.kernels.triton.swiglu",
                   "tpkernels.kernels.triton.rotary", "tpkernels.kernels.triton.cross_entropy",
                   "tpkernels.kernels.triton.ag_matmul", "tpkernels.kernels.triton.matmul_signal",
                   "tpkernels.kernels.triton.tile_reduce")

@@ -33,6 +33,22 @@ TILE_ELEMENTS = 4096  # rows per program: BLOCK_M = TILE_ELEMENTS / BLOCK_N for 
 
 
 @triton.jit
+def prenorm_rows(x_ptr, r_ptr, h_ptr, rows, rn, mask, N, stride_xm, stride_rm, HAS_RESIDUAL: tl.constexpr):
+    """The fp32 input of a norm over a (BLOCK_M, BLOCK_N) tile of rows (``rows`` int64 (BLOCK_M, 1),
+    columns ``rn``): x, or with a residual h = x + residual, stored (contiguous, the residual stream)
+    and returned as stored, so the statistics are those of the h the backward reads."""
+    x = tl.load(x_ptr + rows * stride_xm + rn[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + rows * stride_rm + rn[None, :], mask=mask, other=0.0)
+        h_lp = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + rows * N + rn[None, :], h_lp, mask=mask)
+        h = h_lp.to(tl.float32)
+    else:
+        h = x.to(tl.float32)
+    return h
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, N, stride_xm, stride_rm, eps,
                          HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -40,14 +56,7 @@ def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, N, stri
     mask_n = rn < N
     mask = (rm[:, None] < M) & mask_n[None, :]
     rows = rm.to(tl.int64)[:, None]  # int64: M·stride can pass 2^31
-    x = tl.load(x_ptr + rows * stride_xm + rn[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(r_ptr + rows * stride_rm + rn[None, :], mask=mask, other=0.0)
-        h_lp = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + rows * N + rn[None, :], h_lp, mask=mask)
-        h = h_lp.to(tl.float32)  # the statistics of h as stored: what the backward sees
-    else:
-        h = x.to(tl.float32)
+    h = prenorm_rows(x_ptr, r_ptr, h_ptr, rows, rn, mask, N, stride_xm, stride_rm, HAS_RESIDUAL)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / N + eps)
     w = tl.load(w_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
     y = h * rstd[:, None] * w[None, :]
