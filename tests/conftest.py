@@ -86,8 +86,9 @@ def pytest_collection_finish(session):
         _AOT.update(start_compiles())
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def aot_compiles():
+    """{arch: the aot_check process} (tests/test_triton_aot.py reads each once, into a module fixture)."""
     if not _AOT:
         from test_triton_aot import start_compiles
 

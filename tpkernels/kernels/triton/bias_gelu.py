@@ -151,6 +151,13 @@ def bias_gelu_bwd(grad: Tensor, x: Tensor, bias: Tensor, approximate: str, grad_
     return dx, db
 
 
+# Rule breaks that `aot_check` accepts (listed in docs/kernels.md): the forward's tanh form at the
+# 16 x 256 tile in 16-bit (72 registers) stores one register to the stack twice and reloads it
+# (8–16 B: 2 STL, 2 LDL per thread), in a kernel without a loop; a ptxas choice, not register pressure.
+AOT_EXCEPTIONS = {("spill", "_bias_gelu_fwd_kernel", "BLOCK_N=256,TANH=True"):
+                  "2 spill stores and 2 loads per thread in a loop-free kernel at 64–72 registers (ptxas's choice)"}
+
+
 def compile_specs(arch: int, full: bool = False):
     """Every (kernel, signature, constexprs, options) this module can launch, for AOT compile checks
     (the same for every ``arch``; ``full`` adds nothing: the list is already complete)."""

@@ -20,7 +20,13 @@ copy); varlen: q (total_q, nheads, headdim) with cu_seqlens_q (batch + 1,) int32
 * Every K/V loop runs in three phases: the masked blocks where the window starts, the blocks that
   every row of the tile sees entirely (no mask math at all), and the masked blocks on the causal
   diagonal (or the window's end) and the ragged end. The mask costs ALU work on every score, the
-  scarce unit next to the tensor cores.
+  scarce unit next to the tensor cores. (The dK/dV kernel runs the same phases in one loop, the mask
+  under a branch that is uniform per block: see _dkdv_q_blocks.)
+* On sm_90 every dot of every loop compiles to wgmma (Hopper's warpgroup MMA): its M side (the rows
+  of the result) must be a multiple of 64 per warpgroup, so the forward and dQ kernels take
+  BLOCK_M ≥ 64 queries and the dK/dV kernel computes with the key block in M (Sᵀ = K·Qᵀ).
+  `python -m tpkernels.kernels.triton.aot_check` reports it per config and tests/test_triton_aot.py
+  enforces it.
 * Head dims that are not a power of two are padded to BLOCK_D inside the kernel (masked loads);
   HEADDIM is a compile-time constant, so the common even case carries no mask.
 
@@ -115,7 +121,12 @@ def _scores(q, k, qk_scale, cap_in, cap_out, SOFTCAP: tl.constexpr):
 def _in_window(rows, cols, off, win_left, win_right, LEFT: tl.constexpr, RIGHT: tl.constexpr):
     """Which (row, col) pairs lie inside the window: -win_left <= col - row - off <= win_right (only the
     sides that have a bound are tested)."""
-    rel = cols[None, :] - rows[:, None] - off
+    return _window_ok(cols[None, :] - rows[:, None] - off, win_left, win_right, LEFT, RIGHT)
+
+
+@triton.jit
+def _window_ok(rel, win_left, win_right, LEFT: tl.constexpr, RIGHT: tl.constexpr):
+    """-win_left <= rel <= win_right, rel = key − query − off, testing only the sides that have a bound."""
     if LEFT and RIGHT:
         ok = (rel <= win_right) & (rel >= -win_left)
     elif RIGHT:
@@ -300,11 +311,21 @@ def _delta(o, do, dlse, lse, varlen: bool):
 
 @triton.jit
 def _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_os,
-                   offs_n, offs_m0, offs_d, d_ok, sq, sk, lo, hi, qk_scale, win_left, win_right, cap_in, cap_out,
-                   MASKED: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                   offs_n, offs_m0, offs_d, d_ok, sq, sk, lo, full_lo, full_hi, hi, qk_scale, win_left, win_right,
+                   cap_in, cap_out, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                    EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of one head.
-    Rows past sq read lse = +inf, so their P is exactly 0 without a mask."""
+    """Accumulate dK (unscaled) and dV of one key block over query blocks [lo, hi) of one head; only
+    the blocks outside [full_lo, full_hi) (the window's edges, the causal diagonal) compute the mask.
+    Rows past sq read lse = +inf, so their P is exactly 0 without a mask.
+
+    Everything is computed transposed, (keys, queries): Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dV += Pᵀ·dO,
+    dK += dSᵀ·Q, so the key block (BLOCK_N ≥ 64 on sm_90) is the M side of all four dots and each one
+    compiles to Hopper's wgmma, which needs M a multiple of 64 per warpgroup, while the query block
+    (BLOCK_M, as small as 16) is only ever N or K (the Triton Hopper tutorial's backward does the same).
+
+    One loop, the mask under a branch that is uniform across the program, rather than one loop per
+    phase as in the forward and dQ kernels: with three copies of this body (each with its own
+    software pipeline) ptxas spilled every sm_90 config with a window at head dim 128 (32–360 B)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
         m_ok = offs_m < sq
@@ -312,17 +333,19 @@ def _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, str
         do = _load_tile(do_base, offs_m, stride_os, offs_d, m_ok, d_ok, True, EVEN_D)
         lse2 = tl.load(l_base + offs_m, mask=m_ok, other=float("inf")) * _LOG2E
         delta = tl.load(d_base + offs_m, mask=m_ok, other=0.0)
-        s, t = _scores(q, k, qk_scale, cap_in, cap_out, SOFTCAP)
-        s = s - lse2[:, None]
-        if MASKED:  # the window's edges (the key block's ragged end never matters: see the caller)
-            s = tl.where(_in_window(offs_m, offs_n, sk - sq, win_left, win_right, LEFT, RIGHT), s, float("-inf"))
-        p = tl.exp2(s)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
+        st, tt = _scores(k, q, qk_scale, cap_in, cap_out, SOFTCAP)  # (BLOCK_N, BLOCK_M) = K·Qᵀ
+        st = st - lse2[None, :]
+        if LEFT or RIGHT:  # the key block's ragged end never needs the mask: see the caller
+            if (start_m < full_lo) | (start_m >= full_hi):
+                ok = _window_ok(offs_n[:, None] - offs_m[None, :] - (sk - sq), win_left, win_right, LEFT, RIGHT)
+                st = tl.where(ok, st, float("-inf"))
+        pt = tl.exp2(st)
+        dv += tl.dot(pt.to(do.dtype), do)
+        dpt = tl.dot(v, tl.trans(do))
+        dst = pt * (dpt - delta[None, :])
         if SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dst = dst * (1.0 - tt * tt)
+        dk += tl.dot(dst.to(q.dtype), q)
     return dk, dv
 
 
@@ -341,8 +364,8 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     SPLIT = 1: dK/dV are final. SPLIT > 1 (too few programs to fill the GPU, e.g. TP-sharded GQA with
     one KV head per rank): part p writes fp32 partial sums at DK + p·stride_split, summed afterwards.
 
-    Key columns past sk are loaded as zeros and never masked: column j of P, dP and dS only feeds
-    row j of dK and dV, and those rows are not stored."""
+    Keys past sk are loaded as zeros and never masked: row j of Pᵀ, dPᵀ and dSᵀ only feeds row j of
+    dK and dV, and those rows are not stored."""
     EVEN_D: tl.constexpr = HEADDIM == BLOCK_D
     pid_n = tl.program_id(0)
     pid_bhp = tl.program_id(1)
@@ -382,17 +405,9 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
             do_base = DO + o_off + h * stride_oh
             l_base = LSE + l_off + h * stride_lh
             d_base = DELTA + l_off + h * stride_lh
-            if RIGHT:  # the causal diagonal (or the window's right edge): masked; empty without a right bound
-                dk, dv = _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_os, offs_n,
-                                        offs_m0, offs_d, d_ok, sq, sk, a, b_, qk_scale, WIN_LEFT, WIN_RIGHT, cap_in,
-                                        cap_out, True, LEFT, RIGHT, SOFTCAP, EVEN_D, BLOCK_M)
             dk, dv = _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_os, offs_n,
-                                    offs_m0, offs_d, d_ok, sq, sk, b_, c, qk_scale, WIN_LEFT, WIN_RIGHT, cap_in,
-                                    cap_out, False, LEFT, RIGHT, SOFTCAP, EVEN_D, BLOCK_M)
-            if LEFT:  # the window's left edge: masked; empty without a left bound
-                dk, dv = _dkdv_q_blocks(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qs, stride_os, offs_n,
-                                        offs_m0, offs_d, d_ok, sq, sk, c, d, qk_scale, WIN_LEFT, WIN_RIGHT, cap_in,
-                                        cap_out, True, LEFT, RIGHT, SOFTCAP, EVEN_D, BLOCK_M)
+                                    offs_m0, offs_d, d_ok, sq, sk, a, b_, c, d, qk_scale, WIN_LEFT, WIN_RIGHT, cap_in,
+                                    cap_out, LEFT, RIGHT, SOFTCAP, EVEN_D, BLOCK_M)
         dk = dk * sm_scale
         _store_tile(DK + dk_off + hk * stride_dkh, offs_n, stride_dks, offs_d, n_ok, d_ok,
                     dk.to(DK.dtype.element_ty), EVEN_D)
@@ -490,37 +505,56 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the default; on a GPU
 # the autotuner times the list once per (dtype, head dim, causal, varlen, seqlen bucket). BLOCK_M of
 # the dK/dV kernel is the query block of its inner loop, BLOCK_N its key block.
-# No GPU was at hand when these were chosen: they were pruned from ~70 candidates with
-# `python -m tpkernels.kernels.triton.aot_check`, which compiles each for sm_80/sm_90 and reads the
-# cubin's resources. Every entry fits the arch's shared memory, and each list leads with the largest
-# tiles that need no (or < 100 B of) register spill stack; e.g. the dK/dV kernel at head dim 128 with
-# (64, 128) tiles spills 1 KB per thread, so it is not shipped.
+# No GPU was at hand when these were chosen: they were pruned with
+# `python -m tpkernels.kernels.triton.aot_check`, which compiles each for sm_80/sm_90 as the JIT
+# specializes it (aligned pointers and strides) and reads the TTGIR, PTX and cubin. Rules:
+# * sm_90: every dot of every loop is a wgmma, i.e. its M side is ≥ 64 rows per warpgroup: forward
+#   and dQ BLOCK_M ≥ 64 (≥ 128 with 8 warps, else both warpgroups compute the same 64-row tile: the
+#   report's "replicated"), dK/dV BLOCK_N (keys, the M side of its transposed dots) ≥ 64.
+# * no register spills, checked on the lightest and the heaviest variant (no mask; window +
+#   soft-cap + varlen) at each head dim of the bucket, with Triton 3.8 (the tests') and, for sm_90
+#   dK/dV, 3.6 (the GPU machine's: its ptxas spills other configs); the one exception is
+#   AOT_EXCEPTIONS below. Spilling candidates that were dropped, e.g.: dK/dV sm_90 hd128
+#   (32, 64, 4, 2) 32–80 B, (64, 64, 8, 2) 344 B, (16, 64, 4, 2) and (32, 64, 8, 2) 16–24 B on 3.6;
+#   dK/dV sm_80 hd64 (64, 64, 8, 2) with a window: ptxas fell to 32 registers and 3 KB of stack;
+#   forward sm_90 hd96 (128, 128, 8, 2) 8 B; dQ sm_90 hd256 (64, 32, 4, 2) 160 B.
+# * every entry fits the arch's shared memory; each list leads with the largest tiles that pass.
 CONFIGS = {
     # kernel: {arch major: {head-dim bucket: [configs]}}
     "fwd": {
         9: {64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
-            128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3)],
-            256: [(128, 32, 8, 2), (32, 64, 4, 2), (64, 32, 8, 2)]},
-        8: {64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+            128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3)],
+            256: [(128, 32, 8, 2), (128, 16, 8, 2), (64, 16, 4, 2)]},
+        8: {64: [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)],
             128: [(64, 32, 4, 3), (64, 64, 4, 2), (128, 32, 8, 3)],
             256: [(64, 32, 8, 2), (64, 64, 8, 1)]},
     },
     "dkdv": {
-        9: {64: [(32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
-            128: [(32, 64, 8, 2), (64, 64, 8, 2), (16, 64, 4, 2)],
-            256: [(32, 32, 8, 2), (16, 64, 8, 2), (16, 32, 4, 2)]},
-        8: {64: [(64, 64, 8, 2), (32, 64, 4, 2)],
-            128: [(32, 64, 8, 2), (64, 64, 8, 2)],
-            256: [(32, 32, 8, 2), (16, 32, 4, 2)]},
+        9: {64: [(32, 128, 8, 2), (16, 128, 8, 2), (32, 64, 4, 2)],
+            128: [(16, 128, 8, 2), (16, 128, 8, 3)],
+            256: [(16, 64, 8, 2)]},  # spills outside the loop: see AOT_EXCEPTIONS
+        8: {64: [(16, 128, 8, 2), (16, 64, 4, 2), (32, 64, 4, 1)],
+            128: [(32, 64, 8, 2)],
+            256: [(32, 32, 8, 2), (16, 32, 4, 1)]},
     },
     "dq": {
         9: {64: [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)],
             128: [(128, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3)],
-            256: [(32, 32, 4, 2), (32, 32, 8, 2)]},
-        8: {64: [(128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3)],
+            256: [(128, 16, 8, 2), (64, 32, 8, 2)]},
+        8: {64: [(128, 32, 8, 3), (64, 32, 4, 2), (128, 64, 8, 2)],
             128: [(64, 64, 8, 2), (64, 32, 4, 2)],
             256: [(32, 32, 4, 2), (64, 32, 8, 2)]},
     },
+}
+# Rule breaks that `aot_check` accepts, with the reason ({(rule, kernel, constants): why}; listed in
+# docs/kernels.md). An excused spill must stay outside every loop of the SASS (aot_check checks it).
+AOT_EXCEPTIONS = {
+    ("spill", "_flash_bwd_dkdv_kernel", "arch=sm_90,BLOCK_N=64,BLOCK_D=256"):
+        "sm_90 head dim 256 dK/dV: a 64-key block's fp32 dK and dV accumulators take 128 of the 255 "
+        "registers a thread may have at 8 warps (at 4 warps they alone need 256; 16 warps cap a thread "
+        "at 128 and spill 120+ B in the loop), and wgmma needs M ≥ 64 keys; ptxas saves 2–8 registers "
+        "(8–32 B) once before the query loop and restores them after it: no local-memory traffic per "
+        "iteration (SASS: no STL/LDL inside a loop).",
 }
 # Under TRITON_INTERPRET=1 (CPU) programs run one by one in numpy: small tiles, and BLOCK_M != BLOCK_N
 # so tests cross the causal diagonal inside a tile.
@@ -721,12 +755,20 @@ def _signature(kernel, dtype: str, const: dict, varlen: bool, fp32_dkdv: bool = 
     return sig
 
 
+def _divisible(sig: dict) -> tuple:
+    """The arguments the JIT specializes as multiples of 16 for the usual tensors (16-byte aligned, head
+    dim a multiple of 16): the pointers and the q/k/v/o strides, not the lse's (seqlen_q) nor the lengths."""
+    return tuple(n for n, t in sig.items() if t.startswith("*") and n not in ("CU_Q", "CU_K")
+                 or n.startswith("stride_") and n not in ("stride_lb", "stride_lh"))
+
+
 def compile_specs(arch: int, full: bool = False):
     """(kernel, signature, constexprs, options) for every config shipped for ``arch`` (80 or 90).
 
     Each config is compiled once, with dtype (fp16/bf16), the window mask, soft-capping and varlen
-    rotating across the configs of a kernel so every variant is compiled too; head dim 96 stands for
-    the padded case. ``full=True`` gives the whole cross product (slow: minutes)."""
+    rotating across the configs of a kernel so every variant is compiled too (the four window sides
+    need only four configs per kernel); head dim 96 stands for the padded case. ``full=True`` gives
+    the whole cross product (slow: minutes)."""
     major = 9 if arch >= 90 else 8
     specs = []
     for role, kernel in _KERNELS.items():
@@ -737,7 +779,7 @@ def compile_specs(arch: int, full: bool = False):
                 sides = ((False, False), (False, True), (True, True), (True, False))  # (LEFT, RIGHT)
                 variants = ([(dt, w, vl, d, sc) for dt in ("fp16", "bf16") for w in sides
                              for vl in (False, True) for d in dims for sc in (False, True)] if full else
-                            [(("fp16", "bf16")[i % 2], sides[i // 2 % 4], bool(i // 4 % 2), dims[i % len(dims)],
+                            [(("fp16", "bf16")[i % 2], sides[i % 4], bool(i // 2 % 2), dims[i % len(dims)],
                               i % 3 == 1)])
                 i += 1
                 for dtype, (left, right), varlen, d, softcap in variants:
@@ -745,15 +787,16 @@ def compile_specs(arch: int, full: bool = False):
                              "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": block_d(d)}
                     # dK/dV: every other config also as the split variant (fp32 partial sums)
                     for fp32_dkdv in ((False, True) if role == "dkdv" and (full or i % 2) else (False,)):
-                        specs.append((kernel, _signature(kernel, dtype, const, varlen, fp32_dkdv), const,
-                                      {"num_warps": warps, "num_stages": stages}))
+                        sig = _signature(kernel, dtype, const, varlen, fp32_dkdv)
+                        specs.append((kernel, sig, const, {"num_warps": warps, "num_stages": stages},
+                                      _divisible(sig)))
     for i, d in enumerate((64, 96, 128, 256)):
         const = {"HEADDIM": d, "HAS_DLSE": bool(i % 2), "BLOCK_M": _delta_rows(d), "BLOCK_D": block_d(d)}
         for dtype in (("fp16", "bf16") if full else (("fp16", "bf16")[i // 2],)):
-            specs.append((_flash_bwd_delta_kernel, _signature(_flash_bwd_delta_kernel, dtype, const, False), const,
-                          {"num_warps": 4}))
+            sig = _signature(_flash_bwd_delta_kernel, dtype, const, False)
+            specs.append((_flash_bwd_delta_kernel, sig, const, {"num_warps": 4}, _divisible(sig)))
     return specs
 
 
-__all__ = ["AUTOTUNE_ENV", "CONFIGS", "INTERPRETER_CONFIG", "block_d", "compile_specs",
+__all__ = ["AOT_EXCEPTIONS", "AUTOTUNE_ENV", "CONFIGS", "INTERPRETER_CONFIG", "block_d", "compile_specs",
            "configs_for", "flash_attn_bwd", "flash_attn_fwd"]

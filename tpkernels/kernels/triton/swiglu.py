@@ -79,6 +79,13 @@ def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, dgate: Tensor, dup: Tensor)
     return dgate, dup
 
 
+# Rule breaks that `aot_check` accepts (listed in docs/kernels.md): on sm_80 the 16-bit forward at the
+# 256- and 512-wide tiles (72–80 registers) stores one register to the stack and reloads it (8 B),
+# in a kernel without a loop; a ptxas choice, not register pressure.
+AOT_EXCEPTIONS = {("spill", "_swiglu_fwd_kernel", "arch=sm_80"):
+                  "one spilled register per thread in a loop-free kernel at 72–80 registers (ptxas's choice)"}
+
+
 def compile_specs(arch: int, full: bool = False):
     specs = []
     for dtype in ("fp32", "fp16", "bf16"):
