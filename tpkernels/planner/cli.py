@@ -21,13 +21,15 @@ from tpkernels.planner.hardware import GPU_PRESETS, ClusterSpec, gpu_preset
 from tpkernels.planner.memory import DEFAULT_MEMORY_MARGIN
 from tpkernels.planner.report import format_explanation, format_plan, plan_as_dict
 from tpkernels.planner.search import explain, parse_layout, plan
-from tpkernels.planner.workload import OPTIMIZERS, PRECISIONS, TrainingSetup
+from tpkernels.planner.workload import DPO_REFERENCES, OPTIMIZERS, PRECISIONS, TASKS, TrainingSetup
 
 EPILOG = """examples:
   tpkernels plan --model Qwen-14B --gpu A100-80GB --nodes 1 --global-batch 64 --seq-len 4096
   tpkernels plan --model Llama-3-70B --gpu H100-SXM --nodes 8 --global-batch 512 --seq-len 8192
   tpkernels plan --model Llama-3-70B --gpu H100-SXM --nodes 8 --global-batch 512 --explain TP=4,PP=4
   tpkernels plan --model path/to/config.json --gpu A10-24GB --model.finetune lora --global-batch 32
+  tpkernels plan --model Llama-2-13B --gpu A10-24GB --nodes 4 --model.finetune lora --training.task dpo \
+      --dpo.reference adapters
 """
 
 
@@ -52,6 +54,14 @@ class WorkloadSection:
     precision: str = opt("bf16", "GEMM precision", PRECISIONS)
     optimizer: str = opt("adam", "adam or sgd", OPTIMIZERS)
     flash_attention: bool = opt(True, "attention never stores the s×s scores")
+    task: str = opt("pretrain", "pretrain, sft (prompt tokens masked: the same compute) or dpo (pairs in the rows)",
+                    TASKS)
+
+
+@dataclass(frozen=True)
+class DpoSection:
+    reference: str = opt("cached", "DPO's reference log-probs: cached (one pass before training), adapters (LoRA "
+                                   "off, every step) or model (a frozen copy, every step)", DPO_REFERENCES)
 
 
 def _no_model() -> ModelSection:
@@ -63,6 +73,7 @@ class PlanConfig:
     model: ModelSection = section(_no_model, "the model (the same section as tpkernels train's)")
     cluster: ClusterSection = section(ClusterSection, "the cluster")
     training: WorkloadSection = section(WorkloadSection, "what is trained")
+    dpo: DpoSection = section(DpoSection, "DPO (with training.task dpo)")
     fix: str = opt("", "fixed choices, e.g. TP=8 or 'PP=4,SP=on,recompute=selective,ZeRO1=on'")
     explain: str | None = opt(None, "score one layout, e.g. TP=4,PP=2, and say what is wrong with it")
     top: int = opt(10, "rows of the ranked table")
@@ -86,6 +97,9 @@ class PlanConfig:
             v = getattr(c, f)
             if v is not None and not v > 0:
                 errs.append(f"cluster.{f} ({v}) must be a finite number > 0")
+        if t.task == "dpo" and self.dpo.reference == "adapters" and self.model.finetune == "full":
+            errs.append("dpo.reference (adapters) needs model.finetune lora (a full fine-tune has no adapters to "
+                        "turn off): use cached or model")
         if not 0 <= self.memory_margin < 1:
             errs.append(f"memory_margin ({self.memory_margin}) must be a fraction in [0, 1) (the share of GPU "
                         "memory kept free)")
@@ -99,7 +113,7 @@ ALIASES: dict[str, str | Alias] = {
     **{k: f"cluster.{k}" for k in ("gpu", "gpus_per_node", "nodes", "intra_link", "intra_node_gbs", "inter_node_gbs",
                                    "gpu_tflops", "gpu_memory_gib", "gpu_hbm_gbs", "gpu_fp8_tflops")},
     "global_batch": "training.global_batch", "seq_len": "training.seq_length", "seq_length": "training.seq_length",
-    "precision": "training.precision", "optimizer": "training.optimizer",
+    "precision": "training.precision", "optimizer": "training.optimizer", "task": "training.task",
     "no_flash_attention": Alias("training.flash_attention", "false"),
 }
 
@@ -159,7 +173,7 @@ def run(args) -> int:
     t = cfg.training
     seq_len = t.seq_length if t.seq_length is not None else min(model.max_position_embeddings, 8192)
     train = TrainingSetup(t.global_batch, seq_len, t.precision, t.optimizer, cfg.model.finetune, cfg.model.lora_rank,
-                          t.flash_attention)
+                          t.flash_attention, task=t.task, dpo_reference=cfg.dpo.reference)
     if not cfg.json:
         for reason in model.build_errors():
             print(f"note: planned, but tpkernels train cannot build this model yet: {reason}")

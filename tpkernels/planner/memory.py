@@ -102,6 +102,10 @@ def stage_memory(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, 
     else:
         adapters = lora_params_per_rank(model, cfg, train.lora_rank)
         weights, grads, optim = 2.0 * (params + adapters), 4.0 * adapters, opt_bytes * adapters
+    if train.online_reference and train.dpo_reference == "model":
+        # DPO's frozen reference, a 16-bit copy sharded like the policy; its forward keeps no activations
+        # (no gradient): one layer's transient at a time, within the runtime reserve
+        weights += 2.0 * params
     act = layer_activations(model, seq=train.seq_length, micro_batch=cfg.micro_batch_size, tp=cfg.tp,
                             sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
                             flash_attention=train.flash_attention or cfg.cp > 1, cp=cfg.cp, cp_algo=cfg.cp_algo)

@@ -11,6 +11,7 @@ COMPONENTS = {
     "gemm": "GEMM compute", "elementwise": "memory-bound kernels", "tp_exposed": "exposed TP communication",
     "cp_exposed": "exposed context-parallel K/V exchange", "p2p": "pipeline send/recv", "bubble": "pipeline bubble", "dp_exposed": "exposed DP gradient reduction",
     "optimizer": "optimizer step", "overhead": "fixed per-step overhead (measured here)",
+    "reference": "DPO reference forward pass (online)",
 }
 
 
@@ -26,7 +27,9 @@ def describe_inputs(p: Plan) -> list[str]:
         f"model    {p.model.describe()}",
         f"cluster  {p.cluster.describe()}",
         f"training global batch {t.global_batch} × {t.seq_length} tokens, {t.precision}, {t.optimizer}, {tune}"
-        + ("" if t.flash_attention else ", no FlashAttention"),
+        + ("" if t.flash_attention else ", no FlashAttention")
+        + ("" if t.task == "pretrain" else f", {t.task}" + (f" (reference: {t.dpo_reference})" if t.task == "dpo"
+                                                             else "")),
         f"constants gemm {e.gemm:.2f} (fp8 {e.gemm_fp8:.2f}, k0 {e.gemm_k0:g}, tail {e.gemm_tail:g}, "
         f"+{1e6 * e.gemm_launch_s:g} µs per GEMM), attention {e.attention:.2f}, hbm {e.hbm:.2f}, link {e.link:.2f}, "
         f"tp_overlap {e.tp_overlap:g}" + ("" if is_calibrated(p.cluster.gpu) else
@@ -140,6 +143,13 @@ def format_plan(p: Plan, top: int = 10) -> str:
         for i, e in enumerate(p.ranked[:top], 1):
             for note in e.notes:
                 lines.append(f"  #{i}: {note}")
+        best = p.ranked[0].time
+        if p.train.task == "dpo" and p.train.online_reference:
+            lines.append(f"  DPO reference ({p.train.dpo_reference}): a forward-only pass each step, "
+                         f"{best.reference:.3g} s of #1's {best.total:.3g} s")
+        elif p.train.task == "dpo":
+            lines.append(f"  DPO reference (cached): one forward-only pass over the data before training, "
+                         f"{best.reference_prepass:.3g} s per step of data at #1's layout; nothing per step")
         lines.append("")
     lines.append(explanation_paragraph(p))
     return "\n".join(lines)

@@ -75,6 +75,9 @@ class StepTime:
     cp_comm: float = 0.0  # context-parallel K/V exchange, total (hidden + exposed)
     cp_exposed: float = 0.0
     overhead: float = 0.0  # fixed per-step cost measured on this machine (Efficiency.step_overhead_s)
+    reference: float = 0.0  # DPO's online reference: a forward-only pipeline pass over the step's tokens
+    # DPO's cached reference: the same forward-only pass, once before training per step of data (not in total)
+    reference_prepass: float = 0.0
 
     @property
     def compute(self) -> float:
@@ -83,7 +86,7 @@ class StepTime:
     @property
     def total(self) -> float:
         return (self.compute + self.tp_exposed + self.cp_exposed + self.p2p + self.bubble + self.dp_exposed
-                + self.optimizer + self.overhead)
+                + self.optimizer + self.overhead + self.reference)
 
     @property
     def comm_ratio(self) -> float:
@@ -257,9 +260,14 @@ def step_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, clu
     opt_params = trained / (cfg.dp * cfg.cp if cfg.zero1 else 1)
     optimizer = opt_params * eff.optimizer_bytes_per_param / (cluster.gpu.hbm_gbs * 1e9 * eff.hbm)
     a, c = eff.compute_scale, eff.comm_scale  # a machine's measured corrections (1, 1 unless fitted)
+    # DPO's reference: forwards only (no backward, no recompute), the m micro-batches after the pipeline
+    # fills (p − 1 stage forwards); its time is the policy's forward, the head's loss included
+    reference = (m + (p - 1) / v) * slow["f"] if train.task == "dpo" else 0.0
     return StepTime(
         gemm=a * m * slow["gemm"], elementwise=a * m * slow["elementwise"], tp_comm=c * m * slow["tp_comm"],
         tp_exposed=c * m * slow["tp_exposed"], p2p=c * m * slow["p2p"], bubble=a * bubble, dp_comm=c * dp_comm,
         dp_exposed=c * dp_exposed, optimizer=a * optimizer, schedule=schedule if p > 1 else "none",
         cp_comm=c * m * slow["cp_comm"], cp_exposed=c * m * slow["cp_exposed"], overhead=eff.step_overhead_s,
+        reference=a * reference if train.online_reference else 0.0,
+        reference_prepass=a * reference if train.task == "dpo" and not train.online_reference else 0.0,
     )

@@ -10,6 +10,8 @@ from tpkernels.description.source import FINETUNE_CHOICES
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 OPTIMIZERS = ("adam", "sgd")
 FINETUNE = FINETUNE_CHOICES  # the model section's (tpkernels.description.source)
+TASKS = ("pretrain", "sft", "dpo")
+DPO_REFERENCES = ("cached", "adapters", "model")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,13 @@ class TrainingSetup:
     overlap_p2p: pipeline sends and receives run asynchronously beside the compute (Megatron's
         --overlap-p2p-communication): a transfer only delays the action that consumes it. False:
         each send/recv blocks its stage (our runtime, and Megatron in 2021).
+    task: "pretrain", "sft" or "dpo". SFT costs what pre-training does on the same tokens (the
+        prompt's masked tokens still run forward and backward); DPO's rows hold both sequences of
+        each pair (global_batch counts rows of seq_length tokens, as for the others).
+    dpo_reference: where DPO's reference log-probs come from: "cached" (one forward-only pass over
+        the data before training, read back each step: nothing per step), "adapters" (LoRA: the
+        same weights with the adapters off, a forward-only pass per step) or "model" (a frozen
+        16-bit copy of the weights beside the policy, a forward-only pass per step).
     """
 
     global_batch: int
@@ -46,15 +55,21 @@ class TrainingSetup:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     overlap_p2p: bool = False
+    task: str = "pretrain"
+    dpo_reference: str = "cached"
 
     def __post_init__(self):
         for f in ("global_batch", "seq_length", "lora_rank"):
             value = getattr(self, f)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f} ({value!r}) must be a positive integer")
-        for f, choices in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("finetune", FINETUNE)):
+        for f, choices in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("finetune", FINETUNE),
+                           ("task", TASKS), ("dpo_reference", DPO_REFERENCES)):
             if getattr(self, f) not in choices:
                 raise ValueError(f"{f} ({getattr(self, f)!r}) must be one of {', '.join(choices)}")
+        if self.online_reference and self.dpo_reference == "adapters" and self.finetune == "full":
+            raise ValueError("dpo_reference ('adapters') needs a LoRA fine-tune (finetune is 'full': there are no "
+                             "adapters to turn off); use 'cached' or 'model'")
 
     def replace(self, **changes) -> "TrainingSetup":
         return dataclasses.replace(self, **changes)
@@ -68,6 +83,11 @@ class TrainingSetup:
     def activation_bytes(self) -> int:
         """Bytes per activation value (16-bit training keeps activations in bf16/fp16)."""
         return 4 if self.precision == "fp32" else 2
+
+    @property
+    def online_reference(self) -> bool:
+        """DPO with a reference forward pass in every step (not read from the cache)."""
+        return self.task == "dpo" and self.dpo_reference != "cached"
 
     @property
     def tokens(self) -> int:
