@@ -45,7 +45,8 @@ def _worker(rank, world, kw, seed):
 
 def test_micro_batches_hold_different_target_counts(fresh_seed):
     """What makes the other tests bite: the 4 rows of a step hold different numbers of targets."""
-    ids, pos = RandomDocuments(97, 16, fresh_seed % 2**31).batch(0, 4)
+    b = RandomDocuments(97, 16, fresh_seed % 2**31).batch(0, 4)
+    ids, pos = b.ids, b.position_ids
     counts = (next_token_targets(ids, pos) != -100).sum(dim=1)
     assert len(set(counts.tolist())) > 1, counts
     assert bool((pos[:, 1:] == 0).any())  # documents restart inside rows

@@ -181,14 +181,14 @@ def test_flags_of_both_clis_come_from_the_same_sections(capsys):
 
 def test_random_batches_depend_only_on_seed_and_step():
     a, b = RandomTokens(97, 16, 3), RandomTokens(97, 16, 3)
-    assert torch.equal(a.batch(5, 4)[0], b.batch(5, 4)[0])
-    assert not torch.equal(a.batch(5, 4)[0], a.batch(6, 4)[0])
+    assert torch.equal(a.batch(5, 4).ids, b.batch(5, 4).ids)
+    assert not torch.equal(a.batch(5, 4).ids, a.batch(6, 4).ids)
 
 
 def test_packed_text_restarts_positions_per_document(tmp_path):
     (tmp_path / "t.txt").write_bytes(b"hello world\n\nab\n\n" + b"x" * 40)
     data = PackedText(tmp_path / "t.txt", 8, 0, 300)
-    ids, pos = data.batch(0, data.rows)
+    ids = data.batch(0, data.rows).ids
     flat_ids = data.ids.reshape(-1)
     assert flat_ids[:12].tolist() == list(b"hello world") + [EOD]
     p = restart_per_document(data.ids)

@@ -21,6 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     p_export = sub.add_parser("export-hf", help="write a training checkpoint as a Hugging Face folder")
     p_export.add_argument("checkpoint", help="a checkpoint folder (step_NNNNNNNN, e.g. step_00000040) or the save_dir holding them")
     p_export.add_argument("out", help="output folder (config.json + safetensors)")
+    p_prep = sub.add_parser("prepare-data", help="tokenize a text/JSONL corpus once into the indexed format "
+                                                 "(.bin/.idx shards, memory-mapped by the trainer); resumable")
+    p_prep.add_argument("inputs", nargs="+", help=".txt / .jsonl / .json files or folders of them")
+    p_prep.add_argument("out", help="output folder (shard_NNNNN.bin/.idx; give it as data.source)")
+    p_prep.add_argument("--tokenizer", default=None, help="a tokenizers JSON or HF tokenizer folder (default: bytes)")
+    p_prep.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    p_prep.add_argument("--shard-docs", type=int, default=10_000, help="documents per shard")
+    p_prep.add_argument("--text-key", default="text", help="the JSON field holding a document")
+    p_prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
 
     if args.command == "info":
@@ -44,6 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as e:  # a damaged checkpoint, an unwritable out: one line
             print(f"tpkernels export-hf: error: {e}", file=sys.stderr)
             return 2
+    elif args.command == "prepare-data":
+        from tpkernels.data.prepare import prepare_data  # noqa: PLC0415
+
+        try:
+            done = prepare_data(args.inputs, args.out, args.tokenizer, workers=args.workers,
+                                shard_docs=args.shard_docs, text_key=args.text_key, progress=not args.no_progress)
+        except (ValueError, OSError) as e:
+            print(f"tpkernels prepare-data: error: {e}", file=sys.stderr)
+            return 2
+        print(f"{args.out}: {done['shards']} shard(s), {done['written']} written ({done['tokens']} tokens), "
+              f"{done['skipped']} already done")
     elif args.command == "train":
         from tpkernels.train.cli import run_reporting_errors  # noqa: PLC0415
 

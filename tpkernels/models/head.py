@@ -77,6 +77,19 @@ class LMHead(nn.Module):
         control.all_reduce_(count, "sum", self.ctx.cp_group)
         return loss * (cp / count.clamp(min=1)).to(loss.dtype)
 
+    def token_logps(self, y: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """log p(target) per position, (batch, seq) fp32 (fp64 for fp64), 0 where target is
+        ``ignore_index``: −cross-entropy per token, still without the logits, differentiable (the
+        backward redoes the chunk loop with the upstream per-token weights). Every TP rank returns
+        the same values. Under CP, this rank's share of the positions (the preference losses sum
+        them per document: ``tpkernels.functional.preference``). Targets are not range-checked
+        here: as for ``loss``, the model checks a step's targets once (``stage_target``)."""
+        if self._sp:
+            y = gather_from_sequence_parallel(y, self.ctx.tp_group, dim=1, reduce_grad=True)
+        return -linear_cross_entropy(y, self.weight, target, tp_group=self.ctx.tp_group,
+                                     vocab_size=self.ctx.mc.vocab_size, ignore_index=ignore_index,
+                                     reduce_input_grad=not self._sp, check_targets=False, reduction="none")
+
     def logits(self, y: torch.Tensor) -> torch.Tensor:
         # each vocabulary shard's logits give a partial input gradient: summed over TP in backward
         if self._sp:

@@ -190,8 +190,15 @@ class ParallelTransformer(nn.Module):
         """The first stage's checked input of a step (tpkernels.models.inputs.stage_batch)."""
         return inputs.stage_batch(self, input_ids, position_ids, cu_seqlens)
 
-    def _target(self, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """The last stage's checked targets of a step (tpkernels.models.inputs.stage_target)."""
+    def _target(self, target: torch.Tensor | dict, ignore_index: int = -100) -> torch.Tensor | dict:
+        """The last stage's checked targets of a step (tpkernels.models.inputs.stage_target). A dict
+        (a loss with per-position side inputs, e.g. the preference objective's ``doc``) has its
+        ``"target"`` checked and every tensor moved to the device."""
+        if isinstance(target, dict):
+            if "target" not in target:
+                raise ValueError(f"target dict (keys {sorted(target)}) must hold the next-token ids as 'target'")
+            out = {k: v.to(self._device(), non_blocking=True) for k, v in target.items() if k != "target"}
+            return {"target": inputs.stage_target(self, target["target"], ignore_index), **out}
         return inputs.stage_target(self, target, ignore_index)
 
     def _single_stage(self) -> None:
@@ -255,7 +262,7 @@ class ParallelTransformer(nn.Module):
         try:
             batch = self._batch(input_ids, position_ids, cu_seqlens) if st.is_first_stage else None
             if last and target is not None and num_targets is None:
-                num_targets = self._count_targets(target)
+                num_targets = self._count_targets(target["target"] if isinstance(target, dict) else target)
             target = self._target(target) if last and target is not None else None
         except Exception as e:
             rt.fail(e)  # the other stages would wait for this one's activations until the timeout
@@ -265,6 +272,8 @@ class ParallelTransformer(nn.Module):
         # the gradient reduction takes is then the gradient of the global token mean
         scale = loss_scale * replicas / max(num_targets, 1) if last and num_targets is not None else None
         mine = rt.step(batch, target, loss_scale=scale) / (loss_scale * replicas)
+        if getattr(rt.loss_fn, "replicated_over_cp", False):
+            mine /= st.cp_size  # each CP rank computed the whole loss (a non-linear loss of CP-summed terms)
         if replicas == 1:
             return mine
         return control.all_reduce_values([mine], "sum", st.dp_cp_group)[0]
@@ -279,13 +288,14 @@ class ParallelTransformer(nn.Module):
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor | None, target: torch.Tensor | None, position_ids=None,
                  cu_seqlens=None, *, num_microbatches: int | None = None, timeout_s: float = 300.0,
-                 num_targets: int | None = None) -> float:
-        """The token-mean loss of the batch, forwards only (any layout); inputs as :meth:`step`."""
+                 num_targets: int | None = None, loss_fn=None) -> float:
+        """The token-mean loss of the batch, forwards only (any layout); inputs as :meth:`step`;
+        ``loss_fn`` as :meth:`pipeline`'s (default: the head's token sum)."""
         pc = self.state.config
         m = num_microbatches or pc.num_microbatches
         device = self.ctx.device or next(self.parameters()).device
         rt = PipelineRuntime(list(self.chunks), forward_only(pc.pp, m, pc.virtual_stages), m,
-                             loss_fn=self._token_loss_sum if self.head else None, group=self.state.pp_group,
+                             loss_fn=(loss_fn or self._token_loss_sum) if self.head else None, group=self.state.pp_group,
                              device=device, timeout_s=timeout_s)
         return self.step(input_ids, target, position_ids, cu_seqlens, runtime=rt, num_targets=num_targets)
 

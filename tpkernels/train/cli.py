@@ -48,7 +48,7 @@ def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
     """What the run would check before its first step (the model, the layout, the data), printed.
     ``read_data=False``: the data's paths, tokenizer and vocabulary only, not the tokenized corpus
     (before a launch, whose ranks each read it)."""
-    from tpkernels.train.data import SYNTHETIC, make_data, text_source  # noqa: PLC0415
+    from tpkernels.train.data import check_source, data_of  # noqa: PLC0415
     from tpkernels.train.output_paths import check_output_paths  # noqa: PLC0415
 
     mc = cfg.model_config()
@@ -56,9 +56,9 @@ def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
     cfg.parallel.validate(world_size=world, key_prefix="parallel.", **mc.layout_rules(cfg.data.seq_length))
     pc = cfg.parallel_config(world)
     if read_data:
-        make_data(cfg.data.source, cfg.data.seq_length, cfg.training.seed, mc.vocab_size, cfg.data.tokenizer)
-    elif cfg.data.source not in SYNTHETIC:
-        text_source(cfg.data.source, mc.vocab_size, cfg.data.tokenizer)
+        data_of(cfg, mc.vocab_size)
+    else:
+        check_source(cfg, mc.vocab_size)
     cp = ""
     if pc.cp > 1:
         L = cfg.data.seq_length // (2 * pc.cp)
@@ -76,10 +76,10 @@ def single_process_loss(cfg: TrainConfig, global_batch: int) -> float:
     or ``model.init_from``; LoRA adapters start as a no-op)."""
     import torch  # noqa: PLC0415
 
-    from tpkernels.models import ParallelTransformer, next_token_targets  # noqa: PLC0415
+    from tpkernels.models import ParallelTransformer  # noqa: PLC0415
     from tpkernels.parallel import ParallelConfig  # noqa: PLC0415
     from tpkernels.parallel.state import ParallelState  # noqa: PLC0415
-    from tpkernels.train.data import make_data  # noqa: PLC0415
+    from tpkernels.train.data import data_of  # noqa: PLC0415
 
     mc = cfg.model_config()
     state = ParallelState.create(ParallelConfig(micro_batch_size=global_batch, num_microbatches=1, dp=1))
@@ -87,9 +87,8 @@ def single_process_loss(cfg: TrainConfig, global_batch: int) -> float:
         model = ParallelTransformer.from_hf(cfg.model.init_from, state, config=mc, dtype=torch.float64)
     else:
         model = ParallelTransformer(mc, state, seed=cfg.training.seed, dtype=torch.float64)
-    data = make_data(cfg.data.source, cfg.data.seq_length, cfg.training.seed, mc.vocab_size, cfg.data.tokenizer)
-    ids, pos = data.batch(0, global_batch)
-    return model.evaluate(ids, next_token_targets(ids, pos), position_ids=pos, num_microbatches=1)
+    batch = data_of(cfg, mc.vocab_size).batch(0, global_batch)
+    return model.evaluate(batch.ids, batch.targets(), position_ids=batch.position_ids, num_microbatches=1)
 
 
 def prediction_report(predicted: dict, history: list[dict]) -> str:

@@ -42,6 +42,10 @@ class TrainingSection:
                                  "tensor in double: the oracle runs that layouts are checked against)", PRECISIONS)
     initial_loss_scale: float = opt(65536.0, "fp16: the dynamic loss scale's start (halved on overflow)")
     global_batch: int | None = opt(None, "layout auto: sequences per step (default: the config's at pure DP)")
+    task: str = opt("auto", "pretrain (every token a target), sft (assistant turns / completions only: the loss is "
+                            "the token mean over supervised tokens), dpo (preference pairs: the dpo section), or auto "
+                            "(sft for a messages or prompt/completion dataset, dpo for prompt/chosen/rejected, pretrain "
+                            "otherwise)", ("auto", "pretrain", "sft", "dpo"))
 
 
 @dataclass(frozen=True)
@@ -59,9 +63,34 @@ class OptimizerSection:
 @dataclass(frozen=True)
 class DataSection:
     source: str = opt("random", "random (uniform tokens), random-documents (packed documents of uneven length), "
-                                "or a text file / folder of .txt files")
-    tokenizer: str | None = opt(None, "a tokenizers JSON or Hugging Face tokenizer folder (default: byte-level)")
+                                "a text file / folder of .txt files, a local .jsonl/.json/.parquet/.arrow file or "
+                                "datasets.save_to_disk folder, an indexed corpus (.bin/.idx prefix or folder: "
+                                "tpkernels prepare-data), or a blend 'W1 SRC1 W2 SRC2 ...' (in a file: a list of "
+                                "[weight, path])")
+    tokenizer: str | None = opt(None, "a tokenizers JSON or Hugging Face tokenizer folder (default: byte-level; chat "
+                                      "formats need a folder with a chat template)")
     seq_length: int = opt(128, "tokens per sequence")
+    format: str = opt("auto", "records' format (auto: from the columns): text, messages, prompt_completion, "
+                              "preference", ("auto", "text", "messages", "prompt_completion", "preference"))
+    loss_on: str = opt("all_assistant", "conversations: the loss on every assistant turn or the last only",
+                       ("all_assistant", "last_assistant"))
+    overflow: str = opt("error", "a sample (or preference pair) longer than seq_length: error, or truncate it",
+                        ("error", "truncate"))
+
+
+@dataclass(frozen=True)
+class DpoSection:
+    beta: float = opt(0.1, "the KL weight β of the preference loss (TRL's beta)")
+    loss_type: str = opt("sigmoid", "sigmoid (DPO), ipo, hinge (SLiC) or simpo (reference-free)",
+                         ("sigmoid", "ipo", "hinge", "simpo"))
+    label_smoothing: float = opt(0.0, "sigmoid / simpo: the probability that a preference label is flipped (cDPO)")
+    sft_weight: float = opt(0.0, "weight of the chosen completions' token-mean NLL added to the loss (RPO)")
+    simpo_gamma: float = opt(0.5, "simpo: the target reward margin γ")
+    reference: str = opt("cached", "the reference log-probs: cached (one forward pass over the data before training, "
+                                   "kept on disk for the next run) or adapters (LoRA: the same model with its adapters "
+                                   "off, a forward pass every step)", ("cached", "adapters"))
+    cache_dir: str | None = opt(None, "reference cache folder (default: ~/.cache/tpkernels/dpo_reference, or "
+                                      "$XDG_CACHE_HOME; one the nodes share when there are several)")
 
 
 @dataclass(frozen=True)
@@ -111,6 +140,7 @@ class TrainConfig:
     training: TrainingSection = section(TrainingSection, "steps, seed, precision")
     optimizer: OptimizerSection = section(OptimizerSection, "AdamW and its schedule")
     data: DataSection = section(DataSection, "tokens")
+    dpo: DpoSection = section(DpoSection, "preference training (training.task dpo)")
     checkpoint: CheckpointSection = section(CheckpointSection, "checkpoints")
     logging: LoggingSection = section(LoggingSection, "progress, metrics, traces")
     autotune: AutotuneSection = section(AutotuneSection, "layout auto: measure the planner's best layouts in the run")
@@ -196,6 +226,21 @@ class TrainConfig:
         if at.candidates and self.layout != "auto":
             errs.append(f"autotune.candidates ({at.candidates}) needs layout: auto (the planner proposes the "
                         f"candidates), not {self.layout!r}")
+        dpo = self.dpo
+        if not (math.isfinite(dpo.beta) and dpo.beta > 0):
+            errs.append(f"dpo.beta ({dpo.beta!r}) must be a finite number > 0")
+        if not 0 <= dpo.label_smoothing < 0.5:
+            errs.append(f"dpo.label_smoothing ({dpo.label_smoothing!r}) must be in [0, 0.5) (a flip probability)")
+        elif dpo.label_smoothing and dpo.loss_type in ("ipo", "hinge"):
+            errs.append(f"dpo.label_smoothing ({dpo.label_smoothing}) applies to loss_type sigmoid or simpo, not "
+                        f"{dpo.loss_type}")
+        if not (math.isfinite(dpo.sft_weight) and dpo.sft_weight >= 0):
+            errs.append(f"dpo.sft_weight ({dpo.sft_weight!r}) must be a finite number >= 0")
+        if not math.isfinite(dpo.simpo_gamma):
+            errs.append(f"dpo.simpo_gamma ({dpo.simpo_gamma!r}) must be a finite number")
+        if t.task == "dpo" and dpo.reference == "adapters" and self.model.finetune != "lora":
+            errs.append(f"dpo.reference (adapters) needs model.finetune lora (now {self.model.finetune!r}: there are "
+                        "no adapters to turn off); use dpo.reference cached")
         errs += self.model.errors("model.")
         errs += self.parallel.layout_errors("parallel.")
         return errs
@@ -214,6 +259,10 @@ class TrainConfig:
         defaults); ``text``: values are command-line text; ``where``: the file they came from.
         ``check=False``: keys and types only, the rules wait (for the flags still to come)."""
         flat = options.flatten(_old_sections(values, where), cls, where=where)
+        if isinstance(flat.get("data.source"), list):  # a file's blend: [[weight, path], ...]
+            from tpkernels.data.blend import blend_spec  # noqa: PLC0415
+
+            flat["data.source"] = blend_spec(flat["data.source"])
         flat = options.resolve_aliases(flat, ALIASES, where=where)
         cfg = options.build(cls, flat, text=text, base=base)
         return cfg.check() if check else cfg

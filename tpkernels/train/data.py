@@ -1,154 +1,100 @@
 """Training data: the global batch of step k, the same at every layout, sharded over DP.
 
-    data = make_data(source, seq, seed, vocab_size, tokenizer)   # "random", "random-documents", a text file / folder
-    ids, position_ids = data.batch(step, global_batch)      # (global_batch, seq), on the CPU
-    mine = rows_of_dp_rank(ids, dp_rank, dp)
+    data = make_data(source, seq, seed, vocab_size, tokenizer)   # see SOURCES below
+    batch = data.batch(step, global_batch)     # TokenBatch: ids, position_ids, loss_mask, … (rows, seq)
+    mine = batch.rows_of_dp_rank(dp_rank, dp)  # this DP replica's rows
+    target = batch.targets()                   # next-token targets, IGNORE_INDEX where not supervised
 
 Deterministic and resumable: the batch of step k depends only on (seed, k), so a run resumed at
 step k, or restarted at another layout, sees the same tokens (the data position is the step).
 
-* ``RandomTokens`` (``random``): uniform ids, one document per row (benchmarks).
-* ``RandomDocuments`` (``random-documents``): uniform ids in documents of uneven length packed into
-  rows, positions restarting at each: what packed text is to the loss (micro-batches hold
-  different numbers of targets) without a corpus; the tests' default.
-* ``PackedText``: a text file or a folder of ``*.txt`` files, tokenized by a ``tokenizers`` /
-  ``transformers`` tokenizer from a local path, or byte-level (ids 0–255 of the UTF-8 bytes,
-  256 = end of document) when none is given; documents (separated by blank lines) packed into
-  rows of ``seq`` tokens;
-  ``position_ids`` restart at each document so attention never crosses one. Rows are shuffled per
-  epoch with the seed.
+Sources (``data.source``; the modules of :mod:`tpkernels.data` implement them):
+
+* ``random``, ``random-documents``: synthetic tokens (:mod:`tpkernels.data.synthetic`).
+* a .txt file or folder of them: :class:`~tpkernels.data.text.PackedText`.
+* a ``.jsonl``/``.json``/``.parquet``/``.arrow`` file or a ``datasets.save_to_disk`` folder:
+  :class:`~tpkernels.data.records.RecordData` (text, messages, prompt/completion, preference).
+* a ``.bin``/``.idx`` prefix or a folder of them (``tpkernels prepare-data``):
+  :class:`~tpkernels.data.indexed.IndexedTokens`, memory-mapped.
+* ``"0.7 a 0.3 b"``: a weighted blend of the above (:mod:`tpkernels.data.blend`).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-EOD = 256
-BYTE_VOCAB = 257
+from tpkernels.data.batch import IGNORE_INDEX, TokenBatch
+from tpkernels.data.blend import Blend, parse_blend
+from tpkernels.data.sources import source_kind
+from tpkernels.data.synthetic import SYNTHETIC, RandomDocuments, RandomTokens
+from tpkernels.data.text import PackedText, restart_per_document, text_source
+from tpkernels.data.tokenizer import BYTE_VOCAB, EOD, load_tokenizer
+
+TASKS = ("auto", "pretrain", "sft", "dpo")
 
 
-class RandomTokens:
-    def __init__(self, vocab_size: int, seq: int, seed: int):
-        self.vocab, self.seq, self.seed = vocab_size, seq, seed
+def _one(source: str, seq: int, seed: int, vocab_size: int, tokenizer: str | None, fmt: str, loss_on: str,
+         overflow: str, task: str | None):
+    kind = source_kind(source)
+    if kind == "records":
+        from tpkernels.data.records import RecordData  # noqa: PLC0415 (datasets: only for these sources)
 
-    def batch(self, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        return torch.randint(0, self.vocab, (rows, self.seq), generator=g), None
-
-
-class RandomDocuments:
-    """Documents of 1 to ``seq // 2`` tokens (uniform lengths, at least 1 to 2), uniform ids, packed into
-    rows back to back; the last document of a row is cut at the row's end. ``batch`` returns
-    position_ids restarting at 0 at each document."""
-
-    def __init__(self, vocab_size: int, seq: int, seed: int):
-        self.vocab, self.seq, self.seed = vocab_size, seq, seed
-        self.longest = max(2, seq // 2)
-
-    def batch(self, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 7_777_777)
-        ids = torch.randint(0, self.vocab, (rows, self.seq), generator=g)
-        pos = torch.empty_like(ids)
-        for r in range(rows):
-            t = 0
-            while t < self.seq:
-                n = min(int(torch.randint(1, self.longest + 1, (), generator=g)), self.seq - t)
-                pos[r, t:t + n] = torch.arange(n)
-                t += n
-        return ids, pos
-
-
-def load_tokenizer(path: str):
-    """(encode(text) -> ids, end-of-document id, vocabulary size) of a ``tokenizers`` JSON file or a
-    Hugging Face tokenizer folder."""
-    p = Path(path)
-    if not p.exists():  # a local path only: never a network lookup for a typo
-        raise ValueError(f"data.tokenizer ({path!r}) does not exist: give a tokenizers JSON file or a local Hugging "
-                         "Face tokenizer folder")
-    if p.is_file():
-        from tokenizers import Tokenizer  # noqa: PLC0415
-
-        tok = Tokenizer.from_file(str(p))
-        eod = next((tok.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<eos>", "[SEP]") if tok.token_to_id(t)
-                    is not None), None)
-        size = tok.get_vocab_size()
-        return (lambda text: tok.encode(text).ids), (size if eod is None else eod), size + (eod is None)
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
-    tok = AutoTokenizer.from_pretrained(str(p))
-    eod = tok.eos_token_id if tok.eos_token_id is not None else len(tok)
-    return (lambda text: tok(text, add_special_tokens=False)["input_ids"]), eod, max(len(tok), eod + 1)
-
-
-def text_source(path: str | Path, vocab_size: int, tokenizer: str | None = None):
-    """(the .txt files, encode, end-of-document id) of a text source, every rule checked but nothing
-    tokenized yet: what a launcher checks once before its ranks each read the corpus."""
-    if tokenizer is None:
-        encode, eod, needed = (lambda text: list(text.encode())), EOD, BYTE_VOCAB
-    else:
-        encode, eod, needed = load_tokenizer(tokenizer)
-    if vocab_size < needed:
-        raise ValueError(f"vocab ({vocab_size}) must be at least {needed} for "
-                         f"{'byte-level text' if tokenizer is None else 'data.tokenizer ' + repr(tokenizer)} "
-                         "(model.vocab sets it)")
-    path = Path(path)
-    files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise ValueError(f"data.source ({str(path)!r}) must be 'random', 'random-documents', a text file or a "
-                         "folder of .txt files")
-    return files, encode, eod
-
-
-class PackedText:
-    """Documents of a text file / folder of .txt files packed into rows (see the module docstring);
-    ``tokenizer``: a ``tokenizers`` JSON or an HF tokenizer folder instead of bytes."""
-
-    def __init__(self, path: str | Path, seq: int, seed: int, vocab_size: int, tokenizer: str | None = None):
-        files, encode, eod = text_source(path, vocab_size, tokenizer)
-        path = Path(path)
-        tokens = []
-        for f in files:
-            for doc in f.read_text(errors="replace").split("\n\n"):
-                doc = doc.strip()
-                if doc:
-                    tokens += list(encode(doc)) + [eod]
-        n = len(tokens) // seq
-        if n < 1:
-            raise ValueError(f"data.source ({str(path)!r}) has {len(tokens)} tokens: fewer than one row of "
-                             f"data.seq_length ({seq})")
-        self.ids = torch.tensor(tokens[:n * seq]).view(n, seq)
-        self.pos = restart_per_document(self.ids, eod)
-        self.seq, self.seed, self.rows = seq, seed, n
-
-    def batch(self, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.empty(rows, dtype=torch.long)
-        for i in range(rows):
-            k = step * rows + i
-            epoch, j = divmod(k, self.rows)
-            perm = torch.randperm(self.rows, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
-            idx[i] = perm[j]
-        return self.ids[idx], self.pos[idx]
-
-
-def restart_per_document(ids: torch.Tensor, eod: int = EOD) -> torch.Tensor:
-    """Positions counting from 0 at each row start and after each end-of-document token (a document
-    cut by a row end continues from 0 in the next row)."""
-    starts = torch.zeros_like(ids, dtype=torch.bool)
-    starts[:, 0] = True
-    starts[:, 1:] = ids[:, :-1] == eod
-    t = torch.arange(ids.shape[1]).expand_as(ids)
-    return t - torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
-
-
-SYNTHETIC = {"random": RandomTokens, "random-documents": RandomDocuments}
-
-
-def make_data(source: str, seq: int, seed: int, vocab_size: int, tokenizer: str | None = None):
-    if source in SYNTHETIC:
+        return RecordData(source, seq, seed, vocab_size, tokenizer, fmt=fmt, loss_on=loss_on, overflow=overflow,
+                          task=task)
+    if task in ("sft", "dpo"):
+        need = "a messages or prompt/completion" if task == "sft" else "a preference (prompt/chosen/rejected)"
+        raise ValueError(f"training.task {task} needs {need} dataset (a .jsonl/.parquet/.arrow file or save_to_disk "
+                         f"folder); data.source ({source!r}) is {kind} tokens")
+    if fmt not in ("auto", "text"):
+        raise ValueError(f"data.format ({fmt!r}) needs a records source (.jsonl/.json/.parquet/.arrow or a "
+                         f"save_to_disk folder); data.source ({source!r}) is {kind} tokens")
+    if kind == "synthetic":
         return SYNTHETIC[source](vocab_size, seq, seed)
+    if kind == "indexed":
+        from tpkernels.data.indexed import IndexedTokens  # noqa: PLC0415
+
+        return IndexedTokens(source, seq, seed, vocab_size)
     return PackedText(source, seq, seed, vocab_size, tokenizer)
+
+
+def make_data(source: str, seq: int, seed: int, vocab_size: int, tokenizer: str | None = None, *,
+              fmt: str = "auto", loss_on: str = "all_assistant", overflow: str = "error", task: str = "auto"):
+    """The data of ``data.source`` (see the module docstring); ``task``: ``training.task`` (``auto``: what the
+    data implies)."""
+    task = None if task == "auto" else task
+    blend = parse_blend(source)
+    if blend is None:
+        return _one(source, seq, seed, vocab_size, tokenizer, fmt, loss_on, overflow, task)
+    if any(p in SYNTHETIC for _, p in blend):
+        raise ValueError(f"data.source ({source!r}): a blend mixes files, not synthetic sources")
+    parts = [_one(p, seq, seed * 31 + j, vocab_size, tokenizer, fmt, loss_on, overflow, task)
+             for j, (_, p) in enumerate(blend)]
+    return Blend(parts, [w for w, _ in blend])
+
+
+def data_of(cfg, vocab_size: int):
+    """``make_data`` with a TrainConfig's data and training keys."""
+    d, t = cfg.data, cfg.training
+    return make_data(d.source, d.seq_length, t.seed, vocab_size, d.tokenizer, fmt=d.format, loss_on=d.loss_on,
+                     overflow=d.overflow, task=t.task)
+
+
+def check_source(cfg, vocab_size: int) -> None:
+    """The rules of a source checked without reading a corpus (before a launch: its ranks each read it):
+    paths exist, tokenizer and vocabulary fit."""
+    blend = parse_blend(cfg.data.source)
+    for _, src in blend or [(1.0, cfg.data.source)]:
+        kind = source_kind(src)
+        if kind == "text":
+            text_source(src, vocab_size, cfg.data.tokenizer)
+        elif kind == "records":
+            from tpkernels.data.sources import open_records  # noqa: PLC0415
+
+            open_records(src)
+        elif kind == "indexed":
+            from tpkernels.data.indexed import IndexedTokens  # noqa: PLC0415
+
+            IndexedTokens(src, cfg.data.seq_length, cfg.training.seed, vocab_size)
 
 
 def rows_of_dp_rank(t: torch.Tensor | None, dp_rank: int, dp: int) -> torch.Tensor | None:
@@ -157,3 +103,8 @@ def rows_of_dp_rank(t: torch.Tensor | None, dp_rank: int, dp: int) -> torch.Tens
         return None
     per = t.shape[0] // dp
     return t[dp_rank * per:(dp_rank + 1) * per]
+
+
+__all__ = ["BYTE_VOCAB", "EOD", "IGNORE_INDEX", "PackedText", "RandomDocuments", "RandomTokens", "SYNTHETIC", "TASKS",
+           "TokenBatch", "check_source", "data_of", "load_tokenizer", "make_data", "restart_per_document",
+           "rows_of_dp_rank", "text_source"]

@@ -25,17 +25,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tpkernels.models import ParallelTransformer, next_token_targets
+from tpkernels.models import ParallelTransformer
 from tpkernels.models.grad_sync import DataParallelGradReduce
 from tpkernels.models.lora import apply_lora
 from tpkernels.parallel import control
 from tpkernels.parallel.state import ParallelState
-from tpkernels.train import checkpoint
+from tpkernels.train import checkpoint, dpo
 from tpkernels.train.config import TrainConfig
 from tpkernels.functional.context_parallel import zigzag_split
 from tpkernels.options import flatten
 from tpkernels.train.output_paths import check_output_paths
-from tpkernels.train.data import make_data, rows_of_dp_rank
+from tpkernels.train.data import IGNORE_INDEX, data_of
 from tpkernels.train.failures import (
     RankLostError,
     abort_process_groups,
@@ -60,7 +60,6 @@ from tpkernels.train.precision import DTYPES, FULL, MixedPrecision
 
 
 RANK0_ONLY_KEYS = ("logging.metrics_file", "logging.progress")
-IGNORE_INDEX = -100  # the targets the loss skips (a document's last token, a row's last, prompts)
 
 
 @dataclasses.dataclass
@@ -70,8 +69,9 @@ class StepBatch:
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor | None
-    target: torch.Tensor
-    num_targets: int
+    target: torch.Tensor | dict  # dpo: {"target": ..., "doc": each position's sequence}
+    num_targets: int  # dpo: the step's pairs
+    pairs: "dpo.PairInfo | None" = None  # dpo: the step's pairs (doc: this DP replica's rows, before CP)
 
 
 @dataclasses.dataclass
@@ -90,11 +90,14 @@ class StepRecord:
     bubble: float
     phases: dict
     loss_scale: float | None = None  # fp16 only
+    preference: dict | None = None  # dpo, on logging steps: TRL's metrics (rewards/chosen, ...), means over pairs
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
         if self.loss_scale is None:
             del out["loss_scale"]
+        del out["preference"]
+        out.update(self.preference or {})
         return out
 
 
@@ -153,9 +156,15 @@ class Trainer:
         self.dp_reduce = DataParallelGradReduce(list(self.model.parameters()), self.state.dp_cp_group,
                                                 self.pc.bucket_mb, overlap=self.pc.overlap_dp) \
             if self.pc.dp * self.pc.cp > 1 else None
-        self.data = make_data(cfg.data.source, seq, cfg.training.seed, self.mc.vocab_size, cfg.data.tokenizer)
+        self.data = data_of(cfg, self.mc.vocab_size)
+        self.task = cfg.training.task if cfg.training.task != "auto" else getattr(self.data, "task", "pretrain")
+        self.objective = dpo.make_objective(self) if self.task == "dpo" else None
         self.runtime = self.model.pipeline(self.pc.pipeline_schedule, self.pc.num_microbatches,
-                                           seq_length=seq)
+                                           seq_length=seq, loss_fn=self.objective)
+        # the reference is the initial model's: computed before a checkpoint's weights are loaded
+        self.reference = dpo.ReferenceLogps(self) if self.task == "dpo" else None
+        if self.reference is not None:
+            self.reference.fill(self)
         self.step_index = 0
         self.history: list[dict] = []
         self.resumed_from = None
@@ -241,16 +250,30 @@ class Trainer:
     def prepare_batch(self, step: int) -> StepBatch:
         """Step ``step``'s rows of this rank (its DP replica's, its CP share) and the global count of
         targets, all on the host: the model checks them there (no device sync) and moves them."""
+        return self.shard_batch(self.data.batch(step, self.pc.global_batch_size))
+
+    def shard_batch(self, batch) -> StepBatch:
+        """A global batch (``TokenBatch``) as this rank's :class:`StepBatch`; dpo: the targets carry each
+        position's sequence and the count is the step's pairs."""
         pc, st = self.pc, self.state
-        ids, pos = self.data.batch(step, pc.global_batch_size)
-        target = next_token_targets(ids, pos)
-        num_targets = int((target != IGNORE_INDEX).sum())  # the loss's denominator, whatever the layout
-        ids, pos, target = (rows_of_dp_rank(t, st.dp_rank, pc.dp) for t in (ids, pos, target))
+        # IGNORE_INDEX at documents' last tokens and wherever the loss mask is off (SFT: the prompts)
+        target = batch.targets(IGNORE_INDEX)
+        pairs = dpo.PairInfo.of(batch, target) if self.task == "dpo" else None
+        # the loss's denominator, whatever the layout: the targets (the pairs for dpo)
+        num_targets = pairs.num_pairs if pairs is not None else int((target != IGNORE_INDEX).sum())
+        per = target.shape[0] // pc.dp
+        mine = slice(st.dp_rank * per, (st.dp_rank + 1) * per)
+        parts = {"ids": batch.ids, "pos": batch.position_ids, "target": target,
+                 "doc": None if pairs is None else pairs.doc}
+        parts = {k: None if v is None else v[mine] for k, v in parts.items()}
+        if pairs is not None:
+            pairs.doc = parts["doc"]
         if pc.cp > 1:  # this CP rank's zigzag share of every sequence, targets made on the whole one
-            if pos is None:  # the rank's share needs its global positions (rotary, the causal mask)
-                pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-            ids, pos, target = (zigzag_split(t, pc.cp, st.cp_rank, dim=1) for t in (ids, pos, target))
-        return StepBatch(ids, pos, target, num_targets)
+            if parts["pos"] is None:  # the rank's share needs its global positions (rotary, the causal mask)
+                parts["pos"] = torch.arange(parts["ids"].shape[1]).expand(parts["ids"].shape[0], -1)
+            parts = {k: None if v is None else zigzag_split(v, pc.cp, st.cp_rank, dim=1) for k, v in parts.items()}
+        target = parts["target"] if pairs is None else {"target": parts["target"], "doc": parts["doc"]}
+        return StepBatch(parts["ids"], parts["pos"], target, num_targets, pairs)
 
     def forward_backward(self, batch: StepBatch) -> tuple[float, CommTrace, float]:
         """Forward and backward over the micro-batches, then the gradient reductions: (the step's loss,
@@ -263,6 +286,10 @@ class Trainer:
         if self.dp_reduce is not None:
             self.dp_reduce.start(self.pc.num_microbatches)
         t0 = time.perf_counter()
+        if batch.pairs is not None:  # dpo: the reference log-probs first (the adapters-off pass runs here)
+            table = self.reference.table(self, batch)
+            if self.objective is not None:
+                self.objective.begin_step(batch.pairs.num_pairs, batch.pairs.chosen_tokens, table)
         with CommTrace() as tr:
             loss = self.model.step(batch.input_ids if st.is_first_stage else None, batch.target,
                                    position_ids=batch.position_ids, runtime=self.runtime,
@@ -316,6 +343,8 @@ class Trainer:
             last = checkpoint.latest(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else None
             raise FloatingPointError(f"loss is {loss} at step {step} ({self.pc.short()}); last good "
                                      f"checkpoint: {last or 'none'}; lower lr (now {lr:.3g}) or enable clip_grad")
+        preference = dpo.reduce_metrics(self, self.objective) \
+            if self.task == "dpo" and self._logging_step(step) else None
         dt = time.perf_counter() - t0
         timeline = self.runtime.timeline
         rec = StepRecord(step=step, loss=loss, lr=lr, grad_norm=norm, step_s=dt,
@@ -323,7 +352,8 @@ class Trainer:
                          mfu=self.step_flops / (dt * self.pc.world_size * self.peak), comm_ratio=comm,
                          bubble=idle_share(timeline),
                          phases=step_phases(dt, t_fb, exposed, t_dp, timeline if self.pc.pp > 1 else None),
-                         loss_scale=self.mp.scale if self.mp is not None and self.mp.scaling else None)
+                         loss_scale=self.mp.scale if self.mp is not None and self.mp.scaling else None,
+                         preference=preference)
         self._warn_comm(rec)
         out = rec.as_dict()
         self.metrics.write({**out, "layout": self.pc.short(), "mfu_vs": self.peak_label})
@@ -388,7 +418,9 @@ class Trainer:
             bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",
                             tok_s=f"{rec['tokens_per_s']:.0f}", step_s=f"{rec['step_s']:.3f}",
                             mfu=f"{100 * rec['mfu']:.1f}%", comm=f"{100 * rec['comm_ratio']:.0f}%",
-                            bubble=f"{100 * rec['bubble']:.0f}%")
+                            bubble=f"{100 * rec['bubble']:.0f}%",
+                            **({"acc": f"{rec['rewards/accuracies']:.2f}", "margin": f"{rec['rewards/margins']:.3f}"}
+                               if "rewards/accuracies" in rec else {}))
 
 
 def out_of_memory_advice(trainer: "Trainer", err: Exception) -> str:

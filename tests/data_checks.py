@@ -1,0 +1,76 @@
+"""Test helpers of the data layer: a tiny local tokenizer folder with a real chat template, JSONL
+writing, and an assistant mask computed by a separate, simple rule (not the package's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+WORDS = ("hello hi how are you fine thanks what is two plus three five four the answer ok bye again tell me a "
+         "story once upon time end yes no sky blue why because").split()
+SPECIAL = ["[UNK]", "<pad>", "<s>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+PLAIN = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+         "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+MARKED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|> {% generation %}{{ m['content'] }} "
+          "<|end|>{% endgeneration %} {% else %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+# the turn count first: rendering more turns changes the start, so no rendering is a prefix of the next
+NOT_MONOTONE = "{{ messages | length }} " + PLAIN
+
+
+def make_tokenizer(folder: Path, template: str | None = PLAIN) -> Path:
+    """A WordLevel tokenizer over WORDS (whitespace-split) with the chat specials, saved as an HF folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(SPECIAL)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="<|end|>")
+    if template is not None:
+        fast.chat_template = template
+    fast.save_pretrained(str(folder))
+    return folder
+
+
+def reference_mask(ids: list[int], last_only: bool = False) -> list[bool]:
+    """Supervised tokens by the templates' own structure: after each <|assistant|> token up to and including
+    the <|end|> that closes the turn (the last such turn only with ``last_only``)."""
+    a, e = SPECIAL.index("<|assistant|>"), SPECIAL.index("<|end|>")
+    mask, inside, turns = [], False, []
+    for t in ids:
+        if t == a:
+            inside = True
+            turns.append([])
+            mask.append(False)
+            continue
+        mask.append(inside)
+        if inside:
+            turns[-1].append(len(mask) - 1)
+        if t == e:
+            inside = False
+    if last_only:
+        keep = set(turns[-1]) if turns else set()
+        mask = [i in keep for i in range(len(ids))]
+    return mask
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+CHATS = [
+    {"messages": [{"role": "user", "content": "hello how are you"}, {"role": "assistant", "content": "fine thanks"},
+                  {"role": "user", "content": "what is two plus three"},
+                  {"role": "assistant", "content": "the answer is five"}]},
+    {"messages": [{"role": "system", "content": "yes"}, {"role": "user", "content": "tell me a story"},
+                  {"role": "assistant", "content": "once upon a time the end"}]},
+    {"messages": [{"role": "user", "content": "why is the sky blue"},
+                  {"role": "assistant", "content": "because"}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                  {"role": "user", "content": "bye"}, {"role": "assistant", "content": "bye again"}]},
+]

@@ -1,0 +1,147 @@
+"""DPO in the trainer: the objective against a logits oracle, every layout against the one-process run,
+the cached reference against the online one, and bad input named.
+
+Preference pairs (prompt/chosen/rejected, conversational) go through the tiny chat tokenizer of
+tests/data_checks.py and are packed pairs-per-row; the model is test_train's small Llama in fp64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from data_checks import MARKED, make_tokenizer, write_jsonl
+from test_train import small
+from tpkernels.functional.preference import preference_loss
+from tpkernels.models import ParallelTransformer
+from tpkernels.models.preference import PreferenceObjective
+from tpkernels.parallel import ParallelConfig
+from tpkernels.parallel.state import ParallelState
+from tpkernels.train import Trainer
+from tpkernels.train.data import data_of
+from tpkernels.train.dpo import PairInfo
+
+SEQ = 40
+PROMPTS = [("what is two plus three", "five", "four"), ("why is the sky blue", "because", "no"),
+           ("tell me a story", "once upon a time the end", "no"), ("hello how are you", "fine thanks", "bye"),
+           ("what is the answer", "yes", "no again"), ("hi", "hello", "ok bye")]
+
+
+def _pairs(n: int) -> list[dict]:
+    out = []
+    for k in range(n):
+        p, c, r = PROMPTS[k % len(PROMPTS)]
+        out.append({"prompt": [{"role": "user", "content": p}], "chosen": [{"role": "assistant", "content": c}],
+                    "rejected": [{"role": "assistant", "content": r}]})
+    return out
+
+
+def _cfg(tmp_path, **kw):
+    tok = tmp_path / "tok"
+    if not tok.exists():
+        make_tokenizer(tok, MARKED)
+        write_jsonl(tmp_path / "pairs.jsonl", _pairs(30))
+    return small(**{"data.source": str(tmp_path / "pairs.jsonl"), "data.tokenizer": str(tok), "seq_length": SEQ,
+                    "training.precision": "fp64", "steps": 3, "dpo.cache_dir": str(tmp_path / "ref"),
+                    "optimizer.lr": 3e-2, "optimizer.clip_grad": 1.0, **kw})
+
+
+def _model(cfg, rows):
+    state = ParallelState.create(ParallelConfig(micro_batch_size=rows, num_microbatches=1, dp=1))
+    return ParallelTransformer(cfg.model_config(), state, seed=cfg.training.seed, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("loss_type,sft_weight", [("sigmoid", 0.0), ("ipo", 0.5), ("simpo", 0.0), ("hinge", 0.0)])
+def test_objective_equals_the_logits_oracle(tmp_path, loss_type, sft_weight, fresh_seed):
+    """Loss and every gradient of the pipeline objective (2 micro-batches) against log_softmax of the full
+    logits, per-sequence sums by a plain loop, and the same preference_loss on a random reference."""
+    cfg = _cfg(tmp_path)
+    batch = data_of(cfg, cfg.model_config().vocab_size).batch(0, 4)
+    target = batch.targets()
+    info = PairInfo.of(batch, target)
+    g = torch.Generator().manual_seed(fresh_seed)
+    ref = -20 * torch.rand(info.num_pairs, 2, generator=g, dtype=torch.float64)
+    model = _model(cfg, 2)
+    obj = PreferenceObjective(model.head, model.state, beta=0.3, loss_type=loss_type, sft_weight=sft_weight)
+    obj.begin_step(info.num_pairs, info.chosen_tokens, ref)
+    rt = model.pipeline("1f1b", 2, loss_fn=obj)
+    loss = model.step(batch.ids, {"target": target, "doc": info.doc}, batch.position_ids, runtime=rt,
+                      num_targets=info.num_pairs)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    # the oracle: every token's log-prob from the logits, sums per (pair, chosen) by a loop
+    model.zero_grad(set_to_none=True)
+    lp = torch.log_softmax(model.forward(batch.ids, batch.position_ids), dim=-1)
+    sums = torch.zeros(info.num_pairs, 2, dtype=torch.float64)
+    counts = torch.zeros(info.num_pairs, 2, dtype=torch.float64)
+    for r in range(target.shape[0]):
+        for t in range(target.shape[1]):
+            if target[r, t] != -100 and batch.pair_index[r, t] >= 0:
+                k, side = int(batch.pair_index[r, t]), 0 if bool(batch.chosen[r, t]) else 1
+                sums[k, side] = sums[k, side] + lp[r, t, target[r, t]]
+                counts[k, side] += 1
+    assert bool((counts > 0).all()) and counts[:, 0].sum() == info.chosen_tokens
+    losses, _ = preference_loss(sums[:, 0], sums[:, 1], ref[:, 0], ref[:, 1], beta=0.3, loss_type=loss_type,
+                                chosen_lengths=counts[:, 0], rejected_lengths=counts[:, 1])
+    want = losses.mean() + sft_weight * -sums[:, 0].sum() / counts[:, 0].sum()
+    want.backward()
+    torch.testing.assert_close(torch.tensor(loss, dtype=torch.float64), want.detach(), rtol=1e-10, atol=1e-12)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-8, atol=1e-12, msg=n)
+
+
+def _train(tmp_path, kw: dict) -> dict:
+    t = Trainer(_cfg(tmp_path, **kw))
+    hist = t.train()
+    return {k: [h[k] for h in hist] for k in ("loss", "grad_norm", "rewards/accuracies", "rewards/margins")}
+
+
+def _worker(rank, world, tmp_path, kw):
+    return _train(tmp_path, kw)
+
+
+LAYOUTS = {
+    "tp2pp2-sp-1f1b": dict(tp=2, pp=2, sequence_parallel=True, micro_batch_size=1, num_microbatches=2),
+    "dp2cp2": dict(dp=2, cp=2, micro_batch_size=1, num_microbatches=1),
+    "pp2-zb-h1-mbs1x2": dict(pp=2, schedule="zb-h1", micro_batch_size=1, num_microbatches=2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_trains_what_one_process_trains(rank_pool, tmp_path, layout):
+    """3 steps of DPO (cached reference, filled by the first run and read by the next): each step's loss,
+    gradient norm and TRL metrics equal the one-process whole-batch run to 1e-6 relative."""
+    want = _train(tmp_path, dict(micro_batch_size=2, num_microbatches=1, log_every=1))
+    assert want["loss"][0] == pytest.approx(0.6931471805599453, rel=1e-12)  # step 0: policy = reference, log 2
+    assert want["loss"][-1] < want["loss"][0]
+    kw = {**LAYOUTS[layout], "log_every": 1}
+    world = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("dp", 1) * kw.get("cp", 1)
+    for got in rank_pool(world).run(_worker, tmp_path, kw, timeout=300):
+        for k in want:
+            torch.testing.assert_close(torch.tensor(got[k]), torch.tensor(want[k]), rtol=1e-6, atol=1e-12, msg=k)
+
+
+def test_cached_reference_equals_adapters_off_with_lora(tmp_path):
+    """LoRA: the reference read from the cache (computed once before training) and the one computed every
+    step with the adapters turned off give the same run; the cache is re-used by the next run."""
+    lora = {"model.finetune": "lora", "model.lora_rank": 4, "micro_batch_size": 2, "num_microbatches": 1,
+            "log_every": 1}
+    cached = _train(tmp_path, {**lora, "dpo.reference": "cached"})
+    online = _train(tmp_path, {**lora, "dpo.reference": "adapters"})
+    for k in cached:
+        torch.testing.assert_close(torch.tensor(online[k]), torch.tensor(cached[k]), rtol=1e-9, atol=1e-12, msg=k)
+    folders = list((tmp_path / "ref").iterdir())
+    assert len(folders) == 1 and (folders[0] / "key.json").is_file()
+    stamp = {p.name: p.stat().st_mtime_ns for p in folders[0].iterdir()}
+    _train(tmp_path, {**lora, "dpo.reference": "cached"})  # a second run reads, never rewrites
+    assert {p.name: p.stat().st_mtime_ns for p in folders[0].iterdir()} == stamp
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"dpo.reference": "adapters"}, "dpo.reference (adapters) needs model.finetune lora"),
+    ({"dpo.beta": 0.0}, "dpo.beta (0.0) must be a finite number > 0"),
+    ({"dpo.loss_type": "ipo", "dpo.label_smoothing": 0.1}, "dpo.label_smoothing (0.1) applies to loss_type sigmoid"),
+    ({"training.task": "dpo", "data.source": "random-documents"}, "training.task dpo needs a preference"),
+])
+def test_bad_dpo_settings_are_named(tmp_path, kw, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Trainer(_cfg(tmp_path, **{"training.task": "dpo", **kw}))

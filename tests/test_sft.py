@@ -1,0 +1,78 @@
+"""SFT: the loss is the global token mean over the assistant tokens only. A DP2 run on 2 gloo ranks in
+fp64 gives, at step 0, the one-process fp64 loss whose labels are masked by a separate rule
+(data_checks.reference_mask); packed rows give the loss of the same samples one per row."""
+
+from __future__ import annotations
+
+import torch
+
+from data_checks import CHATS, MARKED, make_tokenizer, reference_mask, write_jsonl
+from test_train import small
+from tpkernels.models import ParallelTransformer
+from tpkernels.parallel import ParallelConfig
+from tpkernels.parallel.state import ParallelState
+from tpkernels.train import Trainer
+from tpkernels.train.data import data_of
+
+SEQ = 48
+
+
+def _cfg(tmp_path, **kw):
+    tok = tmp_path / "tok"
+    if not tok.exists():
+        make_tokenizer(tok, MARKED)
+        write_jsonl(tmp_path / "chat.jsonl", CHATS * 4)
+    return small(**{"data.source": str(tmp_path / "chat.jsonl"), "data.tokenizer": str(tok), "seq_length": SEQ,
+                    "training.precision": "fp64", "steps": 2, **kw})
+
+
+def _worker(rank, world, tmp_path):
+    return [h["loss"] for h in Trainer(_cfg(tmp_path, dp=2, micro_batch_size=1, num_microbatches=2)).train()]
+
+
+def _reference_targets(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Next-token targets within each document, kept where the simple rule marks the label token."""
+    target = torch.full_like(ids, -100)
+    for r in range(ids.shape[0]):
+        starts = (pos[r] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+        for a, b in zip(starts, starts[1:]):
+            mask = reference_mask(ids[r, a:b].tolist())
+            for t in range(a, b - 1):
+                if mask[t + 1 - a]:
+                    target[r, t] = ids[r, t + 1]
+    return target
+
+
+def _model(cfg, rows):
+    state = ParallelState.create(ParallelConfig(micro_batch_size=rows, num_microbatches=1, dp=1))
+    return ParallelTransformer(cfg.model_config(), state, seed=cfg.training.seed, dtype=torch.float64)
+
+
+def test_sft_loss_on_2_ranks_equals_the_masked_fp64_reference(rank_pool, tmp_path):
+    cfg = _cfg(tmp_path)
+    batch = data_of(cfg, cfg.model_config().vocab_size).batch(0, 4)
+    assert cfg.training.task == "auto" and batch.loss_mask is not None
+    target = _reference_targets(batch.ids, batch.position_ids)
+    assert torch.equal(target, batch.targets())  # the package's targets are the rule's
+    assert 0 < int((target != -100).sum()) < int((batch.position_ids[:, 1:] != 0).sum())  # prompts excluded
+    want = _model(cfg, 4).evaluate(batch.ids, target, position_ids=batch.position_ids, num_microbatches=1)
+    (loss_a, _), (loss_b, _) = rank_pool(2).run(_worker, tmp_path, timeout=300)
+    assert loss_a == loss_b
+    torch.testing.assert_close(torch.tensor(loss_a), torch.tensor(want), rtol=1e-9, atol=0)
+
+
+def test_packed_and_unpacked_give_the_same_loss(tmp_path):
+    cfg = _cfg(tmp_path)
+    batch = data_of(cfg, cfg.model_config().vocab_size).batch(0, 4)
+    target = batch.targets()
+    model = _model(cfg, 1)
+    packed = _model(cfg, 4).evaluate(batch.ids, target, position_ids=batch.position_ids, num_microbatches=1)
+    total = count = 0.0
+    for r in range(4):  # each sample alone in its own row (the filler left out)
+        starts = (batch.position_ids[r] == 0).nonzero().flatten().tolist() + [SEQ]
+        for a, b in zip(starts, starts[1:]):
+            n = int((target[r, a:b] != -100).sum())
+            if n:
+                one = model.evaluate(batch.ids[r:r + 1, a:b], target[r:r + 1, a:b], num_microbatches=1)
+                total, count = total + one * n, count + n
+    torch.testing.assert_close(torch.tensor(packed), torch.tensor(total / count), rtol=1e-9, atol=0)
