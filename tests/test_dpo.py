@@ -120,6 +120,17 @@ def test_every_layout_trains_what_one_process_trains(rank_pool, tmp_path, layout
             torch.testing.assert_close(torch.tensor(got[k]), torch.tensor(want[k]), rtol=1e-6, atol=1e-12, msg=k)
 
 
+def test_cached_reference_equals_a_frozen_model(tmp_path):
+    """Full fine-tuning: the cached reference and a frozen copy of the initial weights beside the policy
+    give the same run."""
+    kw = {"micro_batch_size": 2, "num_microbatches": 1, "log_every": 1}
+    cached = _train(tmp_path, {**kw, "dpo.reference": "cached"})
+    frozen = _train(tmp_path, {**kw, "dpo.reference": "model"})
+    for k in cached:
+        torch.testing.assert_close(torch.tensor(frozen[k]), torch.tensor(cached[k]), rtol=1e-9, atol=1e-12, msg=k)
+    assert cached["loss"][-1] != cached["loss"][0]
+
+
 def test_cached_reference_equals_adapters_off_with_lora(tmp_path):
     """LoRA: the reference read from the cache (computed once before training) and the one computed every
     step with the adapters turned off give the same run; the cache is re-used by the next run."""

@@ -1,9 +1,11 @@
 """SFT: the loss is the global token mean over the assistant tokens only. A DP2 run on 2 gloo ranks in
 fp64 gives, at step 0, the one-process fp64 loss whose labels are masked by a separate rule
-(data_checks.reference_mask); packed rows give the loss of the same samples one per row."""
+(data_checks.reference_mask); packed rows give the loss of the same samples one per row; TP2×PP2+SP,
+CP2 and interleaved PP2 train what one process trains, step for step."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from data_checks import CHATS, MARKED, make_tokenizer, reference_mask, write_jsonl
@@ -76,3 +78,26 @@ def test_packed_and_unpacked_give_the_same_loss(tmp_path):
                 one = model.evaluate(batch.ids[r:r + 1, a:b], target[r:r + 1, a:b], num_microbatches=1)
                 total, count = total + one * n, count + n
     torch.testing.assert_close(torch.tensor(packed), torch.tensor(total / count), rtol=1e-9, atol=0)
+
+
+def _train(tmp_path, kw):
+    hist = Trainer(_cfg(tmp_path, steps=3, **kw)).train()
+    return [h["loss"] for h in hist], [h["grad_norm"] for h in hist]
+
+
+def _layout_worker(rank, world, tmp_path, kw):
+    return _train(tmp_path, kw)
+
+
+@pytest.mark.parametrize("kw", [dict(tp=2, pp=2, sequence_parallel=True, micro_batch_size=1, num_microbatches=2),
+                                dict(cp=2, micro_batch_size=2, num_microbatches=1),
+                                dict(pp=2, schedule="interleaved", virtual_stages=2, micro_batch_size=1,
+                                     num_microbatches=2)],
+                         ids=["tp2pp2-sp", "cp2", "pp2-interleaved"])
+def test_sft_at_every_layout_trains_what_one_process_trains(rank_pool, tmp_path, kw):
+    """3 SFT steps (prompts masked): losses and gradient norms equal the one-process run to 1e-6."""
+    want = _train(tmp_path, dict(micro_batch_size=2, num_microbatches=1))
+    world = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
+    for loss, norm in rank_pool(world).run(_layout_worker, tmp_path, kw, timeout=300):
+        torch.testing.assert_close(torch.tensor(loss), torch.tensor(want[0]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(torch.tensor(norm), torch.tensor(want[1]), rtol=1e-6, atol=0)

@@ -87,10 +87,19 @@ class DpoSection:
     sft_weight: float = opt(0.0, "weight of the chosen completions' token-mean NLL added to the loss (RPO)")
     simpo_gamma: float = opt(0.5, "simpo: the target reward margin γ")
     reference: str = opt("cached", "the reference log-probs: cached (one forward pass over the data before training, "
-                                   "kept on disk for the next run) or adapters (LoRA: the same model with its adapters "
-                                   "off, a forward pass every step)", ("cached", "adapters"))
+                                   "kept on disk for the next run), adapters (LoRA: the same model with its adapters "
+                                   "off, a forward pass every step) or model (a frozen copy of the initial weights, "
+                                   "a forward pass every step)", ("cached", "adapters", "model"))
     cache_dir: str | None = opt(None, "reference cache folder (default: ~/.cache/tpkernels/dpo_reference, or "
                                       "$XDG_CACHE_HOME; one the nodes share when there are several)")
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    source: str | None = opt(None, "held-out data, read as data.source is (same format, tokenizer, task and "
+                                   "seq_length); none: no validation")
+    every: int = opt(0, "steps between validations (and after the last step); 0: off")
+    batches: int = opt(4, "global batches per validation (the run's global batch size)")
 
 
 @dataclass(frozen=True)
@@ -141,6 +150,7 @@ class TrainConfig:
     optimizer: OptimizerSection = section(OptimizerSection, "AdamW and its schedule")
     data: DataSection = section(DataSection, "tokens")
     dpo: DpoSection = section(DpoSection, "preference training (training.task dpo)")
+    eval: EvalSection = section(EvalSection, "validation: forward-only passes over held-out data")
     checkpoint: CheckpointSection = section(CheckpointSection, "checkpoints")
     logging: LoggingSection = section(LoggingSection, "progress, metrics, traces")
     autotune: AutotuneSection = section(AutotuneSection, "layout auto: measure the planner's best layouts in the run")
@@ -226,6 +236,11 @@ class TrainConfig:
         if at.candidates and self.layout != "auto":
             errs.append(f"autotune.candidates ({at.candidates}) needs layout: auto (the planner proposes the "
                         f"candidates), not {self.layout!r}")
+        ev = self.eval
+        if ev.every < 0 or ev.batches < 1:
+            errs.append(f"eval.every ({ev.every}) must be >= 0 and eval.batches ({ev.batches}) >= 1")
+        if ev.every and not ev.source:
+            errs.append(f"eval.every ({ev.every}) needs eval.source (the held-out data)")
         dpo = self.dpo
         if not (math.isfinite(dpo.beta) and dpo.beta > 0):
             errs.append(f"dpo.beta ({dpo.beta!r}) must be a finite number > 0")
@@ -240,7 +255,7 @@ class TrainConfig:
             errs.append(f"dpo.simpo_gamma ({dpo.simpo_gamma!r}) must be a finite number")
         if t.task == "dpo" and dpo.reference == "adapters" and self.model.finetune != "lora":
             errs.append(f"dpo.reference (adapters) needs model.finetune lora (now {self.model.finetune!r}: there are "
-                        "no adapters to turn off); use dpo.reference cached")
+                        "no adapters to turn off); use dpo.reference cached or model")
         errs += self.model.errors("model.")
         errs += self.parallel.layout_errors("parallel.")
         return errs

@@ -1,7 +1,7 @@
 """DPO in the trainer (``training.task dpo``): the step's pairs, the reference log-probs, the metrics.
 
     pairs = PairInfo.of(batch, target)            # host: the step's pairs, their sequences' ids per token
-    ref = ReferenceLogps(trainer)                 # dpo.reference: cached (filled once) or adapters (online)
+    ref = ReferenceLogps(trainer)                 # dpo.reference: cached (filled once), adapters or model (online)
     table = ref.table(trainer, step_batch)        # (num_pairs, 2) [chosen, rejected], or None (simpo)
 
 The objective itself is :class:`tpkernels.models.preference.PreferenceObjective`, the last stage's
@@ -16,6 +16,8 @@ The reference (``dpo.reference``):
   any layout. A step then costs one policy forward/backward, as SFT does.
 - ``adapters`` (LoRA): every step, a forward-only pass with the adapters turned off (scale 0: the
   base weights exactly), then the training pass: no second copy of the weights.
+- ``model``: a frozen copy of the initial weights beside the policy (twice the weights' memory),
+  a forward-only pass every step; for full fine-tuning when the cache cannot be used (a blend).
 Reference-free losses (``simpo``) skip both.
 """
 
@@ -91,11 +93,11 @@ def make_objective(trainer) -> PreferenceObjective | None:
                                label_smoothing=d.label_smoothing, sft_weight=d.sft_weight, simpo_gamma=d.simpo_gamma)
 
 
-def reference_pass(trainer, batch) -> torch.Tensor:
-    """The pairs' (chosen, rejected) log-probs of a prepared step batch, forward only, under the model as
-    it is now: (num_pairs, 2) float64 on the last stage (zeros for the pairs of other DP replicas and
-    on the other stages). Collective over the whole world, like a step."""
-    model, st = trainer.model, trainer.state
+def reference_pass(trainer, batch, model=None) -> torch.Tensor:
+    """The pairs' (chosen, rejected) log-probs of a prepared step batch, forward only, under ``model``
+    (default: the trainer's, as it is now): (num_pairs, 2) float64 on the last stage (zeros for the
+    pairs of other DP replicas and on the other stages). Collective over the whole world, like a step."""
+    model, st = model or trainer.model, trainer.state
     rec = SequenceLogps(model.head, st) if model.head is not None else None
     if rec is not None:
         rec.begin(batch.pairs.num_pairs)
@@ -116,8 +118,9 @@ def _cache_root(trainer) -> Path:
     return Path(base) / "tpkernels" / "dpo_reference"
 
 
-def cache_key(cfg, mc) -> rc.CacheKey:
-    """What the reference log-probs depend on (and nothing else: not the layout)."""
+def cache_key(cfg, mc, source: str | None = None) -> rc.CacheKey:
+    """What the reference log-probs of ``source`` (default: data.source) depend on (and nothing else:
+    not the layout)."""
     d = cfg.data
     if not d.tokenizer:
         raise ValueError("dpo.reference cached: preference data needs data.tokenizer (its chat template and "
@@ -126,23 +129,27 @@ def cache_key(cfg, mc) -> rc.CacheKey:
                                                      "config": dataclasses.asdict(mc)}}
     settings = {"format": d.format, "loss_on": d.loss_on, "overflow": d.overflow, "seed": cfg.training.seed,
                 "precision": cfg.training.precision, "model_config": dataclasses.asdict(mc)}
-    return rc.reference_cache_key(model=model, data=[d.source], tokenizer=d.tokenizer, seq_length=d.seq_length,
-                                  settings=settings)
+    return rc.reference_cache_key(model=model, data=[source or d.source], tokenizer=d.tokenizer,
+                                  seq_length=d.seq_length, settings=settings)
 
 
 class ReferenceLogps:
     """Where a DPO run's reference log-probs come from (``dpo.reference``; see the module docstring)."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, data=None, source: str | None = None):
+        """``data``/``source``: another source than the training data's (validation)."""
         cfg = trainer.cfg
+        data, source = data or trainer.data, source or cfg.data.source
         self.mode = None if cfg.dpo.loss_type in REFERENCE_FREE else cfg.dpo.reference
-        self.cache = None
+        self.cache = self.frozen = None
+        if self.mode == "model":  # a frozen copy of the initial weights, sharded like the policy
+            self.frozen = trainer.build_model().requires_grad_(False)
         if self.mode == "cached":
-            packed = getattr(trainer.data, "packed", None)
+            packed = getattr(data, "packed", None)
             if packed is None or not getattr(packed, "pairs", False):
-                raise ValueError(f"dpo.reference cached needs one preference data.source (not a blend): "
-                                 f"{cfg.data.source!r}; use dpo.reference adapters (with LoRA)")
-            key = cache_key(cfg, trainer.mc)
+                raise ValueError(f"dpo.reference cached needs one preference source (not a blend): "
+                                 f"{source!r}; use dpo.reference model (or adapters with LoRA)")
+            key = cache_key(cfg, trainer.mc, source)
             self.cache = rc.ReferenceCache(_cache_root(trainer) / key.digest[:16], key)
             self.packed = packed
 
@@ -152,6 +159,8 @@ class ReferenceLogps:
         if self.mode == "adapters":
             with adapters_off(trainer.model):
                 return reference_pass(trainer, batch)
+        if self.mode == "model":
+            return reference_pass(trainer, batch, self.frozen)
         samples = batch.pairs.samples
         chosen, rejected = self.cache.get(samples)
         return torch.stack([chosen, rejected], dim=1)
@@ -191,18 +200,26 @@ class ReferenceLogps:
         return int(missing.numel())
 
 
-def reduce_metrics(trainer, objective) -> dict[str, float]:
-    """TRL's metrics over the step's pairs (means), on every rank: one sum over the world, each pair
-    counted once (the last stage's TP/CP rank 0 of each DP replica contributes)."""
+def metric_sums(trainer, objective) -> list[float]:
+    """TRL's metrics summed over the pairs the objective saw since its ``begin_step``, then their count,
+    on every rank: one sum over the world, each pair counted once (the last stage's TP/CP rank 0 of
+    each DP replica contributes)."""
     st = trainer.state
-    n = len(METRIC_NAMES) + 1
-    mine = torch.zeros(n, dtype=torch.float64)
+    mine = torch.zeros(len(METRIC_NAMES) + 1, dtype=torch.float64)
     if objective is not None and st.tp_rank == 0 and st.cp_rank == 0 and objective.metric_sums() is not None:
         mine = objective.metric_sums().double().cpu()
-    total = control.all_reduce_values(mine.tolist(), "sum")
-    count = max(total[-1], 1.0)
-    return {name: total[i] / count for i, name in enumerate(METRIC_NAMES)}
+    return control.all_reduce_values(mine.tolist(), "sum")
 
 
-__all__ = ["PairInfo", "ReferenceLogps", "adapters_off", "cache_key", "make_objective", "reduce_metrics",
-           "reference_pass"]
+def metric_means(sums: list[float]) -> dict[str, float]:
+    count = max(sums[-1], 1.0)
+    return {name: sums[i] / count for i, name in enumerate(METRIC_NAMES)}
+
+
+def reduce_metrics(trainer, objective) -> dict[str, float]:
+    """TRL's metrics of the step (means over its pairs), on every rank."""
+    return metric_means(metric_sums(trainer, objective))
+
+
+__all__ = ["PairInfo", "ReferenceLogps", "adapters_off", "cache_key", "make_objective", "metric_means", "metric_sums",
+           "reduce_metrics", "reference_pass"]

@@ -35,7 +35,7 @@ from tpkernels.train.config import TrainConfig
 from tpkernels.functional.context_parallel import zigzag_split
 from tpkernels.options import flatten
 from tpkernels.train.output_paths import check_output_paths
-from tpkernels.train.data import IGNORE_INDEX, data_of
+from tpkernels.train.data import IGNORE_INDEX, data_of, make_data
 from tpkernels.train.failures import (
     RankLostError,
     abort_process_groups,
@@ -136,13 +136,7 @@ class Trainer:
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                  else torch.device("cpu"))
         dtype = DTYPES[cfg.training.precision]
-        if cfg.model.init_from:
-            self.model = ParallelTransformer.from_hf(cfg.model.init_from, self.state, config=self.mc,
-                                                     device=self.device, overlap_comm=self.pc.overlap_comm,
-                                                     dtype=dtype)
-        else:
-            self.model = ParallelTransformer(self.mc, self.state, seed=cfg.training.seed, device=self.device,
-                                             overlap_comm=self.pc.overlap_comm, dtype=dtype)
+        self.model = self.build_model()
         ms, opt = cfg.model, cfg.optimizer
         self.lora_layers = apply_lora(self.model, ms.lora_rank, ms.lora_alpha) if ms.finetune == "lora" else []
         self.mp = MixedPrecision(self.model, dtype, init_scale=cfg.training.initial_loss_scale) \
@@ -165,6 +159,14 @@ class Trainer:
         self.reference = dpo.ReferenceLogps(self) if self.task == "dpo" else None
         if self.reference is not None:
             self.reference.fill(self)
+        self.eval_data = self.eval_reference = None
+        if cfg.eval.every:  # held-out data read as the training data is, with the same task
+            d = cfg.data
+            self.eval_data = make_data(cfg.eval.source, seq, cfg.training.seed, self.mc.vocab_size, d.tokenizer,
+                                       fmt=d.format, loss_on=d.loss_on, overflow=d.overflow, task=self.task)
+            if self.task == "dpo":
+                self.eval_reference = dpo.ReferenceLogps(self, self.eval_data, cfg.eval.source)
+                self.eval_reference.fill(self)
         self.step_index = 0
         self.history: list[dict] = []
         self.resumed_from = None
@@ -188,6 +190,16 @@ class Trainer:
                     self.saved_step = self.step_index
                 if self.mp is not None and "loss_scale" in meta:
                     self.mp.load_state_dict(meta["loss_scale"])
+
+    def build_model(self) -> ParallelTransformer:
+        """This rank's part of the run's model as it starts: ``model.init_from``'s weights, or the seed's
+        (the same at every layout), before any adapter or checkpoint."""
+        cfg, dtype = self.cfg, DTYPES[self.cfg.training.precision]
+        if cfg.model.init_from:
+            return ParallelTransformer.from_hf(cfg.model.init_from, self.state, config=self.mc, device=self.device,
+                                               overlap_comm=self.pc.overlap_comm, dtype=dtype)
+        return ParallelTransformer(self.mc, self.state, seed=cfg.training.seed, device=self.device,
+                                   overlap_comm=self.pc.overlap_comm, dtype=dtype)
 
     def save(self) -> Path:
         """A checkpoint of the steps done so far under ``checkpoint.save_dir`` (collective). With ``async_save``
@@ -325,6 +337,35 @@ class Trainer:
             self.optimizer.step()
         return norm, False
 
+    def validate(self) -> dict[str, float]:
+        """``eval.batches`` global batches of ``eval.source``, forwards only, at the run's layout and
+        schedule (no gradients, no recompute): the token-mean loss and its perplexity (dpo: the mean
+        pair loss and TRL's metrics), the same on every rank (collective)."""
+        ev, st = self.cfg.eval, self.state
+        total = weight = 0.0
+        sums = None
+        for b in range(ev.batches):
+            batch = self.shard_batch(self.eval_data.batch(b, self.pc.global_batch_size))
+            if batch.pairs is not None:
+                table = self.eval_reference.table(self, batch)
+                if self.objective is not None:
+                    self.objective.begin_step(batch.pairs.num_pairs, batch.pairs.chosen_tokens, table)
+            loss = self.model.evaluate(batch.input_ids if st.is_first_stage else None, batch.target,
+                                       batch.position_ids, num_targets=batch.num_targets,
+                                       loss_fn=self.objective if batch.pairs is not None else None)
+            total, weight = total + loss * batch.num_targets, weight + batch.num_targets
+            if batch.pairs is not None:
+                s = dpo.metric_sums(self, self.objective)
+                sums = s if sums is None else [a + b for a, b in zip(sums, s)]
+        mean = total / max(weight, 1)
+        if sums is not None:
+            return {"eval/loss": mean, **{f"eval/{k}": v for k, v in dpo.metric_means(sums).items()}}
+        return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 700.0))}
+
+    def _validation_due(self, last: int) -> bool:
+        every = self.cfg.eval.every
+        return self.eval_data is not None and (self.step_index % every == 0 or self.step_index == last)
+
     def train_step(self) -> dict:
         """One step: batch, forward-backward, gradient reductions, optimizer; its record."""
         cfg, t0, step = self.cfg, time.perf_counter(), self.step_index
@@ -388,6 +429,11 @@ class Trainer:
         bar = self._progress_bar()
         while self.step_index < last:
             rec = self._guarded(self.train_step, f"step {self.step_index}")
+            if self._validation_due(last):
+                self.model.check_inputs = True  # the held-out batches are checked like the first one
+                ev = self._guarded(self.validate, f"the validation after step {self.step_index}")
+                rec.update(ev)  # the history entry of the step
+                self.metrics.write({"step": rec["step"], **ev, "layout": self.pc.short()})
             self.model.check_inputs = False  # checked on the first step; the batch shape never changes
             slowed = self._watch(rec)
             if ck.save_dir and ck.save_every and self.step_index % ck.save_every == 0:
@@ -420,7 +466,8 @@ class Trainer:
                             mfu=f"{100 * rec['mfu']:.1f}%", comm=f"{100 * rec['comm_ratio']:.0f}%",
                             bubble=f"{100 * rec['bubble']:.0f}%",
                             **({"acc": f"{rec['rewards/accuracies']:.2f}", "margin": f"{rec['rewards/margins']:.3f}"}
-                               if "rewards/accuracies" in rec else {}))
+                               if "rewards/accuracies" in rec else {}),
+                            **({"eval": f"{rec['eval/loss']:.4f}"} if "eval/loss" in rec else {}))
 
 
 def out_of_memory_advice(trainer: "Trainer", err: Exception) -> str:
