@@ -151,6 +151,7 @@ def extension_modules():
 
     cpu_sources = ["csrc/extension.cpp", "csrc/common/cpu_isa.cpp", "csrc/gelu/bias_gelu_cpu.cpp",
                    "csrc/llama/llama_ops_cpu.cpp", "csrc/layer_norm/layer_norm_cpu.cpp",
+                   "csrc/quant/nf4_linear_cpu.cpp",
                    # DEFAULT first: for inline functions shared by the variants the linker keeps
                    # the first definition, so the plain-ISA copy wins (ATen does the same).
                    "csrc/gelu/bias_gelu_cpu_default.cpp", "csrc/gelu/bias_gelu_cpu_avx2.cpp",

@@ -5,6 +5,7 @@
 #include "gelu/bias_gelu.h"
 #include "layer_norm/layer_norm.h"
 #include "llama/llama_ops.h"
+#include "quant/nf4_linear.h"
 
 #ifdef TPKERNELS_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -54,6 +55,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(dx, dweight, dbias) of LayerNorm from the saved h, mean and rstd", pybind11::arg("dy"), pybind11::arg("h"),
         pybind11::arg("weight"), pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("dh") = pybind11::none(),
         pybind11::arg("dx_out") = pybind11::none());
+  m.def("nf4_linear_fwd_cpu", &tpkernels::nf4_linear_fwd_cpu,
+        "y = x · Wᵀ, W (out_features, K) in NF4 with double quantisation, dequantised panel by panel",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("absmax_q"), pybind11::arg("absmax_scale"),
+        pybind11::arg("absmax_offset"), pybind11::arg("code"), pybind11::arg("dynamic_map"),
+        pybind11::arg("out_features"), pybind11::arg("out") = pybind11::none());
+  m.def("nf4_linear_bwd_cpu", &tpkernels::nf4_linear_bwd_cpu, "dx = dy · W of nf4_linear, W (N, in_features) in NF4",
+        pybind11::arg("dy"), pybind11::arg("packed"), pybind11::arg("absmax_q"), pybind11::arg("absmax_scale"),
+        pybind11::arg("absmax_offset"), pybind11::arg("code"), pybind11::arg("dynamic_map"),
+        pybind11::arg("in_features"), pybind11::arg("out") = pybind11::none());
   m.def("swiglu_fwd_cpu", &tpkernels::swiglu_fwd_cpu, "out = silu(gate) * up on (rows, f) views",
         pybind11::arg("gate"), pybind11::arg("up"), pybind11::arg("out"));
   m.def("swiglu_bwd_cpu", &tpkernels::swiglu_bwd_cpu, "(dgate, dup) of silu(gate) * up, written into the given views",

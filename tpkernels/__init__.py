@@ -17,6 +17,8 @@ Public API (this release):
     tpkernels.vocab_parallel_cross_entropy            loss over vocabulary-sharded logits
     tpkernels.rms_norm(x, weight, eps, residual=None) RMSNorm, fused with the residual add
     tpkernels.layer_norm(x, weight, bias, eps, residual=None)  LayerNorm (GPT-2), fused with the residual add
+    tpkernels.nf4_linear(x, qweight, bias=None)        x · Wᵀ over a frozen NF4 weight (QLoRA base), dx too
+    tpkernels.quant.quantize_nf4 / quantize_int8       NF4 (bitsandbytes' bytes) and int8 weight quantisation
     tpkernels.swiglu(gate, up=None)                   silu(gate) * up, or of a fused [gate | up]
     tpkernels.apply_rotary(q, k, cos, sin, ...)       rotary embedding (half-split or interleaved, packed)
     tpkernels.rotary_cache(head_dim, max_pos, theta, scaling)  cos/sin as Hugging Face computes them
@@ -47,6 +49,7 @@ from tpkernels.functional import (
     linear_cross_entropy,
     matmul_all_reduce,
     matmul_reduce_scatter,
+    nf4_linear,
     rms_norm,
     rotary_cache,
     swiglu,
@@ -54,5 +57,5 @@ from tpkernels.functional import (
 )
 
 __all__ = ["__version__", "all_gather_matmul", "apply_rotary", "backends", "bias_gelu", "build_info", "flash_attn_func",
-           "flash_attn_varlen_func", "layer_norm", "linear_cross_entropy", "matmul_all_reduce", "matmul_reduce_scatter", "nn", "rms_norm", "rotary_cache", "swiglu",
+           "flash_attn_varlen_func", "layer_norm", "linear_cross_entropy", "matmul_all_reduce", "matmul_reduce_scatter", "nf4_linear", "nn", "rms_norm", "rotary_cache", "swiglu",
            "vocab_parallel_cross_entropy"]

@@ -4,6 +4,7 @@ from tpkernels.functional.attention import flash_attn_func, flash_attn_varlen_fu
 from tpkernels.functional.bias_gelu import bias_gelu
 from tpkernels.functional.gemm_comm import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from tpkernels.functional.linear_cross_entropy import linear_cross_entropy
+from tpkernels.functional.nf4_linear import nf4_linear
 from tpkernels.functional.norms import layer_norm, rms_norm
 from tpkernels.functional.rotary import apply_rotary, rotary_cache
 from tpkernels.functional.swiglu import swiglu
@@ -11,4 +12,4 @@ from tpkernels.functional.tp_linear import column_parallel_linear, row_parallel_
 from tpkernels.functional.vocab_parallel import vocab_parallel_cross_entropy
 
 __all__ = ["all_gather_matmul", "apply_rotary", "bias_gelu", "column_parallel_linear", "flash_attn_func", "flash_attn_varlen_func",
-           "layer_norm", "linear_cross_entropy", "matmul_all_reduce", "matmul_reduce_scatter", "rms_norm", "rotary_cache", "row_parallel_linear", "swiglu", "vocab_parallel_cross_entropy"]
+           "layer_norm", "linear_cross_entropy", "matmul_all_reduce", "matmul_reduce_scatter", "nf4_linear", "rms_norm", "rotary_cache", "row_parallel_linear", "swiglu", "vocab_parallel_cross_entropy"]

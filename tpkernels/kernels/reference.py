@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from tpkernels.kernels.window import band
+from tpkernels.quant.nf4 import NF4Weight, dequantize_nf4
 
 # Constants of the GeLU formulas (see csrc/gelu/bias_gelu_math.h for their meaning).
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -501,3 +502,23 @@ def attention_naive(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causa
     p = torch.where(seen[..., None], torch.softmax(s.masked_fill(~seen[..., None], 0.0), dim=-1),
                     torch.zeros_like(s))
     return torch.matmul(p, vr).transpose(1, 2), lse
+
+
+# ---- nf4_linear: y = x · Wᵀ over an NF4 weight (tpkernels/quant/nf4.py), and dx = dy · W ----
+
+def _nf4_weight(packed: Tensor, absmax_q: Tensor, absmax_scale: Tensor, absmax_offset: Tensor, n: int, k: int,
+                dtype: torch.dtype) -> Tensor:
+    q = NF4Weight(packed, absmax_q, absmax_scale, absmax_offset, (n, k), dtype)
+    return dequantize_nf4(q, dtype)
+
+
+def nf4_linear_fwd(x: Tensor, packed: Tensor, absmax_q: Tensor, absmax_scale: Tensor, absmax_offset: Tensor,
+                   n: int) -> Tensor:
+    """x (M, K) -> y (M, n): the whole (n, K) weight dequantised in x's dtype, then x · Wᵀ."""
+    return x @ _nf4_weight(packed, absmax_q, absmax_scale, absmax_offset, n, x.shape[1], x.dtype).T
+
+
+def nf4_linear_bwd(dy: Tensor, packed: Tensor, absmax_q: Tensor, absmax_scale: Tensor, absmax_offset: Tensor,
+                   k: int) -> Tensor:
+    """dy (M, N) -> dx (M, k) = dy · W, W dequantised in dy's dtype."""
+    return dy @ _nf4_weight(packed, absmax_q, absmax_scale, absmax_offset, dy.shape[1], k, dy.dtype)

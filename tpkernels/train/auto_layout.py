@@ -32,8 +32,10 @@ def plan_layout(cfg: TrainConfig, world: int):
                                                      "bf16" if torch.cuda.is_available() else "fp32")
     # our trainer: bucketed DP gradient overlap (overlap_dp), torch's ZeRO-1 (weights gathered after
     # the step), blocking P2P
+    # auto: the data decides, after the layout; SFT and a cached DPO reference cost what pre-training costs
+    task = cfg.training.task if cfg.training.task != "auto" else "pretrain"
     train = TrainingSetup(gb, seq, precision=precision, finetune=cfg.model.finetune, lora_rank=cfg.model.lora_rank,
-                          overlap_grad_reduce=pc.overlap_dp)
+                          overlap_grad_reduce=pc.overlap_dp, task=task, dpo_reference=cfg.dpo.reference)
     eff = None
     if torch.cuda.is_available():
         gpu = preset_for_device(torch.cuda.get_device_name())

@@ -9,4 +9,5 @@ KERNEL_MODULES = ("tpkernels.kernels.triton.bias_gelu", "tpkernels.kernels.trito
                   "tpkernels.kernels.triton.swiglu",
                   "tpkernels.kernels.triton.rotary", "tpkernels.kernels.triton.cross_entropy",
                   "tpkernels.kernels.triton.ag_matmul", "tpkernels.kernels.triton.matmul_signal",
-                  "tpkernels.kernels.triton.tile_reduce")
+                  "tpkernels.kernels.triton.tile_reduce",
+                  "tpkernels.kernels.triton.nf4_linear")
