@@ -140,11 +140,42 @@ if [ -n "$DRY" ]; then
 fi
 TAIL=3 gpu_step "main job's step 0 vs fp64 (tpkernels train --nproc 1 --verify-step0)" 60 train_step0.log \
   "${TRAIN[@]}" -m tpkernels.train "${STEP0[@]}"
-# To add as they land, each a few steps of the main job under torchrun with its own metrics file
-# (none of these is in the code yet, so no command stands here for them):
-#   - SFT: a chat-templated dataset, loss on the assistant tokens only
-#   - DPO: chosen/rejected pairs against a frozen reference model
-#   - QLoRA: an NF4-quantised base with LoRA adapters (model.finetune lora on a 4-bit base)
+# ---- fine-tuning as users run it, one GPU under torchrun (NCCL), a few steps each: chat SFT (the loss on
+# the assistant tokens only), then DPO with LoRA on preference pairs (its reference computed once by a
+# forward pass over the pairs and cached), on the tiny corpus python/chat_data.py writes (a word-level
+# tokenizer with a real chat template, a random Llama). JSONL records need `datasets`, which the GPU
+# image lacks: its wheels travel in .whl/ (`pip download --no-deps -d .whl datasets dill multiprocess`,
+# then `carry` .whl), installed above; without them the two steps are skipped and say so.
+CHAT="$CKPT/chat"
+FT=(--model.init_from "$CHAT/model" --model.name "$CHAT/model" --data.tokenizer "$CHAT/tokenizer"
+    --data.seq_length 64 --training.precision bf16 --training.steps 8 --parallel.micro_batch_size 8
+    --logging.progress false --logging.log_every 2)
+SFT=("${FT[@]}" --data.source "$CHAT/sft.jsonl")
+DPO=("${FT[@]}" --data.source "$CHAT/pairs.jsonl" --model.finetune lora --dpo.cache_dir "$CKPT/dpo_reference")
+if $PY -c "import datasets" 2> /dev/null; then
+  run_step "chat corpus (python/chat_data.py: tokenizer with a chat template, random Llama, SFT and DPO records)" 30 \
+    chat_data.log $PY python/chat_data.py "$CHAT" || status=1
+  if [ -n "$DRY" ]; then
+    HEAD=4 run_step "SFT's command line (tpkernels train --dry-run, the same flags)" 60 train_sft_dry_run.log \
+      "${TRAIN[@]}" -m tpkernels.train "${SFT[@]}" --dry-run || status=1
+    HEAD=4 run_step "DPO's command line (tpkernels train --dry-run, the same flags)" 60 train_dpo_dry_run.log \
+      "${TRAIN[@]}" -m tpkernels.train "${DPO[@]}" --dry-run || status=1
+  fi
+  TAIL=4 gpu_step "SFT: torchrun --nproc-per-node 1 (NCCL), chat records, assistant tokens only" 60 train_sft.log \
+    "${TRAIN[@]}" -m torch.distributed.run --standalone --nproc-per-node 1 -m tpkernels.train "${SFT[@]}" \
+    --logging.metrics_file "$OUT/train_sft_metrics.jsonl"
+  TAIL=4 gpu_step "DPO: torchrun --nproc-per-node 1 (NCCL), LoRA, cached reference" 60 train_dpo.log \
+    "${TRAIN[@]}" -m torch.distributed.run --standalone --nproc-per-node 1 -m tpkernels.train "${DPO[@]}" \
+    --logging.metrics_file "$OUT/train_dpo_metrics.jsonl"
+else
+  for what in "SFT: torchrun (NCCL), chat records" "DPO: torchrun (NCCL), LoRA, cached reference"; do
+    step "$what"; echo "skipped: datasets is not installed (its wheels go in .whl/: see above)"
+    record "$what" skipped 0 "datasets is not installed"
+  done
+fi
+# To add as they land, each a few steps under torchrun with its own metrics file (not in the code yet,
+# so no command stands here for them):
+#   - QLoRA: an NF4-quantised base with LoRA adapters (model.finetune qlora)
 #   - FP8: training.precision fp8 (FP8 GEMMs, the planner's FP8 peak)
 rm -rf "$CKPT"
 

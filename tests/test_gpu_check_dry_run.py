@@ -30,12 +30,15 @@ def test_gpu_check_dry_run(tmp_path):
     skipped = {name for name, row in steps.items() if row["status"] == "skipped"}
     assert set(steps) == ran | skipped, steps  # nothing failed
     for name in ("this script's syntax (bash -n)", "main job's command line (tpkernels train --dry-run, the same flags)",
-                 "step 0 check's command line (tpkernels train --dry-run, the same flags)"):
+                 "step 0 check's command line (tpkernels train --dry-run, the same flags)",
+                 "SFT's command line (tpkernels train --dry-run, the same flags)",
+                 "DPO's command line (tpkernels train --dry-run, the same flags)"):
         assert name in ran, steps
     assert any(n.startswith("preflight (") for n in ran) and any(n.startswith("roofline") for n in ran), steps
     # every CUDA step says why it did not run, the build included
     for what in ("build tpkernels._C", "main job: torchrun", "step 0 vs fp64", "cuda-marked tests", "bench: attention",
-                 "bench: GEMM + TP comm, virtual TP=8", "bench: context parallel, virtual"):
+                 "bench: GEMM + TP comm, virtual TP=8", "bench: context parallel, virtual", "SFT: torchrun",
+                 "DPO: torchrun"):
         assert any(n.startswith(what) or what in n for n in skipped), (what, steps)
     assert out.count("skipped: dry run (GPU_CHECK_DRY_RUN=1)") == len(skipped)
     assert not (tmp_path / "build.log").exists()  # the build did not run
