@@ -92,7 +92,8 @@ def test_objective_equals_the_logits_oracle(tmp_path, loss_type, sft_weight, fre
 def _train(tmp_path, kw: dict) -> dict:
     t = Trainer(_cfg(tmp_path, **kw))
     hist = t.train()
-    return {k: [h[k] for h in hist] for k in ("loss", "grad_norm", "rewards/accuracies", "rewards/margins")}
+    return {k: [h[k] for h in hist] for k in ("loss", "grad_norm", "rewards/accuracies", "rewards/margins",
+                                              "logps/chosen", "logps/rejected")}
 
 
 def _worker(rank, world, tmp_path, kw):
@@ -156,3 +157,41 @@ def test_cached_reference_equals_adapters_off_with_lora(tmp_path):
 def test_bad_dpo_settings_are_named(tmp_path, kw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Trainer(_cfg(tmp_path, **{"training.task": "dpo", **kw}))
+
+
+def test_sequence_logps_equal_transformers_on_the_same_weights(tmp_path):
+    """From a saved Hugging Face Llama: step 0's logps/chosen and logps/rejected (the policy's sequence
+    log-probs, means over the pairs) equal transformers' on each sequence run alone (fp64), and the
+    reward margin is 0 there (policy = cached reference)."""
+    import transformers
+
+    cfg0 = _cfg(tmp_path)
+    hf_cfg = transformers.LlamaConfig(vocab_size=cfg0.model_config().vocab_size, hidden_size=32,
+                                      intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    hf = transformers.LlamaForCausalLM(hf_cfg).double().eval()
+    hf.save_pretrained(str(tmp_path / "hf"))
+    kw = {"model.init_from": str(tmp_path / "hf"), "model.name": str(tmp_path / "hf"), "micro_batch_size": 2,
+          "num_microbatches": 1, "log_every": 1,
+          **{f"model.{k}": None for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")}}
+    first = _train(tmp_path, kw)
+    batch = data_of(cfg0, cfg0.model_config().vocab_size).batch(0, 2)
+    target = batch.targets()
+    sums = {}
+    with torch.no_grad():
+        for r in range(2):
+            starts = (batch.position_ids[r] == 0).nonzero().flatten().tolist() + [SEQ]
+            for a, b in zip(starts, starts[1:]):
+                if int(batch.pair_index[r, a]) < 0:
+                    continue  # filler
+                lp = torch.log_softmax(hf(batch.ids[r:r + 1, a:b]).logits[0], dim=-1)
+                t = target[r, a:b]
+                keep = t != -100
+                sums[(int(batch.pair_index[r, a]), bool(batch.chosen[r, a]))] = float(lp[keep, t[keep]].sum())
+    pairs = len(sums) // 2
+    want_c = sum(sums[(k, True)] for k in range(pairs)) / pairs
+    want_r = sum(sums[(k, False)] for k in range(pairs)) / pairs
+    torch.testing.assert_close(torch.tensor(first["logps/chosen"][0]), torch.tensor(want_c), rtol=1e-9, atol=0)
+    torch.testing.assert_close(torch.tensor(first["logps/rejected"][0]), torch.tensor(want_r), rtol=1e-9, atol=0)
+    assert first["rewards/margins"][0] == pytest.approx(0.0, abs=1e-12)

@@ -101,3 +101,56 @@ def test_sft_at_every_layout_trains_what_one_process_trains(rank_pool, tmp_path,
     for loss, norm in rank_pool(world).run(_layout_worker, tmp_path, kw, timeout=300):
         torch.testing.assert_close(torch.tensor(loss), torch.tensor(want[0]), rtol=1e-6, atol=0)
         torch.testing.assert_close(torch.tensor(norm), torch.tensor(want[1]), rtol=1e-6, atol=0)
+
+
+def test_sft_step0_equals_transformers_on_the_same_weights(rank_pool, tmp_path):
+    """A Hugging Face Llama saved to disk, trained from it at DP2: step 0's loss is transformers' NLL over
+    the assistant tokens (labels masked by the separate rule), each sample run alone through
+    ``LlamaForCausalLM`` (eager attention, fp64), summed and divided by their count."""
+    import transformers
+
+    cfg0 = _cfg(tmp_path)
+    hf_cfg = transformers.LlamaConfig(vocab_size=cfg0.model_config().vocab_size, hidden_size=32,
+                                      intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).double().eval()
+    hf.save_pretrained(str(tmp_path / "hf"))
+    kw = {"model.init_from": str(tmp_path / "hf"), "model.name": str(tmp_path / "hf"),
+          **{f"model.{k}": None for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")}}
+    batch = data_of(cfg0, cfg0.model_config().vocab_size).batch(0, 4)
+    target = _reference_targets(batch.ids, batch.position_ids)
+    total = count = 0.0
+    with torch.no_grad():
+        for r in range(4):
+            starts = (batch.position_ids[r] == 0).nonzero().flatten().tolist() + [SEQ]
+            for a, b in zip(starts, starts[1:]):
+                t = target[r, a:b]
+                if (t != -100).any():
+                    logits = hf(batch.ids[r:r + 1, a:b]).logits[0]
+                    total += float(torch.nn.functional.cross_entropy(logits, t, ignore_index=-100, reduction="sum"))
+                    count += int((t != -100).sum())
+    (loss_a, _), (loss_b, _) = rank_pool(2).run(_hf_worker, tmp_path, kw, timeout=300)
+    assert loss_a == loss_b
+    torch.testing.assert_close(torch.tensor(loss_a[0]), torch.tensor(total / count), rtol=1e-9, atol=0)
+
+
+def _hf_worker(rank, world, tmp_path, kw):
+    return _train(tmp_path, dict(dp=2, micro_batch_size=1, num_microbatches=2, **kw))
+
+
+def test_sft_with_lora_zero1_recompute_at_dp2_trains_what_one_process_trains(rank_pool, tmp_path):
+    lora = {"model.finetune": "lora", "model.lora_rank": 4, "zero1": True, "recompute": "full"}
+    want = _train(tmp_path, dict(micro_batch_size=2, num_microbatches=1, **lora))
+    assert want[0][-1] != want[0][0]
+    for loss, norm in rank_pool(2).run(_layout_worker, tmp_path, dict(dp=2, micro_batch_size=1,
+                                                                      num_microbatches=1, **lora), timeout=300):
+        torch.testing.assert_close(torch.tensor(loss), torch.tensor(want[0]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(torch.tensor(norm), torch.tensor(want[1]), rtol=1e-6, atol=0)
+
+
+def test_sft_in_bf16_tracks_fp64(tmp_path):
+    """bf16 weights and activations with fp32 masters: each step's loss within 2% of the fp64 run's."""
+    want = _train(tmp_path, dict(micro_batch_size=2, num_microbatches=1))[0]
+    got = _train(tmp_path, {"micro_batch_size": 2, "num_microbatches": 1, "training.precision": "bf16"})[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-2, atol=0)
