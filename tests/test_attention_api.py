@@ -391,7 +391,7 @@ def test_backward_saves_no_seqlen_squared_tensor():
 def test_the_reference_window_runs_query_blocks_against_their_key_band(window, softcap):
     """No (sq, sk) mask or score tensor on the reference path for a sliding window: every tensor made
     (forward and backward, torch's CPU kernel and the chunked math) is O(seqlen · (window + rows))."""
-    from tpkernels.testing.memory import LiveTensorBytes  # noqa: PLC0415
+    from tpkernels.live_bytes import LiveTensorBytes  # noqa: PLC0415
 
     s = 4096
     q, k, v = make_qkv((1, s, 2, 16), (1, s, 1, 16), torch.float32, "cpu", requires_grad=True)

@@ -261,7 +261,7 @@ def _uneven_cu_seqlens(S: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _memory_worker(rank, world, seed, window):
-    from tpkernels.testing.memory import LiveTensorBytes  # noqa: PLC0415
+    from tpkernels.live_bytes import LiveTensorBytes  # noqa: PLC0415
 
     out = []
     for S in (16384, 32768):
