@@ -195,3 +195,18 @@ def test_sequence_logps_equal_transformers_on_the_same_weights(tmp_path):
     torch.testing.assert_close(torch.tensor(first["logps/chosen"][0]), torch.tensor(want_c), rtol=1e-9, atol=0)
     torch.testing.assert_close(torch.tensor(first["logps/rejected"][0]), torch.tensor(want_r), rtol=1e-9, atol=0)
     assert first["rewards/margins"][0] == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("loss_type,sft_weight", [("sigmoid", 0.7), ("simpo", 0.0)])
+def test_verify_step0_reference_is_the_runs_step0(tmp_path, loss_type, sft_weight):
+    """--verify-step0's single-process fp64 loss of the whole batch (the reference being the initial
+    model) equals a DPO run's step 0 at micro-batches of 1 row (log 2 + the SFT term; SimPO's own)."""
+    from tpkernels.train.cli import single_process_loss
+
+    kw = {"dpo.loss_type": loss_type, "dpo.sft_weight": sft_weight, "micro_batch_size": 1, "num_microbatches": 4,
+          "log_every": 1}
+    got = _train(tmp_path, kw)["loss"][0]
+    want = single_process_loss(_cfg(tmp_path, **kw), 4)
+    assert got == pytest.approx(want, rel=1e-9)
+    if loss_type == "sigmoid":
+        assert want > 0.6931471805599453 + 0.1  # the SFT term is in it

@@ -87,8 +87,36 @@ def single_process_loss(cfg: TrainConfig, global_batch: int) -> float:
         model = ParallelTransformer.from_hf(cfg.model.init_from, state, config=mc, dtype=torch.float64)
     else:
         model = ParallelTransformer(mc, state, seed=cfg.training.seed, dtype=torch.float64)
-    batch = data_of(cfg, mc.vocab_size).batch(0, global_batch)
+    data = data_of(cfg, mc.vocab_size)
+    batch = data.batch(0, global_batch)
+    task = cfg.training.task if cfg.training.task != "auto" else getattr(data, "task", "pretrain")
+    if task == "dpo":
+        return _dpo_step0(cfg, model, state, batch)
     return model.evaluate(batch.ids, batch.targets(), position_ids=batch.position_ids, num_microbatches=1)
+
+
+def _dpo_step0(cfg, model, state, batch) -> float:
+    """DPO's step-0 loss of the whole batch: the reference is the initial model itself (its log-probs
+    computed here, by a separate forward pass), so the loss tests the pairing, the masks, the SFT term
+    and SimPO's normalisation, whatever the run's layout."""
+    from tpkernels.functional.preference import REFERENCE_FREE  # noqa: PLC0415
+    from tpkernels.models.preference import PreferenceObjective, SequenceLogps  # noqa: PLC0415
+    from tpkernels.train.dpo import PairInfo  # noqa: PLC0415
+
+    d, target = cfg.dpo, batch.targets()
+    info = PairInfo.of(batch, target)
+    t = {"target": target, "doc": info.doc}
+    ref = None
+    if d.loss_type not in REFERENCE_FREE:
+        rec = SequenceLogps(model.head, state)
+        rec.begin(info.num_pairs)
+        model.evaluate(batch.ids, t, batch.position_ids, num_microbatches=1, loss_fn=rec, num_targets=info.num_pairs)
+        ref = rec.result()
+    obj = PreferenceObjective(model.head, state, beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
+                              sft_weight=d.sft_weight, simpo_gamma=d.simpo_gamma)
+    obj.begin_step(info.num_pairs, info.chosen_tokens, ref)
+    return model.evaluate(batch.ids, t, batch.position_ids, num_microbatches=1, loss_fn=obj,
+                          num_targets=info.num_pairs)
 
 
 def prediction_report(predicted: dict, history: list[dict]) -> str:
