@@ -427,7 +427,8 @@ def test_lora_trains_only_the_adapters_at_any_layout(rank_pool, tmp_path, fresh_
 
 
 def test_lora_export_merges_the_adapters(rank_pool, tmp_path, fresh_seed):
-    """Trained at TP2×PP2, exported merged: transformers' logits equal our adapted model's."""
+    """Trained at TP2×PP2, exported merged, and the adapters alone as a PEFT folder: transformers' logits
+    for the merged model, and PEFT's for the base with the adapters, equal our adapted model's."""
     import transformers
 
     from model_checks import save_tiny_model
@@ -449,6 +450,21 @@ def test_lora_export_merges_the_adapters(rank_pool, tmp_path, fresh_seed):
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager")
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+    # the adapters alone, as PEFT loads them onto the Hugging Face base (q/k/v and gate/up split apart)
+    import peft
+
+    r = subprocess.run([sys.executable, "-m", "tpkernels.cli", "export-peft", str(tmp_path / "ck"),
+                        str(tmp_path / "peft")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    assert sorted(adapted.peft_config["default"].target_modules) == ["down_proj", "gate_proj", "k_proj", "o_proj",
+                                                                     "q_proj", "up_proj", "v_proj"]
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+    r = subprocess.run([sys.executable, "-m", "tpkernels.cli", "export-peft", str(tmp_path / "nothing"),
+                        str(tmp_path / "peft2")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_layout_auto_plans_trains_and_reports_prediction_vs_measurement(tmp_path):

@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     p_export = sub.add_parser("export-hf", help="write a training checkpoint as a Hugging Face folder")
     p_export.add_argument("checkpoint", help="a checkpoint folder (step_NNNNNNNN, e.g. step_00000040) or the save_dir holding them")
     p_export.add_argument("out", help="output folder (config.json + safetensors)")
+    p_peft = sub.add_parser("export-peft", help="write a LoRA checkpoint's adapters as a PEFT folder")
+    p_peft.add_argument("checkpoint", help="a checkpoint folder or the save_dir holding them (model.finetune lora)")
+    p_peft.add_argument("out", help="output folder (adapter_config.json + adapter_model.safetensors)")
     p_prep = sub.add_parser("prepare-data", help="tokenize a text/JSONL corpus once into the indexed format "
                                                  "(.bin/.idx shards, memory-mapped by the trainer); resumable")
     p_prep.add_argument("inputs", nargs="+", help=".txt / .jsonl / .json files or folders of them")
@@ -45,13 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:  # bad input: one clear line, no traceback
             print(f"tpkernels plan: error: {e}", file=sys.stderr)
             return 2
-    elif args.command == "export-hf":
-        from tpkernels.train.checkpoint import export_hf  # noqa: PLC0415
+    elif args.command in ("export-hf", "export-peft"):
+        from tpkernels.train.checkpoint import export_hf, export_peft  # noqa: PLC0415
 
+        export = export_hf if args.command == "export-hf" else export_peft
         try:
-            print(f"wrote {export_hf(args.checkpoint, args.out)}")
+            print(f"wrote {export(args.checkpoint, args.out)}")
         except (ValueError, OSError) as e:  # a damaged checkpoint, an unwritable out: one line
-            print(f"tpkernels export-hf: error: {e}", file=sys.stderr)
+            print(f"tpkernels {args.command}: error: {e}", file=sys.stderr)
             return 2
     elif args.command == "prepare-data":
         from tpkernels.data.prepare import prepare_data  # noqa: PLC0415

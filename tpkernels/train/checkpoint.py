@@ -364,6 +364,35 @@ def export_hf(path: str | Path, out: str | Path) -> Path:
     return model.save_hf(out)
 
 
+def export_peft(path: str | Path, out: str | Path) -> Path:
+    """Write the LoRA adapters of checkpoint ``path`` as a PEFT folder (adapter_config.json +
+    adapter_model.safetensors) that ``peft.PeftModel.from_pretrained`` loads onto the Hugging Face
+    base (``model.init_from``); in one process, on the CPU (tpkernels.models.peft_export)."""
+    from tpkernels.models.peft_export import write_peft  # noqa: PLC0415
+
+    problem = path_problem("out", out, "folder")
+    if problem:
+        raise ValueError(problem)
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint ({str(path)!r}) does not exist")
+    if not (path / "meta.json").is_file():
+        found = latest(path)
+        if found is None:
+            raise ValueError(f"{str(path)!r} is neither a checkpoint nor a folder of complete checkpoints")
+        path = found
+    cfg = config_of(read_meta(path))
+    ms = cfg.model
+    if ms.finetune != "lora":
+        raise ValueError(f"export-peft: checkpoint {str(path)!r} was trained with model.finetune {ms.finetune!r}: it "
+                         "holds no adapters (export-hf writes its weights)")
+    model = ParallelTransformer(cfg.model_config(), None, init=None)
+    apply_lora(model, ms.lora_rank, ms.lora_alpha)
+    load(path, model)
+    alpha = float(ms.lora_alpha if ms.lora_alpha is not None else 2 * ms.lora_rank)
+    return write_peft(model, out, base_model=ms.init_from, rank=ms.lora_rank, alpha=alpha)
+
+
 # What may differ between the model a checkpoint holds and the one it resumes into: names, and what only
 # initialisation or padding uses. The position table counts only where it holds weights (learned positions).
 _FREE_FIELDS = ("name", "dropout_source", "initializer_range", "vocab_pad_multiple")
