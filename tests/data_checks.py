@@ -74,3 +74,22 @@ CHATS = [
     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                   {"role": "user", "content": "bye"}, {"role": "assistant", "content": "bye again"}]},
 ]
+
+
+def save_hf_llama(folder: Path, vocab: int, seed: int = 0) -> Path:
+    """A random 2-layer Hugging Face Llama (hidden 32, GQA 4/2), float64, saved to ``folder``."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(cfg).double().save_pretrained(str(folder))
+    return folder
+
+
+# the trainer keys that load ``folder`` as the model (the tests' small shape overrides cleared)
+def from_hf_keys(folder: Path) -> dict:
+    return {"model.init_from": str(folder), "model.name": str(folder),
+            **{f"model.{k}": None for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")}}

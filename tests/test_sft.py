@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from data_checks import CHATS, MARKED, make_tokenizer, reference_mask, write_jsonl
+from data_checks import CHATS, MARKED, from_hf_keys, make_tokenizer, reference_mask, save_hf_llama, write_jsonl
 from test_train import small
 from tpkernels.models import ParallelTransformer
 from tpkernels.parallel import ParallelConfig
@@ -110,14 +110,9 @@ def test_sft_step0_equals_transformers_on_the_same_weights(rank_pool, tmp_path):
     import transformers
 
     cfg0 = _cfg(tmp_path)
-    hf_cfg = transformers.LlamaConfig(vocab_size=cfg0.model_config().vocab_size, hidden_size=32,
-                                      intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(hf_cfg).double().eval()
-    hf.save_pretrained(str(tmp_path / "hf"))
-    kw = {"model.init_from": str(tmp_path / "hf"), "model.name": str(tmp_path / "hf"),
-          **{f"model.{k}": None for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")}}
+    folder = save_hf_llama(tmp_path / "hf", cfg0.model_config().vocab_size, seed=0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").double().eval()
+    kw = from_hf_keys(folder)
     batch = data_of(cfg0, cfg0.model_config().vocab_size).batch(0, 4)
     target = _reference_targets(batch.ids, batch.position_ids)
     total = count = 0.0

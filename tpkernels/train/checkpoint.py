@@ -339,9 +339,9 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
 
 
 
-def export_hf(path: str | Path, out: str | Path) -> Path:
-    """Write the weights of checkpoint ``path`` as a Hugging Face folder (config.json + safetensors)
-    that ``transformers`` loads; in one process, on the CPU."""
+def _export_source(path: str | Path, out: str | Path):
+    """(the checkpoint folder, its TrainConfig) for an export of ``path`` (a checkpoint, or a save_dir:
+    its latest complete one) to the folder ``out``; a bad path is a named error."""
     problem = path_problem("out", out, "folder")
     if problem:
         raise ValueError(problem)
@@ -353,7 +353,13 @@ def export_hf(path: str | Path, out: str | Path) -> Path:
         if found is None:
             raise ValueError(f"{str(path)!r} is neither a checkpoint nor a folder of complete checkpoints")
         path = found
-    cfg = config_of(read_meta(path))
+    return path, config_of(read_meta(path))
+
+
+def export_hf(path: str | Path, out: str | Path) -> Path:
+    """Write the weights of checkpoint ``path`` as a Hugging Face folder (config.json + safetensors)
+    that ``transformers`` loads; in one process, on the CPU."""
+    path, cfg = _export_source(path, out)
     model = ParallelTransformer(cfg.model_config(), None, init=None)
     if cfg.model.finetune == "lora":
         apply_lora(model, cfg.model.lora_rank, cfg.model.lora_alpha)
@@ -370,18 +376,7 @@ def export_peft(path: str | Path, out: str | Path) -> Path:
     base (``model.init_from``); in one process, on the CPU (tpkernels.models.peft_export)."""
     from tpkernels.models.peft_export import write_peft  # noqa: PLC0415
 
-    problem = path_problem("out", out, "folder")
-    if problem:
-        raise ValueError(problem)
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"checkpoint ({str(path)!r}) does not exist")
-    if not (path / "meta.json").is_file():
-        found = latest(path)
-        if found is None:
-            raise ValueError(f"{str(path)!r} is neither a checkpoint nor a folder of complete checkpoints")
-        path = found
-    cfg = config_of(read_meta(path))
+    path, cfg = _export_source(path, out)
     ms = cfg.model
     if ms.finetune != "lora":
         raise ValueError(f"export-peft: checkpoint {str(path)!r} was trained with model.finetune {ms.finetune!r}: it "
