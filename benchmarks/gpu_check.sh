@@ -199,9 +199,9 @@ TAIL=30 gpu_step "bench: attention (hd128, s 2k/8k, bf16)" 100 bench_attention.l
 # RMSNorm, SwiGLU, rotary, linear_cross_entropy at Llama-3-8B widths, bf16
 TAIL=30 gpu_step "bench: Llama ops" 60 bench_llama_ops.log $PY benchmarks/bench_llama_ops.py --reps 5
 # LayerNorm (GPT-2 widths, with and without the residual add), bf16
-if [ -f benchmarks/bench_norms.py ]; then
-  TAIL=20 gpu_step "bench: LayerNorm" 40 bench_norms.log $PY benchmarks/bench_norms.py --reps 5
-fi
+TAIL=20 gpu_step "bench: LayerNorm" 40 bench_norms.log $PY benchmarks/bench_norms.py --reps 5
+TAIL=30 gpu_step "bench: NF4 GEMM (dequantised in registers) vs bf16 cuBLAS" 60 bench_nf4.log \
+  $PY benchmarks/bench_nf4.py --device cuda --reps 5
 TAIL=30 gpu_step "bench: bias_gelu" 40 bench_bias_gelu.log $PY benchmarks/bench_bias_gelu.py --sizes 1 16 64
 # TP through the virtual-rank harness: fused AG+GEMM / GEMM+RS / GEMM+AR at Flux's and Llama-3-70B's TP=8
 # shapes, every emulated rank's kernels at once on this GPU
