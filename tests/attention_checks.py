@@ -109,7 +109,9 @@ def cu_seqlens(lengths, device):
 
 def check_varlen(run_varlen, run_dense, lens_q, lens_k, h, hk, d, causal, dtype, device, window=(-1, -1),
                  softcap=0.0):
-    """Packed sequences against the oracle per sequence, and equal to ``run_dense`` on each sequence alone.
+    """Packed sequences against the oracle per sequence, and equal to ``run_dense`` on each sequence alone
+    up to rounding (16 ulps of the largest value: the CPU path batches the documents of one length, whose
+    matmuls round differently; a leak across sequences would be O(1)).
 
     run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, do, dlse, scale, causal, window, softcap)
     -> (o, lse (h, total), dq, dk, dv). The window is taken as given (no normalisation)."""
@@ -143,6 +145,6 @@ def check_varlen(run_varlen, run_dense, lens_q, lens_k, h, hk, d, causal, dtype,
             b = b[0]
             same = torch.equal(torch.isinf(a), torch.isinf(b)) and torch.allclose(
                 torch.nan_to_num(a.float(), neginf=0.0), torch.nan_to_num(b.float(), neginf=0.0),
-                rtol=0, atol=4 * torch.finfo(dtype).eps * max(1.0, b[~torch.isinf(b)].abs().max().item()))
+                rtol=0, atol=16 * torch.finfo(dtype).eps * max(1.0, b[~torch.isinf(b)].abs().max().item()))
             assert same, f"sequence {i} ({lq} queries, {lk} keys): varlen {name} differs from the sequence run alone"
     return ours

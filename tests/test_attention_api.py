@@ -81,6 +81,19 @@ def test_reference_path_windows_and_softcap(sq, sk, window, causal, softcap, tor
                     window=window, softcap=softcap, canonical=True)
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (2, -1)], ids=str)
+@pytest.mark.parametrize("torch_kernel", [True, False], ids=["torch-cpu-kernel", "chunked-math"])
+def test_reference_varlen_batches_documents_of_one_length(window, torch_kernel, monkeypatch):
+    """The CPU path runs the documents of one (query, key) length as one batch: repeated lengths, in any
+    order, a one-token document, with and without a window, still equal each sequence alone."""
+    monkeypatch.setattr(reference, "USE_TORCH_CPU_KERNEL", torch_kernel)
+    lens = [3, 5, 3, 1, 5, 3, 9, 1]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    assert sorted(len(iq) for iq, _ in reference._same_length_batches(cu, cu)) == [1, 2, 2, 3]
+    check_varlen(api_varlen("reference"), api_dense("reference"), lens, lens, 4, 2, 32, True, torch.float32, "cpu",
+                 window=window)
+
+
 def test_reference_varlen_window_matches_each_sequence_alone():
     lens = [17, 3, 40]
     check_varlen(api_varlen("reference"), api_dense("reference"), lens, lens, 4, 2, 32, True, torch.float32, "cpu",

@@ -442,6 +442,22 @@ def _sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor):
     return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
 
 
+def _same_length_batches(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """The non-empty sequences grouped by (query length, key length): per group the (n, lq) query and
+    (n, lk) key positions, so each group runs as one dense batch. Packed chat rows hold dozens of short
+    documents of a few distinct lengths: one kernel call per length instead of per document (the
+    per-call cost dominated a step)."""
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 > q0 and k1 > k0:
+            groups.setdefault((q1 - q0, k1 - k0), []).append((q0, k0))
+    out = []
+    for (lq, lk), starts in groups.items():
+        st = torch.tensor(starts, dtype=torch.long, device=cu_seqlens_q.device)
+        out.append((st[:, :1] + torch.arange(lq, device=st.device), st[:, 1:] + torch.arange(lk, device=st.device)))
+    return out
+
+
 def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
                    cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None, *,
                    window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple[Tensor, Tensor]:
@@ -458,10 +474,9 @@ def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal
     o = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device,
                      dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
-        if q1 > q0 and k1 > k0:
-            o_i, lse_i = _dense_fwd(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, bounds, softcap)
-            o[q0:q1], lse[:, q0:q1] = o_i[0], lse_i[0]
+    for iq, ik in _same_length_batches(cu_seqlens_q, cu_seqlens_k):  # (n, lq), (n, lk) positions
+        o_i, lse_i = _dense_fwd(q[iq], k[ik], v[ik], softmax_scale, bounds, softcap)
+        o[iq], lse[:, iq] = o_i, lse_i.transpose(0, 1)  # lse_i (n, h, lq) -> (h, n, lq)
     return o, lse
 
 
@@ -475,12 +490,10 @@ def flash_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     if cu_seqlens_q is None:
         return _dense_bwd(do, q, k, v, o, lse, softmax_scale, bounds, softcap, dlse)
     dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
-        if q1 > q0 and k1 > k0:
-            g = _dense_bwd(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], o[None, q0:q1],
-                           lse[None, :, q0:q1], softmax_scale, bounds, softcap,
-                           None if dlse is None else dlse[None, :, q0:q1])
-            dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+    for iq, ik in _same_length_batches(cu_seqlens_q, cu_seqlens_k):
+        g = _dense_bwd(do[iq], q[iq], k[ik], v[ik], o[iq], lse[:, iq].transpose(0, 1), softmax_scale, bounds, softcap,
+                       None if dlse is None else dlse[:, iq].transpose(0, 1))
+        dq[iq], dk[ik], dv[ik] = g[0], g[1], g[2]
     return dq, dk, dv
 
 
