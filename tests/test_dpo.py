@@ -204,3 +204,30 @@ def test_verify_step0_reference_is_the_runs_step0(tmp_path, loss_type, sft_weigh
     assert got == pytest.approx(want, rel=1e-9)
     if loss_type == "sigmoid":
         assert want > 0.6931471805599453 + 0.1  # the SFT term is in it
+
+
+def test_cached_reference_fills_for_any_dataset_size_and_held_out_pairs(tmp_path):
+    """A dataset whose rows do not fill whole global batches (the last one padded by repeating rows) and a
+    held-out set of 5 pairs: the default cached reference is filled for both, each pair once."""
+    cfg = _cfg(tmp_path)
+    write_jsonl(tmp_path / "few.jsonl", _pairs(5))
+    hist = Trainer(_cfg(tmp_path, **{"eval.source": str(tmp_path / "few.jsonl"), "eval.every": 3,
+                                     "eval.batches": 1, "micro_batch_size": 4, "num_microbatches": 1})).train()
+    assert "eval/rewards/accuracies" in hist[-1] and cfg.dpo.reference == "cached"
+    assert len(list((tmp_path / "ref").iterdir())) == 2  # the training pairs' cache and the held-out ones'
+
+
+def test_a_blend_of_preference_sources_trains_dpo(tmp_path):
+    _cfg(tmp_path)
+    write_jsonl(tmp_path / "more.jsonl", _pairs(9)[3:])
+    blend = f"0.5 {tmp_path / 'pairs.jsonl'} 0.5 {tmp_path / 'more.jsonl'}"
+    hist = _train(tmp_path, {"data.source": blend, "dpo.reference": "model", "micro_batch_size": 2,
+                             "num_microbatches": 1, "log_every": 1})
+    assert hist["loss"][0] == pytest.approx(0.6931471805599453, rel=1e-12)  # DPO's step 0, not a token loss
+
+
+def test_implied_dpo_refuses_adapters_without_lora_and_eval_errors_name_eval_source(tmp_path):
+    with pytest.raises(ValueError, match=r"dpo.reference \(adapters\) needs model.finetune lora"):
+        Trainer(_cfg(tmp_path, **{"dpo.reference": "adapters"}))  # training.task auto: the pairs imply dpo
+    with pytest.raises(ValueError, match=r"eval.source \('.*nope.jsonl'\) does not exist"):
+        Trainer(_cfg(tmp_path, **{"eval.source": str(tmp_path / "nope.jsonl"), "eval.every": 1}))

@@ -81,6 +81,10 @@ class Blend:
 
     def __init__(self, sources: list, weights: list[float]):
         self.sources, self.weights = sources, weights
+        # the task the blend implies: its sources' when they agree; text beside chat records is SFT with
+        # every text token supervised (TokenBatch.cat fills their masks)
+        tasks = {getattr(src, "task", "pretrain") for src in sources}
+        self.task = tasks.pop() if len(tasks) == 1 else "sft" if tasks <= {"sft", "pretrain"} else None
         self.slots = schedule(weights)
         onehot = np.eye(len(sources), dtype=np.int64)[self.slots]  # (block, sources)
         self.before = np.cumsum(onehot, 0) - onehot  # slots of each source before slot g within a block

@@ -185,14 +185,16 @@ class ReferenceLogps:
                 idx = torch.cat([idx, rows[torch.arange(g - idx.numel()) % rows.numel()]])
             batch = trainer.shard_batch(packed.packed_rows(idx))
             values = reference_pass(trainer, batch)
-            if writer:
-                mine = torch.unique(batch.pairs.doc[batch.pairs.doc >= 0] // 2)
-                keep = [int(p) for p in mine if int(batch.pairs.samples[p]) in todo]
+            if writer:  # this replica's pairs still missing, each once (a padded batch repeats rows)
+                keep = []
+                for p in torch.unique(batch.pairs.doc[batch.pairs.doc >= 0] // 2).tolist():
+                    sample = int(batch.pairs.samples[p])
+                    if sample in todo:
+                        todo.discard(sample)
+                        keep.append(p)
                 if keep:
                     k = torch.tensor(keep)
-                    samples = batch.pairs.samples[k]
-                    todo -= set(samples.tolist())
-                    self.cache.put(samples, values[k, 0], values[k, 1])
+                    self.cache.put(batch.pairs.samples[k], values[k, 0], values[k, 1])
         control.barrier()
         if st.rank == 0:
             self.cache.finalize(total)

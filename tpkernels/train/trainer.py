@@ -151,7 +151,10 @@ class Trainer:
                                                 self.pc.bucket_mb, overlap=self.pc.overlap_dp) \
             if self.pc.dp * self.pc.cp > 1 else None
         self.data = data_of(cfg, self.mc.vocab_size)
-        self.task = cfg.training.task if cfg.training.task != "auto" else getattr(self.data, "task", "pretrain")
+        self.task = cfg.training.task if cfg.training.task != "auto" else getattr(self.data, "task", None) or "pretrain"
+        if self.task == "dpo" and cfg.dpo.reference == "adapters" and cfg.model.finetune != "lora":  # implied dpo
+            raise ValueError(f"dpo.reference (adapters) needs model.finetune lora (now {cfg.model.finetune!r}: there "
+                             "are no adapters to turn off); use dpo.reference cached or model")
         self.objective = dpo.make_objective(self) if self.task == "dpo" else None
         self.runtime = self.model.pipeline(self.pc.pipeline_schedule, self.pc.num_microbatches,
                                            seq_length=seq, loss_fn=self.objective)
@@ -162,8 +165,11 @@ class Trainer:
         self.eval_data = self.eval_reference = None
         if cfg.eval.every:  # held-out data read as the training data is, with the same task
             d = cfg.data
-            self.eval_data = make_data(cfg.eval.source, seq, cfg.training.seed, self.mc.vocab_size, d.tokenizer,
-                                       fmt=d.format, loss_on=d.loss_on, overflow=d.overflow, task=self.task)
+            try:
+                self.eval_data = make_data(cfg.eval.source, seq, cfg.training.seed, self.mc.vocab_size, d.tokenizer,
+                                           fmt=d.format, loss_on=d.loss_on, overflow=d.overflow, task=self.task)
+            except ValueError as e:  # the data layer names data.source: here it is eval.source
+                raise ValueError(str(e).replace("data.source (", "eval.source (")) from e
             if self.task == "dpo":
                 self.eval_reference = dpo.ReferenceLogps(self, self.eval_data, cfg.eval.source)
                 self.eval_reference.fill(self)
@@ -402,11 +408,19 @@ class Trainer:
         self.history.append(out)
         return out
 
+    def _comm_advice(self) -> str:
+        pc = self.pc
+        if pc.tp > 1:
+            return f"lower parallel.tp ({pc.tp})"
+        if pc.cp > 1:
+            return f"lower parallel.cp ({pc.cp}) or give each rank longer sequences"
+        return "give each rank more work (a larger micro-batch or sequence)"
+
     def _warn_comm(self, rec: "StepRecord") -> None:
         if rec.comm_ratio > COMM_WARN and not self._warned and self.is_logger and self._logging_step(rec.step):
             self._warned = True
             print(f"warning: communication/compute {100 * rec.comm_ratio:.0f}% > {100 * COMM_WARN:.0f}% on the "
-                  f"worst rank at {self.pc.short()}: lower parallel.tp ({self.pc.tp})", flush=True)
+                  f"worst rank at {self.pc.short()}: {self._comm_advice()}", flush=True)
 
     def _watch(self, rec: dict) -> bool:
         """Feed the slowdown monitor; True when it reports a sustained slowdown now."""
