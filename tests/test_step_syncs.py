@@ -23,7 +23,9 @@ from tpkernels.train import TrainConfig, Trainer
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 # read host tensors by design: the trainer passes host tensors, documents are found on the host, and a
 # device copy of those boundaries is trusted by varlen attention (check_cu_seqlens reads host tensors only)
-HOST_CHECKS = ("_check_ranges", "_positions", "stage_target", "from_documents", "check_cu_seqlens", "prepare_batch")
+# (the data layer's batch and the trainer's counts of it are host tensors too)
+HOST_CHECKS = ("_check_ranges", "_positions", "stage_target", "from_documents", "check_cu_seqlens", "prepare_batch",
+               "shard_batch", "stream_rows")
 PER_STEP = 2  # loss, gradient norm; a logging step of several ranks adds the worst rank's comm/compute ratio
 
 
