@@ -24,7 +24,7 @@ else, so any layout (TP, PP, CP, DP, micro-batching) reads the same cache:
   values depend on (the reference's compute dtype, for one), any JSON object.
 
 The store is sharded by the dataset's own sample index: shard k holds samples
-[k·shard_size, (k+1)·shard_size). Writers add part files (``part-<uuid>-<n>.safetensors``: index,
+[k·shard_size, (k+1)·shard_size). Writers add part files (``part-<time_ns>-<uuid>-<n>.safetensors``: index,
 chosen, rejected), never touching another writer's; ``finalize`` merges them into the shards,
 checks that every sample in [0, num_samples) is there, records each shard's size and SHA-256 in
 ``key.json`` and marks the cache complete. Parts left by an interrupted pass stay valid for the
@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -290,7 +291,8 @@ class ReferenceCache:
             return
         if self.complete:
             raise ReferenceCacheError(f"reference cache {str(self.dir)!r} is complete: it takes no more samples")
-        name = f"part-{self._writer}-{self._parts_written:06d}.safetensors"
+        # the write time first: name order is write order, so "the first part kept" is the earliest written
+        name = f"part-{time.time_ns():020d}-{self._writer}-{self._parts_written:06d}.safetensors"
         self._parts_written += 1
         _atomic_write(self.dir / name, st_save({"index": idx.contiguous(), "chosen": values[0], "rejected": values[1]},
                                                metadata={"digest": self.key.digest}))
@@ -346,7 +348,7 @@ class ReferenceCache:
     def finalize(self, num_samples: int) -> None:
         """Merge every part into the shards and mark the cache complete (one process, once all writers
         are done). Every sample in [0, num_samples) must be present; a sample written more than once
-        must have the same values (to 1e-6 relative; the first part file in name order is kept)."""
+        must have the same values (to 1e-6 relative; the earliest written part's value is kept)."""
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ReferenceCacheError(f"num_samples ({num_samples!r}) must be a positive integer")
         if self.complete:
