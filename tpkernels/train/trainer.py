@@ -293,6 +293,15 @@ class Trainer:
         target = parts["target"] if pairs is None else {"target": parts["target"], "doc": parts["doc"]}
         return StepBatch(parts["ids"], parts["pos"], target, num_targets, pairs)
 
+    def _begin_pairs(self, batch: StepBatch, reference) -> None:
+        """dpo: the batch's reference log-probs (an adapters-off or frozen-model pass runs here, on every
+        rank) handed to the last stage's objective with the batch's pair counts; nothing otherwise."""
+        if batch.pairs is None:
+            return
+        table = reference.table(self, batch)
+        if self.objective is not None:
+            self.objective.begin_step(batch.pairs.num_pairs, batch.pairs.chosen_tokens, table)
+
     def forward_backward(self, batch: StepBatch) -> tuple[float, CommTrace, float]:
         """Forward and backward over the micro-batches, then the gradient reductions: (the step's loss,
         its comm trace, seconds of forward + backward)."""
@@ -304,10 +313,7 @@ class Trainer:
         if self.dp_reduce is not None:
             self.dp_reduce.start(self.pc.num_microbatches)
         t0 = time.perf_counter()
-        if batch.pairs is not None:  # dpo: the reference log-probs first (the adapters-off pass runs here)
-            table = self.reference.table(self, batch)
-            if self.objective is not None:
-                self.objective.begin_step(batch.pairs.num_pairs, batch.pairs.chosen_tokens, table)
+        self._begin_pairs(batch, self.reference)
         with CommTrace() as tr:
             loss = self.model.step(batch.input_ids if st.is_first_stage else None, batch.target,
                                    position_ids=batch.position_ids, runtime=self.runtime,
@@ -352,10 +358,7 @@ class Trainer:
         sums = None
         for b in range(ev.batches):
             batch = self.shard_batch(self.eval_data.batch(b, self.pc.global_batch_size))
-            if batch.pairs is not None:
-                table = self.eval_reference.table(self, batch)
-                if self.objective is not None:
-                    self.objective.begin_step(batch.pairs.num_pairs, batch.pairs.chosen_tokens, table)
+            self._begin_pairs(batch, self.eval_reference)
             loss = self.model.evaluate(batch.input_ids if st.is_first_stage else None, batch.target,
                                        batch.position_ids, num_targets=batch.num_targets,
                                        loss_fn=self.objective if batch.pairs is not None else None)
