@@ -14,7 +14,8 @@ from pathlib import Path
 from tpkernels.description.model import MODEL_PRESETS, ModelConfig, model_preset
 from tpkernels.options import opt
 
-FINETUNE_CHOICES = ("full", "lora")
+FINETUNE_CHOICES = ("full", "lora", "qlora")
+QUANT_CHOICES = ("none", "nf4", "int8")
 _OVERRIDES = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
               "kv_heads": "num_kv_heads", "ffn": "ffn_hidden_size", "vocab": "vocab_size"}
 
@@ -31,7 +32,10 @@ class ModelSection:
     ffn: int | None = opt(None, "override: MLP width")
     vocab: int | None = opt(None, "override: vocabulary size")
     drop_dropout: bool = opt(False, "train (and plan) a Hugging Face model whose config has dropout > 0 without it")
-    finetune: str = opt("full", "full, or lora: adapters on the TP linears, base weights frozen", FINETUNE_CHOICES)
+    finetune: str = opt("full", "full; lora: adapters on the TP linears, base weights frozen; qlora: lora on a "
+                        "quantised base (model.quant)", FINETUNE_CHOICES)
+    quant: str = opt("none", "the frozen base of a qlora run: nf4 (4-bit NormalFloat, double quantisation; none "
+                     "means nf4 with qlora) or int8 (per-channel absmax)", QUANT_CHOICES)
     lora_rank: int = opt(16, "LoRA rank")
     lora_alpha: float | None = opt(None, "LoRA alpha (default 2 · lora_rank)")
 
@@ -43,7 +47,22 @@ class ModelSection:
             errs.append(f"{k}lora_rank ({self.lora_rank!r}) must be a positive integer")
         if self.lora_alpha is not None and not self.lora_alpha > 0:
             errs.append(f"{k}lora_alpha ({self.lora_alpha!r}) must be > 0 or none")
+        if self.quant not in ("none", None) and self.finetune != "qlora":
+            errs.append(f"{k}quant ({self.quant!r}) needs {k}finetune qlora (now {self.finetune!r}): a quantised base "
+                        "is frozen, so only adapters can train on it")
         return errs
+
+    @property
+    def base_quant(self) -> str | None:
+        """The format of the frozen base: "nf4" or "int8" for qlora, None otherwise."""
+        if self.finetune != "qlora":
+            return None
+        return "nf4" if self.quant in ("none", None) else self.quant
+
+    @property
+    def adapters(self) -> bool:
+        """LoRA adapters train (lora and qlora)."""
+        return self.finetune in ("lora", "qlora")
 
     def config(self, *, buildable: bool = True, key_prefix: str = "model.") -> ModelConfig:
         """The ModelConfig this section describes. ``buildable``: refuse what ``tpkernels.models`` cannot

@@ -55,6 +55,7 @@ from tpkernels.parallel import consistency
 from tpkernels.parallel.collectives import all_gather_into, reduce_scatter_into
 from tpkernels.parallel.groups import global_rank, group_rank_size
 from tpkernels.parallel.trace import CommSpan, gemm_span
+from tpkernels.functional.quantized_weight import is_operand, matmul as _mm
 
 ALGOS = ("auto", "collective", "ring", "fused")
 FAMILY = "gemm_comm"
@@ -73,10 +74,13 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _fused_limits(impl: str, device: torch.device, dtype, k: int | None = None, n: int | None = None,
-                  group=None, **_) -> str | None:
+                  group=None, quantized: bool = False, **_) -> str | None:
     """Why ``fused`` cannot run this call (None when it can); other algorithms have no limits."""
     if impl != "fused":
         return None
+    if quantized:
+        return ("the fused kernels read a 16-bit weight tensor; a quantised (NF4 / int8) weight runs the ring or "
+                "collective algorithm around its dequantising GEMM")
     if device.type != "cuda":
         return (f"the fused GEMM-communication kernels need CUDA tensors and torch symmetric memory, got a "
                 f"{device.type} tensor (on the CPU they run only in the virtual-TP harness, "
@@ -159,18 +163,18 @@ def check_algo(algo: str, overlap: bool = True) -> None:
 
 def choose_algo(op: str, algo: str, world_size: int, flops_per_rank: float, device: torch.device,
                 overlap: bool = True, dtype: torch.dtype | None = None, k: int | None = None, n: int | None = None,
-                group=None) -> str:
+                group=None, quantized: bool = False) -> str:
     """The algorithm ``op`` runs: "local" for one rank, else by the dispatch rule of
     :mod:`tpkernels.backends` (``algo`` unless "auto", then ``TPKERNELS_BACKEND``, then by size).
-    ``dtype``, ``k``, ``n`` (the GEMM's inner and output widths) and ``group`` decide whether
-    ``fused`` can run."""
+    ``dtype``, ``k``, ``n`` (the GEMM's inner and output widths), ``group`` and ``quantized`` (the weight
+    is a quantised operand) decide whether ``fused`` can run."""
     check_algo(algo, overlap)
     if not overlap:
         algo = "collective"
     if world_size == 1:
         return "local"
     return backends.select(op, device, None if algo == "auto" else algo, dtype=dtype, flops=flops_per_rank,
-                           world=world_size, k=k, n=n, group=group)
+                           world=world_size, k=k, n=n, group=group, quantized=quantized)
 
 
 def _resolve(op: str, algo: str, world: int, flops: float, device: torch.device,
@@ -226,7 +230,8 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
     rank, world = group_rank_size(group)
     flops = 2.0 * a_shard.numel() * sum(b.shape[-1] for b in bs) * world
     how, err = _resolve("all_gather_matmul", algo, world, flops, a_shard.device, dtype=a_shard.dtype,
-                        k=a_shard.shape[-1], n=min((b.shape[-1] for b in bs), default=16), group=group)
+                        k=a_shard.shape[-1], n=min((b.shape[-1] for b in bs), default=16), group=group,
+                        quantized=any(is_operand(b) for b in bs))
     # before any check that can fail on some ranks only: the others would wait in the transfer
     consistency.agree(group, "all_gather_matmul", **{"a_shard.shape": a_shard.shape, "a_shard.dtype": a_shard.dtype,
                                                      "gather_dim": gather_dim, "algo": how, "return_a": return_a},
@@ -241,7 +246,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
     m = a.shape[0]
     if how == "local":
         with gemm_span("matmul", a.device.type):
-            outs = [torch.matmul(a, b) for b in bs]
+            outs = [_mm(a, b) for b in bs]
         if on_chunk:
             on_chunk(0, a)
         return (a_shard if return_a else None), [o.movedim(0, gd) for o in outs]
@@ -267,7 +272,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
         span.done()
         with gemm_span("matmul", a.device.type):
             for b, out in zip(bs, outs):
-                torch.matmul(a_full, b, out=out)
+                _mm(a_full, b, out=out)
         if on_chunk:
             for src in range(world):
                 on_chunk(src, a_full[src * m:(src + 1) * m])
@@ -289,7 +294,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
                                                dist.P2POp(dist.irecv, nxt, prv_peer, group)])
             with gemm_span("matmul chunk", a.device.type, step=step, src=src):
                 for b, out in zip(bs, outs):
-                    torch.matmul(cur, b, out=out[src * m:(src + 1) * m])
+                    _mm(cur, b, out=out[src * m:(src + 1) * m])
             if on_chunk:
                 on_chunk(src, cur)
             if reqs is not None:
@@ -315,7 +320,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
     """
     rank, world = group_rank_size(group)
     how, err = _resolve("matmul_reduce_scatter", algo, world, 2.0 * a.numel() * b.shape[-1], a.device, overlap,
-                        dtype=a.dtype, k=a.shape[-1], n=b.shape[-1], group=group)
+                        dtype=a.dtype, k=a.shape[-1], n=b.shape[-1], group=group, quantized=is_operand(b))
     consistency.agree(group, "matmul_reduce_scatter", **{"a.shape": a.shape, "a.dtype": a.dtype, "b.shape": b.shape,
                                                          "b.dtype": b.dtype, "scatter_dim": scatter_dim,
                                                          "reduce_op": reduce_op, "algo": how})
@@ -336,11 +341,11 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
 
     def partial(d: int, step: int) -> torch.Tensor:
         with gemm_span("matmul chunk", a.device.type, step=step, dst=d):
-            return widen(torch.matmul(am[d * m:(d + 1) * m], b))
+            return widen(_mm(am[d * m:(d + 1) * m], b))
 
     if how == "local":
         with gemm_span("matmul", a.device.type):
-            out = torch.matmul(am, b)
+            out = _mm(am, b)
         for work in side_work:
             work()
         return out.movedim(0, sd)
@@ -354,7 +359,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
         return out.view((m,) + tuple(am.shape[1:-1]) + (b.shape[1],)).movedim(0, sd)
     if how == "collective":
         with gemm_span("matmul", a.device.type):
-            full = widen(torch.matmul(am, b))
+            full = widen(_mm(am, b))
         acc = _empty((m,) + tuple(full.shape[1:]), full)
         span = CommSpan("reduce_scatter", a.device.type, bytes=full.numel() * full.element_size())
         handle = reduce_scatter_into(acc, full, group, async_op=True)
@@ -401,7 +406,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, reduce_op: s
     """
     rank, world = group_rank_size(group)
     how, err = _resolve("matmul_all_reduce", algo, world, 2.0 * a.numel() * b.shape[-1], a.device,
-                        dtype=a.dtype, k=a.shape[-1], n=b.shape[-1], group=group)
+                        dtype=a.dtype, k=a.shape[-1], n=b.shape[-1], group=group, quantized=is_operand(b))
     consistency.agree(group, "matmul_all_reduce", **{"a.shape": a.shape, "a.dtype": a.dtype, "b.shape": b.shape,
                                                      "b.dtype": b.dtype, "reduce_op": reduce_op, "algo": how,
                                                      "variant": variant})
@@ -414,7 +419,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, reduce_op: s
         raise ValueError(f"reduce_op ({reduce_op!r}) must be 'sum' or 'avg'")
     if how == "local":
         with gemm_span("matmul", a.device.type):
-            return torch.matmul(a, b)
+            return _mm(a, b)
     out_shape = tuple(a.shape[:-1]) + (b.shape[1],)
     if how == "fused":
         from tpkernels.functional.gemm_comm_fused import ar_steps  # noqa: PLC0415
@@ -435,7 +440,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, reduce_op: s
         span.done()
         return full[:rows.shape[0] - pad].view(out_shape)
     with gemm_span("matmul", a.device.type):
-        y = widen(torch.matmul(a, b))
+        y = widen(_mm(a, b))
     span = CommSpan("all_reduce", a.device.type, bytes=y.numel() * y.element_size())
     dist.all_reduce(y, group=group)
     span.done()

@@ -31,6 +31,7 @@ class LayerContext:
     cp_rank: int = 0
     cp_size: int = 1
     cp_algo: str = "ring"
+    quant: str | None = None  # the layers' TP linears hold a frozen quantised base ("nf4", "int8"; QLoRA)
 
     @property
     def names(self) -> dict[str, str]:
@@ -46,7 +47,7 @@ class LayerContext:
     def tp_kwargs(self) -> dict:
         """Keyword arguments of Column/RowParallelLinear for this layout (batch-first: sequence dim 1)."""
         return dict(tp_group=self.tp_group, sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
-                    sequence_dim=1, algo=self.algo, device=self.device, dtype=self.dtype)
+                    sequence_dim=1, algo=self.algo, device=self.device, dtype=self.dtype, quant=self.quant)
 
     def factory(self) -> dict:
         return dict(device=self.device, dtype=self.dtype)

@@ -63,13 +63,28 @@ def load_hf_(model, source):
         transposed = {part.name for ps in parts.values() for part in ps if part.transpose}
         src.check(_shapes(model), transposed)
         for name, p in params.items():
-            pieces = [src.read(part, p.dtype) for part in parts[name]]
-            value = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-            if value.shape != p.shape:
-                raise ValueError(f"{name}: the checkpoint gives shape {tuple(value.shape)}, the model at this "
-                                 f"layout needs {tuple(p.shape)} (parts {parts[name]})")
-            p.copy_(value)
+            p.copy_(_read(src, name, parts[name], p)[0])
+        # a quantised base: each tensor read in full precision, quantised, and dropped before the next
+        for name, m in quantized_layers(model).items():
+            value, rows = _read(src, name, parts[name], m.weight)
+            m.load_quantized_(value, rows)
+            del value
     return model
+
+
+def _read(src, name: str, parts: list[Part], like: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """This rank's value of parameter ``name`` (shape and dtype of ``like``) and the rows of each part."""
+    pieces = [src.read(part, like.dtype) for part in parts]
+    value = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    if value.shape != like.shape:
+        raise ValueError(f"{name}: the checkpoint gives shape {tuple(value.shape)}, the model at this "
+                         f"layout needs {tuple(like.shape)} (parts {parts})")
+    return value, [piece.shape[0] for piece in pieces]
+
+
+def quantized_layers(model) -> dict[str, nn.Module]:
+    """Our weight name -> the TP linear that holds it quantised (``layer.qweight``)."""
+    return {f"{name}.weight": m for name, m in model.named_modules() if getattr(m, "qweight", None) is not None}
 
 
 def init_weights_(model, seed: int):
@@ -91,11 +106,15 @@ def to_hf_state_dict(model, which: str = "data") -> dict[str, torch.Tensor]:
     tp = model.ctx.tp_size
     all_parts = [param_parts(model, r) for r in range(tp)]
     pieces = []
-    for name, p in model.named_parameters():
-        t = tag_of(p)
-        if (t is not None and t.tied == "copy") or name not in all_parts[0]:  # LoRA adapters: merge_lora_ first
+    # a quantised base counts as its dequantised values (no gradient: zeros)
+    tensors = [(name, p, p.detach() if which == "data" else p.grad) for name, p in model.named_parameters()]
+    tensors += [(name, m.weight, m.qweight.dequantize() if which == "data" else None)
+                for name, m in quantized_layers(model).items()]
+    for name, p, t in tensors:
+        tt = tag_of(p)
+        if (tt is not None and tt.tied == "copy") or name not in all_parts[0]:  # LoRA adapters: merge_lora_ first
             continue
-        t = p.detach() if which == "data" else (p.grad if p.grad is not None else torch.zeros_like(p))
+        t = t if t is not None else torch.zeros(p.shape, dtype=p.dtype, device=model._device())
         shards = [t] if tp == 1 else list(all_gather_dim(t.contiguous(), 0, model.ctx.tp_group).chunk(tp, dim=0))
         for r, shard in enumerate(shards):
             offset = 0
@@ -134,4 +153,4 @@ def save_hf(model, folder: str | Path, dtype: torch.dtype | None = None) -> Path
     return folder
 
 
-__all__ = ["from_hf", "init_weights_", "load_hf_", "param_parts", "save_hf", "to_hf_state_dict"]
+__all__ = ["from_hf", "init_weights_", "load_hf_", "param_parts", "quantized_layers", "save_hf", "to_hf_state_dict"]

@@ -53,7 +53,7 @@ class LoRA(nn.Module):
         self.column = wt.split_dim == 0  # output rows split (column-parallel); 1: input columns (row-parallel)
         self.group, self.tp, self.sp = base.tp_group, base.tp_size, base.sequence_parallel and base.tp_size > 1
         self.seq_dim, self.rank, self.scale = base.sequence_dim, rank, alpha / rank
-        kw = dict(device=w.device, dtype=w.dtype)
+        kw = dict(device=base.weight_device, dtype=w.dtype)  # a quantised base's weight is a meta stand-in
         in_local, out_local = w.shape[1], w.shape[0]
         self.A = nn.Parameter(torch.empty(rank, in_local, **kw))
         self.B = nn.Parameter(torch.zeros(out_local, rank, **kw))  # zero: training starts at the base model
@@ -131,6 +131,9 @@ def merge_lora_(model: nn.Module) -> int:
     for m in model.modules():
         lora = getattr(m, "lora", None)
         if isinstance(lora, LoRA):
+            if getattr(m, "qweight", None) is not None:
+                raise ValueError("merge_lora_ needs full-precision base weights; call dequantize_() on the quantised "
+                                 "layers first (the merged weight is the dequantised base + alpha/r · B·A)")
             m.weight += lora.delta().to(m.weight.dtype)
             lora.B.zero_()
             n += 1

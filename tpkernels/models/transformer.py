@@ -117,11 +117,13 @@ class ParallelTransformer(nn.Module):
         overlap_comm / algo: the TP layers' comm overlap and GEMM-comm algorithm.
         layer_counts: layers per virtual stage (uneven pipelines); default an even split.
         init: "random" (seeded, layout independent) or None (leave for ``load_hf_``).
+        quant: "nf4" or "int8": the layers' linears hold a frozen quantised base (QLoRA: each rank
+            quantises its own shard as it is loaded, see tpkernels.functional.quantized_weight).
     """
 
     def __init__(self, config: ModelConfig, state: ParallelState | None = None, *, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device=None, overlap_comm: bool = True, algo: str = "auto",
-                 layer_counts=None, init: str | None = "random"):
+                 layer_counts=None, init: str | None = "random", quant: str | None = None):
         super().__init__()
         config.require_buildable()
         state = state or ParallelState.create(ParallelConfig())
@@ -132,7 +134,7 @@ class ParallelTransformer(nn.Module):
                                 sequence_parallel=pc.sequence_parallel, overlap_comm=overlap_comm, algo=algo,
                                 device=None if device is None else torch.device(device), dtype=dtype,
                                 recompute=pc.recompute, cp_group=state.cp_group, cp_rank=state.cp_rank,
-                                cp_size=pc.cp, cp_algo=pc.cp_algo)
+                                cp_size=pc.cp, cp_algo=pc.cp_algo, quant=quant)
         self.num_virtual = pc.pp * pc.virtual_stages
         self.stage_layers = stage_layers(config.num_layers, pc.pp, pc.virtual_stages, layer_counts)
         self.chunks = nn.ModuleList()

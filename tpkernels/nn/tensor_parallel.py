@@ -12,6 +12,12 @@ With sequence parallelism, inputs and outputs of the pair are sharded along ``se
 reduce-scatter are overlapped with the GEMMs (``overlap_comm``; ``algo`` picks the GEMM-comm
 algorithm, "auto" by the rule of :mod:`tpkernels.backends`).
 
+``quant="nf4"`` (or "int8"): the weight is a frozen quantised base (QLoRA): held as a
+:class:`~tpkernels.functional.quantized_weight.QuantizedWeight` (``layer.qweight``), never as a
+full-precision parameter; ``layer.weight`` is then a meta tensor that keeps the shard's shape,
+dtype and TP tag for whoever reads them (LoRA). Load it with ``load_quantized_`` (or
+``from_linear``); ``dequantize_()`` turns it back into an ordinary frozen parameter (export).
+
 Weight gradients use the package's one weight-gradient mechanism
 (:mod:`tpkernels.functional.weight_grad`): inside a zero-bubble schedule they are deferred to the
 W action without any change to the layer.
@@ -25,6 +31,8 @@ import torch
 from torch import nn
 
 from tpkernels.functional.gemm_comm import check_algo
+from tpkernels.functional.quantized_tp_linear import quantized_column_parallel_linear, quantized_row_parallel_linear
+from tpkernels.functional.quantized_weight import QuantizedWeight, triton_shape_problem
 from tpkernels.functional.tp_linear import column_parallel_linear, row_parallel_linear
 from tpkernels.parallel.groups import group_rank_size
 from tpkernels.parallel.param_tags import tag
@@ -48,20 +56,70 @@ def _init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: i
 
 
 class _TPLinear(nn.Module):
-    def __init__(self, tp_group, sequence_parallel: bool, overlap_comm: bool, sequence_dim: int, algo: str):
+    def __init__(self, tp_group, sequence_parallel: bool, overlap_comm: bool, sequence_dim: int, algo: str,
+                 quant: str | None = None):
         super().__init__()
         check_algo(algo, overlap_comm)
+        if quant is not None and algo == "fused":
+            raise ValueError("algo ('fused') reads a 16-bit weight tensor; a quantised layer (quant "
+                             f"{quant!r}) runs 'ring', 'collective' or 'auto'")
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = group_rank_size(tp_group)
         self.sequence_parallel, self.overlap_comm, self.sequence_dim = sequence_parallel, overlap_comm, sequence_dim
-        self.algo = algo
+        self.algo, self.quant = algo, quant
+        self.qweight: QuantizedWeight | None = None
+
+    def _make_weight(self, shape: tuple[int, int], split_dim: int, device, dtype) -> None:
+        """A full-precision parameter, or with ``quant`` a meta tensor standing for the quantised shard."""
+        if self.quant is None:
+            self.weight = tag(nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), split_dim=split_dim)
+            return
+        dtype = dtype or torch.get_default_dtype()
+        if self.quant == "nf4" and device is not None and torch.device(device).type == "cuda":
+            problem = triton_shape_problem(shape[1], f"quantised {type(self).__name__} {shape[0]}×{shape[1]} per rank")
+            if problem:
+                raise ValueError(problem)
+        self.weight = tag(torch.empty(shape, device="meta", dtype=dtype), split_dim=split_dim)
+        self.qweight = QuantizedWeight(self.quant, shape, dtype, device)
+
+    @property
+    def weight_device(self) -> torch.device:
+        """Where the weight lives (a quantised one: where its codes do)."""
+        return self.qweight.device if self.qweight is not None else self.weight.device
+
+    def load_quantized_(self, weight: torch.Tensor, row_splits: list[int] | None = None) -> "_TPLinear":
+        """Quantise this rank's full-precision shard ``weight`` into the layer (``row_splits``: rows of each
+        Hugging Face tensor it is made of, each quantised on its own)."""
+        if self.qweight is None:
+            raise ValueError("load_quantized_ needs a layer built with quant='nf4' or 'int8'")
+        self.qweight.load_(weight, row_splits)
+        return self
+
+    @torch.no_grad()
+    def dequantize_(self) -> "_TPLinear":
+        """Replace the quantised weight by its dequantised values as a frozen parameter (then merge_lora_,
+        save_hf and to_linear work as for any layer)."""
+        if self.qweight is None:
+            return self
+        w, t = self.qweight.dequantize(), self.weight.tp_tag
+        del self.weight
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.weight.tp_tag = t
+        self.qweight, self.quant = None, None
+        return self
 
     def _load_shard(self, weight: torch.Tensor, bias: torch.Tensor | None) -> "_TPLinear":
         with torch.no_grad():
-            self.weight.copy_(weight)
+            if self.qweight is not None:
+                self.qweight.load_(weight)
+            else:
+                self.weight.copy_(weight)
             if self.bias is not None:
                 self.bias.copy_(bias)
         return self
+
+    def _weight_values(self) -> torch.Tensor:
+        return self.qweight.dequantize() if self.qweight is not None else self.weight.detach()
 
     def _check_input(self, x: torch.Tensor, features: int, name: str) -> None:
         if x.dim() < 2 and self.sequence_parallel:
@@ -75,8 +133,9 @@ class ColumnParallelLinear(_TPLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_group=None,
                  gather_output: bool = False, sequence_parallel: bool = False, overlap_comm: bool = True, *,
-                 sequence_dim: int = 0, regather_input: bool = False, algo: str = "auto", device=None, dtype=None):
-        super().__init__(tp_group, sequence_parallel, overlap_comm, sequence_dim, algo)
+                 sequence_dim: int = 0, regather_input: bool = False, algo: str = "auto", device=None, dtype=None,
+                 quant: str | None = None):
+        super().__init__(tp_group, sequence_parallel, overlap_comm, sequence_dim, algo, quant)
         check_divisible(out_features, self.tp_size, "out_features")
         if gather_output and sequence_parallel:
             raise ValueError("gather_output=True cannot be combined with sequence_parallel=True "
@@ -85,7 +144,7 @@ class ColumnParallelLinear(_TPLinear):
         self.gather_output, self.regather_input = gather_output, regather_input
         self.out_per_rank = out_features // self.tp_size
         kw = dict(device=device, dtype=dtype)
-        self.weight = tag(nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw)), split_dim=0)
+        self._make_weight((self.out_per_rank, in_features), 0, device, dtype)
         self.bias = tag(nn.Parameter(torch.empty(self.out_per_rank, **kw)), split_dim=0) if bias else None
         _init_like_linear(self.weight, self.bias, in_features)
 
@@ -93,8 +152,12 @@ class ColumnParallelLinear(_TPLinear):
         """x: (..., in) — with SP this rank's shard of ``sequence_dim``. Returns (..., out/P) over the full
         sequence, or (..., out) with ``gather_output``."""
         self._check_input(x, self.in_features, "in_features")
-        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
-                                   self.sequence_dim, self.algo, self.regather_input, self.overlap_comm)
+        if self.qweight is not None:
+            y = quantized_column_parallel_linear(x, self.qweight, self.bias, self.tp_group, self.sequence_parallel,
+                                                 self.sequence_dim, self.algo, self.overlap_comm)
+        else:
+            y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
+                                       self.sequence_dim, self.algo, self.regather_input, self.overlap_comm)
         return gather_from_tensor_parallel(y, self.tp_group) if self.gather_output else y
 
     @classmethod
@@ -107,7 +170,7 @@ class ColumnParallelLinear(_TPLinear):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The dense layer's weight (out, in) and bias (out,), gathered on every rank (collective)."""
-        sd = {"weight": all_gather_dim(self.weight.detach(), 0, self.tp_group)}
+        sd = {"weight": all_gather_dim(self._weight_values(), 0, self.tp_group)}
         if self.bias is not None:
             sd["bias"] = all_gather_dim(self.bias.detach(), 0, self.tp_group)
         return sd
@@ -115,7 +178,7 @@ class ColumnParallelLinear(_TPLinear):
     def to_linear(self) -> nn.Linear:
         sd = self.full_state_dict()
         dense = nn.Linear(self.in_features, self.out_features, self.bias is not None,
-                          device=self.weight.device, dtype=self.weight.dtype)
+                          device=self.weight_device, dtype=self.weight.dtype)
         dense.load_state_dict(sd)
         return dense
 
@@ -131,8 +194,8 @@ class RowParallelLinear(_TPLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_group=None,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, overlap_comm: bool = True, *,
-                 sequence_dim: int = 0, algo: str = "auto", device=None, dtype=None):
-        super().__init__(tp_group, sequence_parallel, overlap_comm, sequence_dim, algo)
+                 sequence_dim: int = 0, algo: str = "auto", device=None, dtype=None, quant: str | None = None):
+        super().__init__(tp_group, sequence_parallel, overlap_comm, sequence_dim, algo, quant)
         check_divisible(in_features, self.tp_size, "in_features")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True requires input_is_parallel=True "
@@ -140,7 +203,7 @@ class RowParallelLinear(_TPLinear):
         self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, input_is_parallel
         self.in_per_rank = in_features // self.tp_size
         kw = dict(device=device, dtype=dtype)
-        self.weight = tag(nn.Parameter(torch.empty(out_features, self.in_per_rank, **kw)), split_dim=1)
+        self._make_weight((out_features, self.in_per_rank), 1, device, dtype)
         # replicated, added after the reduction; under SP its gradient is summed inside the op
         self.bias = tag(nn.Parameter(torch.empty(out_features, **kw))) if bias else None
         _init_like_linear(self.weight, self.bias, in_features)
@@ -154,6 +217,9 @@ class RowParallelLinear(_TPLinear):
         self._check_input(x, self.in_per_rank, "in_features / tensor_parallel_size")
         if self.sequence_parallel:
             check_divisible(x.shape[self.sequence_dim], self.tp_size, "sequence length", _SP)
+        if self.qweight is not None:
+            return quantized_row_parallel_linear(x, self.qweight, self.bias, self.tp_group, self.sequence_parallel,
+                                                 self.sequence_dim, self.algo, self.overlap_comm)
         return row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
                                    self.sequence_dim, self.algo, self.overlap_comm)
 
@@ -166,14 +232,14 @@ class RowParallelLinear(_TPLinear):
         return layer._load_shard(linear.weight[:, cols], linear.bias)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        sd = {"weight": all_gather_dim(self.weight.detach(), 1, self.tp_group)}
+        sd = {"weight": all_gather_dim(self._weight_values(), 1, self.tp_group)}
         if self.bias is not None:
             sd["bias"] = self.bias.detach().clone()
         return sd
 
     def to_linear(self) -> nn.Linear:
         dense = nn.Linear(self.in_features, self.out_features, self.bias is not None,
-                          device=self.weight.device, dtype=self.weight.dtype)
+                          device=self.weight_device, dtype=self.weight.dtype)
         dense.load_state_dict(self.full_state_dict())
         return dense
 

@@ -69,7 +69,7 @@ NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453
             0.7229568362236023, 1.0)
 
 _LUT_BINS = 65536  # bitsandbytes' CPU 8-bit quantiser grid on [-1, 1] (see the module docstring)
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _build_dynamic_map() -> Tensor:
@@ -182,8 +182,8 @@ def _check_weight(w: Tensor, name: str = "w") -> None:
     if not isinstance(w, Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(w).__name__}")
     if w.dtype not in _FLOATS:
-        raise TypeError(f"{name} dtype ({w.dtype}) must be float32, float16 or bfloat16 (the weights a "
-                        "checkpoint holds)")
+        raise TypeError(f"{name} dtype ({w.dtype}) must be float32, float16, bfloat16 or float64 (float64 is "
+                        "quantised from its float32 rounding)")
     if w.numel() == 0:
         raise ValueError(f"{name} must have at least one element, got shape {tuple(w.shape)}")
     if not bool(torch.isfinite(w).all()):

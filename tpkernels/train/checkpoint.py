@@ -66,11 +66,14 @@ def _parse(key: str):
 
 
 def rectangles(model):
-    """(param, local row slice, hf name, rows, cols | None) for every piece of every parameter."""
+    """(param, local row slice, hf name, rows, cols | None) for every piece of every parameter. A quantised
+    base (QLoRA) is no parameter and is not stored: every run re-quantises it from the base checkpoint."""
     shapes = {k: v for c in model.chunks for k, v in c.shapes().items()}
     shapes.update(lora_shapes(model))
     params = dict(model.named_parameters())
     for pname, parts in {**model.param_parts(), **lora_parts(model)}.items():
+        if pname not in params:
+            continue
         p, off = params[pname], 0
         for part in parts:
             if part.name is None:
@@ -262,6 +265,7 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
     meta = read_meta(path)
     verify(path, meta)  # every file against its digest, before any weight is touched
     check_same_model(path, meta, model.config)
+    check_same_base(path, meta, model)
     md = read_dcp_metadata(path)
     stored: dict[tuple[str, str], list] = {}
     for key, tmd in md.state_dict_metadata.items():
@@ -360,14 +364,32 @@ def export_hf(path: str | Path, out: str | Path) -> Path:
     """Write the weights of checkpoint ``path`` as a Hugging Face folder (config.json + safetensors)
     that ``transformers`` loads; in one process, on the CPU."""
     path, cfg = _export_source(path, out)
-    model = ParallelTransformer(cfg.model_config(), None, init=None)
-    if cfg.model.finetune == "lora":
-        apply_lora(model, cfg.model.lora_rank, cfg.model.lora_alpha)
-        load(path, model)
+    model = _export_model(cfg)
+    load(path, model)
+    if cfg.model.adapters:
+        for m in model.modules():  # QLoRA: the base as the run computed with it (dequantised)
+            if getattr(m, "qweight", None) is not None:
+                m.dequantize_()
         merge_lora_(model)  # the merged weights: base + alpha/r · B·A
-    else:
-        load(path, model)
     return model.save_hf(out)
+
+
+def _export_model(cfg: TrainConfig, with_base: bool = True):
+    """The one-process model a checkpoint of ``cfg`` loads into, adapters included. A QLoRA checkpoint
+    holds no base: it is read from ``model.init_from`` (or the seed's) and quantised here, one
+    process: each Hugging Face tensor whole, the bytes bitsandbytes gives it (a run at TP > 1
+    quantised its shards: their dequantised values differ by at most one 8-bit absmax step)."""
+    ms = cfg.model
+    quant = ms.base_quant
+    if quant is None or not with_base:  # with_base False: only the checkpoint's tensors are wanted (PEFT)
+        model = ParallelTransformer(cfg.model_config(), None, init=None, quant=quant)
+    elif ms.init_from:
+        model = ParallelTransformer.from_hf(ms.init_from, None, config=cfg.model_config(), quant=quant)
+    else:
+        model = ParallelTransformer(cfg.model_config(), None, seed=cfg.training.seed, quant=quant)
+    if ms.adapters:
+        apply_lora(model, ms.lora_rank, ms.lora_alpha)
+    return model
 
 
 def export_peft(path: str | Path, out: str | Path) -> Path:
@@ -378,11 +400,10 @@ def export_peft(path: str | Path, out: str | Path) -> Path:
 
     path, cfg = _export_source(path, out)
     ms = cfg.model
-    if ms.finetune != "lora":
+    if not ms.adapters:
         raise ValueError(f"export-peft: checkpoint {str(path)!r} was trained with model.finetune {ms.finetune!r}: it "
                          "holds no adapters (export-hf writes its weights)")
-    model = ParallelTransformer(cfg.model_config(), None, init=None)
-    apply_lora(model, ms.lora_rank, ms.lora_alpha)
+    model = _export_model(cfg, with_base=False)
     load(path, model)
     alpha = float(ms.lora_alpha if ms.lora_alpha is not None else 2 * ms.lora_rank)
     return write_peft(model, out, base_model=ms.init_from, rank=ms.lora_rank, alpha=alpha)
@@ -426,12 +447,26 @@ def check_same_model(path: str | Path, meta: dict, now: ModelConfig) -> None:
                          "never the model: resume with the checkpoint's model settings, or start a new save_dir")
 
 
+def check_same_base(path: str | Path, meta: dict, model) -> None:
+    """Refuse adapters trained on another kind of base: a QLoRA checkpoint holds no base weights (each run
+    re-quantises them from ``model.init_from``), so its base format must be this model's."""
+    saved = config_of(meta).model
+    was, now = saved.base_quant, model.ctx.quant
+    if was != now:
+        def say(q, finetune):
+            return f"model.finetune {finetune} with model.quant {q}" if q else f"model.finetune {finetune}"
+        raise ValueError(f"checkpoint {path} was saved with {say(was, saved.finetune)}; this run builds "
+                         f"{'a ' + now + ' base' if now else 'a full-precision base'}: its adapters were trained on "
+                         f"another base. Resume with the checkpoint's model.finetune / model.quant, or start a new "
+                         "save_dir")
+
+
 def config_of(meta: dict) -> TrainConfig:
     """The TrainConfig a checkpoint was saved with (its meta.json; older checkpoints stored it flat)."""
     values = {k: v for k, v in meta["config"].items() if k != "predicted"}
     return TrainConfig.from_values(values)
 
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "check_same_model", "complete", "config_of", "export_hf",
+__all__ = ["CheckpointError", "CheckpointSaveError", "check_same_base", "check_same_model", "complete", "config_of", "export_hf",
            "latest", "load", "resume", "local_optimizer", "model_mismatches",
            "read_meta", "rectangles", "save", "saved_model"]

@@ -253,9 +253,9 @@ class TrainConfig:
             errs.append(f"dpo.sft_weight ({dpo.sft_weight!r}) must be a finite number >= 0")
         if not math.isfinite(dpo.simpo_gamma):
             errs.append(f"dpo.simpo_gamma ({dpo.simpo_gamma!r}) must be a finite number")
-        if t.task == "dpo" and dpo.reference == "adapters" and self.model.finetune != "lora":
-            errs.append(f"dpo.reference (adapters) needs model.finetune lora (now {self.model.finetune!r}: there are "
-                        "no adapters to turn off); use dpo.reference cached or model")
+        if t.task == "dpo" and dpo.reference == "adapters" and not self.model.adapters:
+            errs.append(f"dpo.reference (adapters) needs model.finetune lora or qlora (now {self.model.finetune!r}: "
+                        "there are no adapters to turn off); use dpo.reference cached or model")
         errs += self.model.errors("model.")
         errs += self.parallel.layout_errors("parallel.")
         return errs
@@ -320,7 +320,7 @@ def _old_sections(values: dict, where: str | None = None) -> dict:
 # The old flat keys (and short flags) -> the real keys.
 ALIASES: dict[str, str] = {
     **{k: f"model.{k}" for k in ("init_from", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "finetune",
-                                 "lora_rank", "lora_alpha", "drop_dropout")},
+                                 "quant", "lora_rank", "lora_alpha", "drop_dropout")},
     "hf_config": "model.name",
     **{f.name: f"parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)},
     **{f.name: f"training.{f.name}" for f in dataclasses.fields(TrainingSection)},

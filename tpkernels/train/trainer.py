@@ -138,7 +138,7 @@ class Trainer:
         dtype = DTYPES[cfg.training.precision]
         self.model = self.build_model()
         ms, opt = cfg.model, cfg.optimizer
-        self.lora_layers = apply_lora(self.model, ms.lora_rank, ms.lora_alpha) if ms.finetune == "lora" else []
+        self.lora_layers = apply_lora(self.model, ms.lora_rank, ms.lora_alpha) if ms.adapters else []
         self.mp = MixedPrecision(self.model, dtype, init_scale=cfg.training.initial_loss_scale) \
             if dtype not in FULL else None
         params = self.mp.masters if self.mp else list(self.model.parameters())
@@ -152,9 +152,10 @@ class Trainer:
             if self.pc.dp * self.pc.cp > 1 else None
         self.data = data_of(cfg, self.mc.vocab_size)
         self.task = cfg.training.task if cfg.training.task != "auto" else getattr(self.data, "task", None) or "pretrain"
-        if self.task == "dpo" and cfg.dpo.reference == "adapters" and cfg.model.finetune != "lora":  # implied dpo
-            raise ValueError(f"dpo.reference (adapters) needs model.finetune lora (now {cfg.model.finetune!r}: there "
-                             "are no adapters to turn off); use dpo.reference cached or model")
+        if self.task == "dpo" and cfg.dpo.reference == "adapters" and not cfg.model.adapters:  # implied dpo
+            raise ValueError(f"dpo.reference (adapters) needs model.finetune lora or qlora (now "
+                             f"{cfg.model.finetune!r}: there are no adapters to turn off); use dpo.reference cached or "
+                             "model")
         self.objective = dpo.make_objective(self) if self.task == "dpo" else None
         self.runtime = self.model.pipeline(self.pc.pipeline_schedule, self.pc.num_microbatches,
                                            seq_length=seq, loss_fn=self.objective)
@@ -201,11 +202,12 @@ class Trainer:
         """This rank's part of the run's model as it starts: ``model.init_from``'s weights, or the seed's
         (the same at every layout), before any adapter or checkpoint."""
         cfg, dtype = self.cfg, DTYPES[self.cfg.training.precision]
+        quant = cfg.model.base_quant  # qlora: each rank quantises its shards as it reads them
         if cfg.model.init_from:
             return ParallelTransformer.from_hf(cfg.model.init_from, self.state, config=self.mc, device=self.device,
-                                               overlap_comm=self.pc.overlap_comm, dtype=dtype)
+                                               overlap_comm=self.pc.overlap_comm, dtype=dtype, quant=quant)
         return ParallelTransformer(self.mc, self.state, seed=cfg.training.seed, device=self.device,
-                                   overlap_comm=self.pc.overlap_comm, dtype=dtype)
+                                   overlap_comm=self.pc.overlap_comm, dtype=dtype, quant=quant)
 
     def save(self) -> Path:
         """A checkpoint of the steps done so far under ``checkpoint.save_dir`` (collective). With ``async_save``
@@ -501,6 +503,8 @@ def out_of_memory_advice(trainer: "Trainer", err: Exception) -> str:
         options.append(f"a smaller parallel.micro_batch_size (now {pc.micro_batch_size}, with more micro-batches)")
     if cfg.model.finetune == "full":
         options.append("model.finetune=lora")
+    if cfg.model.finetune == "lora":
+        options.append("model.finetune=qlora (a 4-bit base: ~0.52 bytes per weight instead of 2)")
     return (f"rank {st.rank} (pipeline stage {st.pp_rank} of {pc.pp}, {pc.short()}) ran out of memory at step "
             f"{trainer.step_index}: {first_line}. Try: {'; '.join(options)}. `tpkernels plan` predicts each "
             "layout's memory per GPU.")
