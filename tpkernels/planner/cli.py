@@ -30,6 +30,7 @@ EPILOG = """examples:
   tpkernels plan --model path/to/config.json --gpu A10-24GB --model.finetune lora --global-batch 32
   tpkernels plan --model Llama-2-13B --gpu A10-24GB --nodes 4 --model.finetune lora --training.task dpo \
       --dpo.reference adapters
+  tpkernels plan --model Llama-2-13B --gpu A10-24GB --nodes 4 --model.finetune qlora --model.quant nf4
 """
 
 
@@ -97,9 +98,9 @@ class PlanConfig:
             v = getattr(c, f)
             if v is not None and not v > 0:
                 errs.append(f"cluster.{f} ({v}) must be a finite number > 0")
-        if t.task == "dpo" and self.dpo.reference == "adapters" and self.model.finetune == "full":
-            errs.append("dpo.reference (adapters) needs model.finetune lora (a full fine-tune has no adapters to "
-                        "turn off): use cached or model")
+        if t.task == "dpo" and self.dpo.reference == "adapters" and not self.model.adapters:
+            errs.append("dpo.reference (adapters) needs model.finetune lora or qlora (a full fine-tune has no "
+                        "adapters to turn off): use cached or model")
         if not 0 <= self.memory_margin < 1:
             errs.append(f"memory_margin ({self.memory_margin}) must be a fraction in [0, 1) (the share of GPU "
                         "memory kept free)")
@@ -108,8 +109,8 @@ class PlanConfig:
 
 ALIASES: dict[str, str | Alias] = {
     "model": "model.name", "hf_config": "model.name",
-    **{k: f"model.{k}" for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "finetune", "lora_rank",
-                                 "drop_dropout")},
+    **{k: f"model.{k}" for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "finetune", "quant",
+                                 "lora_rank", "drop_dropout")},
     **{k: f"cluster.{k}" for k in ("gpu", "gpus_per_node", "nodes", "intra_link", "intra_node_gbs", "inter_node_gbs",
                                    "gpu_tflops", "gpu_memory_gib", "gpu_hbm_gbs", "gpu_fp8_tflops")},
     "global_batch": "training.global_batch", "seq_len": "training.seq_length", "seq_length": "training.seq_length",
@@ -173,7 +174,8 @@ def run(args) -> int:
     t = cfg.training
     seq_len = t.seq_length if t.seq_length is not None else min(model.max_position_embeddings, 8192)
     train = TrainingSetup(t.global_batch, seq_len, t.precision, t.optimizer, cfg.model.finetune, cfg.model.lora_rank,
-                          t.flash_attention, task=t.task, dpo_reference=cfg.dpo.reference)
+                          quant=cfg.model.base_quant, flash_attention=t.flash_attention, task=t.task,
+                          dpo_reference=cfg.dpo.reference)
     if not cfg.json:
         for reason in model.build_errors():
             print(f"note: planned, but tpkernels train cannot build this model yet: {reason}")

@@ -92,7 +92,7 @@ def estimate(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, cfg
     mem = peak_memory(model, train, cfg)
     model_flops = model.model_flops_per_step(train.global_batch, train.seq_length)
     lin, core = model.forward_flops_per_layer(train.global_batch, train.seq_length)
-    if train.finetune == "lora":
+    if train.adapters:
         model_flops -= model.num_layers * lin  # frozen linears compute no weight gradient
     recompute = {"full": lin + core, "selective": 0.0 if train.flash_attention else core, "none": 0.0}[cfg.recompute]
     capacity = cluster.gpu.memory_gib

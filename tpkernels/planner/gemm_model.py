@@ -20,6 +20,10 @@ Four effects make a GEMM slower than its FLOPs over the peak, and each has one c
 
 plus a fixed ``gemm_launch_s`` per kernel (launch latency, the first tile's pipeline fill).
 
+A GEMM whose B operand is a quantised weight dequantised in registers (QLoRA's NF4 / int8 linears)
+reads ``b_bytes`` bytes per element of B and runs its main loop at ``compute_scale`` of the bf16
+GEMM's rate (the dequantisation's extra instructions): max(compute / compute_scale, traffic).
+
 Tile and wave counts are taken fractionally: the real curve is a sawtooth in m and n, whose
 position depends on which kernel cuBLAS picks; the planner compares layouts, and the smooth
 expected value keeps the model monotone: scaling m, n and k up together never lowers the
@@ -53,13 +57,18 @@ def compute_efficiency(m: float, n: float, k: float, gpu: GPUSpec, eff: Efficien
 
 
 def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, eff: Efficiency, precision: str = "bf16",
-              batch: float = 1.0) -> float:
-    """Seconds of ``batch`` GEMMs of (m × k) · (k × n), one kernel launch."""
+              batch: float = 1.0, b_bytes: float | None = None, compute_scale: float = 1.0) -> float:
+    """Seconds of ``batch`` GEMMs of (m × k) · (k × n), one kernel launch. ``b_bytes``: bytes per
+    element of B when it is stored in another format than ``precision`` (a quantised weight);
+    ``compute_scale``: the main loop's rate relative to a plain GEMM's (module doc)."""
     if min(m, n, k, batch) <= 0:
         return 0.0
     flops = 2.0 * batch * m * n * k
-    compute = flops / (gpu.peak_tflops(precision) * 1e12 * compute_efficiency(m, n, k, gpu, eff, precision, batch))
-    traffic = batch * (INPUT_BYTES.get(precision, 2) * (m * k + k * n) + OUTPUT_BYTES.get(precision, 2) * m * n)
+    compute = flops / (gpu.peak_tflops(precision) * 1e12 * compute_efficiency(m, n, k, gpu, eff, precision, batch)
+                       * compute_scale)
+    a_bytes = INPUT_BYTES.get(precision, 2)
+    traffic = batch * (a_bytes * m * k + (a_bytes if b_bytes is None else b_bytes) * k * n
+                       + OUTPUT_BYTES.get(precision, 2) * m * n)
     memory = traffic / (gpu.hbm_gbs * 1e9 * eff.hbm)
     return max(compute, memory) + eff.gemm_launch_s
 
@@ -72,10 +81,13 @@ def achieved_efficiency(m: float, n: float, k: float, gpu: GPUSpec, eff: Efficie
 
 
 def linear_time(tokens: float, k: float, n: float, gpu: GPUSpec, eff: Efficiency, precision: str = "bf16",
-                weight_grad: bool = True) -> tuple[float, float, float]:
+                weight_grad: bool = True, weight_bytes: float | None = None,
+                compute_scale: float = 1.0) -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) seconds of a linear layer y = x·W, x: (tokens, k),
-    W: (k, n). dX = dY·Wᵀ is (tokens × n)·(n × k); dW = Xᵀ·dY is (k × tokens)·(tokens × n)."""
-    fwd = gemm_time(tokens, n, k, gpu, eff, precision)
-    dgrad = gemm_time(tokens, k, n, gpu, eff, precision)
+    W: (k, n). dX = dY·Wᵀ is (tokens × n)·(n × k); dW = Xᵀ·dY is (k × tokens)·(tokens × n).
+    ``weight_bytes`` / ``compute_scale``: a quantised W read by a dequantising GEMM (gemm_time's
+    b_bytes / compute_scale), in the forward and the input gradient, both of which read W."""
+    fwd = gemm_time(tokens, n, k, gpu, eff, precision, b_bytes=weight_bytes, compute_scale=compute_scale)
+    dgrad = gemm_time(tokens, k, n, gpu, eff, precision, b_bytes=weight_bytes, compute_scale=compute_scale)
     wgrad = gemm_time(k, n, tokens, gpu, eff, precision) if weight_grad else 0.0
     return fwd, dgrad, wgrad

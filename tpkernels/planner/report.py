@@ -21,7 +21,8 @@ def _pct(x: float) -> str:
 
 def describe_inputs(p: Plan) -> list[str]:
     t = p.train
-    tune = f"LoRA r={t.lora_rank}" if t.finetune == "lora" else "full fine-tune"
+    tune = {"lora": f"LoRA r={t.lora_rank}", "qlora": f"QLoRA {t.quant} r={t.lora_rank}"}.get(t.finetune,
+                                                                                               "full fine-tune")
     e = p.efficiency
     lines = [
         f"model    {p.model.describe()}",
@@ -123,7 +124,7 @@ def no_fit_message(p: Plan) -> str:
         return (f"No layout fits in {e.memory_capacity_gib:.3g} GiB per GPU. The smallest, {label(e)}, needs "
                 f"{e.memory.total / GIB:.1f} GiB on pipeline stage {e.memory.stage} "
                 f"({', '.join(f'{k} {v:.1f}' for k, v in e.memory.as_gib().items() if k != 'total')} GiB): "
-                "add GPUs, use ZeRO-1/recompute, a smaller micro-batch or LoRA.")
+                "add GPUs, use ZeRO-1/recompute, a smaller micro-batch, LoRA or QLoRA.")
     return "No valid layout: " + "; ".join(f"{r} ({n}×)" for r, n in p.rejected.most_common())
 
 

@@ -4,7 +4,11 @@ Per micro-batch on the slowest pipeline stage (the last one also runs the output
   GEMMs      every linear layer's forward, input-gradient and weight-gradient GEMM timed at its own
              shape after TP splitting (gemm_model.py: ceiling, wave quantization, short-k loss,
              memory roof, launch cost); LoRA's frozen linears skip the weight gradient; full
-             recompute runs the forward twice. FP8 runs the linear GEMMs at the FP8 peak and the
+             recompute runs the forward twice. QLoRA's forward and input-gradient GEMMs read the
+             quantised weight (≈ 0.516 bytes/param for NF4) and dequantise it in registers:
+             max(compute / QLORA_GEMM_EFFICIENCY, traffic), so a GEMM bound by its bf16 weight
+             bytes gets faster, a compute-bound one slower. FP8 runs the linear GEMMs at the FP8
+             peak (QLoRA's in bf16: the kernels dequantise to the activations' dtype) and the
              attention core in bf16.
   attention  FlashAttention: forward + backward (2.5× forward, it recomputes the scores) FLOPs
              over bf16 peak × Efficiency.attention. Without FlashAttention (Megatron 2021): the
@@ -45,7 +49,7 @@ from tpkernels.planner.context_parallel import cp_attention_comm
 from tpkernels.planner.efficiency import Efficiency
 from tpkernels.planner.gemm_model import gemm_time, linear_time
 from tpkernels.planner.hardware import ClusterSpec
-from tpkernels.planner.memory import lora_params_per_rank, stage_params_per_rank
+from tpkernels.planner.memory import BASE_BYTES_PER_PARAM, lora_params_per_rank, stage_params_per_rank
 from tpkernels.description import ModelConfig
 from tpkernels.planner.pipeline_bubble import bubble_time
 from tpkernels.planner.workload import TrainingSetup
@@ -55,6 +59,11 @@ from tpkernels.planner.workload import TrainingSetup
 # activation and ~6 reshapes/copies around the GEMMs; backward runs each again with about twice the
 # kernels. Only Efficiency.kernel_launch_s (CPUs) makes this count matter.
 ELEMENTWISE_KERNELS_PER_LAYER = 36
+# Compute rate of a QLoRA linear's GEMM (NF4/int8 weight dequantised tile by tile in registers, the
+# Triton kernel tpkernels/kernels/triton/nf4_linear.py) relative to a bf16 cuBLAS GEMM of the same
+# shape. 0.8 is the project's target for M ≥ 2048 (issue 34), not a measurement: no GPU has run the
+# kernel yet. Assumed until benchmarks/gpu_check.sh measures it.
+QLORA_GEMM_EFFICIENCY = 0.8
 
 
 
@@ -126,10 +135,15 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
     t, b, s, cp = cfg.tp, cfg.micro_batch_size, train.seq_length, cfg.cp
     tokens = b * (s // cp)  # this rank's share of the sequence (s divides by 2·cp: a layout rule)
     layers = model.num_layers / cfg.pp
-    gpu, frozen = cluster.gpu, train.finetune == "lora"
+    gpu, frozen = cluster.gpu, train.adapters
+    lin_precision, quant = train.precision, {}
+    if train.quant is not None:
+        quant = {"weight_bytes": BASE_BYTES_PER_PARAM[train.quant], "compute_scale": QLORA_GEMM_EFFICIENCY}
+        # the kernels dequantise to the activations' dtype (bf16 under FP8 training): no FP8 GEMM here
+        lin_precision = "bf16" if train.precision == "fp8" else train.precision
     lin_f = lin_b = lin_w = 0.0
     for k, n in _linear_shapes(model, t):
-        f_, b_, w_ = linear_time(tokens, k, n, gpu, eff, train.precision, weight_grad=not frozen)
+        f_, b_, w_ = linear_time(tokens, k, n, gpu, eff, lin_precision, weight_grad=not frozen, **quant)
         lin_f, lin_b, lin_w = lin_f + f_, lin_b + b_, lin_w + w_
     att_f, att_b = _attention_time(model, train, b, s, t, cluster, eff, cp)
     cpc = cp_attention_comm(model, cfg, s, train.activation_bytes, att_f, att_b, cluster, eff)
@@ -205,7 +219,7 @@ def _dp_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, clus
     """(total DP communication, exposed part, trained parameters per rank) of one step. The
     gradients are reduced over DP × CP (CP replicates the weights), whose members are tp apart."""
     trained = max(stage_params_per_rank(model, cfg, 0), stage_params_per_rank(model, cfg, cfg.pp - 1))
-    if train.finetune == "lora":
+    if train.adapters:
         trained = lora_params_per_rank(model, cfg, train.lora_rank)
     group = cfg.dp * cfg.cp
     if group == 1:

@@ -1,15 +1,16 @@
-"""What is being trained: batch, sequence length, precision, optimizer, full fine-tune or LoRA."""
+"""What is being trained: batch, sequence length, precision, optimizer, full fine-tune, LoRA or QLoRA."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from tpkernels.description.source import FINETUNE_CHOICES
+from tpkernels.description.source import FINETUNE_CHOICES, QUANT_CHOICES
 
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 OPTIMIZERS = ("adam", "sgd")
 FINETUNE = FINETUNE_CHOICES  # the model section's (tpkernels.description.source)
+QUANTS = tuple(q for q in QUANT_CHOICES if q != "none")  # formats of a QLoRA base ("none" is nf4 there)
 TASKS = ("pretrain", "sft", "dpo")
 DPO_REFERENCES = ("cached", "adapters", "model")
 
@@ -24,7 +25,11 @@ class TrainingSetup:
     optimizer: "adam" (fp32 master weights + two moments: 12 bytes/param) or "sgd" (fp32 master +
         momentum: 8 bytes/param). Both keep 16-bit weights and fp32 gradients.
     finetune: "full" trains every weight; "lora" freezes them and trains rank-``lora_rank``
-        adapters on every linear layer of every decoder layer.
+        adapters on every linear layer of every decoder layer; "qlora" is "lora" on a base whose
+        decoder-layer linear weights are stored in ``quant``.
+    quant: the format of a QLoRA base: "nf4" (4-bit NormalFloat, double quantisation, ≈ 0.516
+        bytes/param) or "int8" (1 byte/param + an fp32 scale per output row); None for full and
+        lora ("none" reads as None; with qlora None means "nf4"). Embeddings, head and norms stay 16-bit.
     flash_attention: the attention core never stores the (s × s) scores (FlashAttention / our
         tpkernels.flash_attn_func); False models the 2021 Megatron kernels that did.
     overlap_grad_reduce: the data-parallel gradient reduction runs in buckets during the last
@@ -57,6 +62,7 @@ class TrainingSetup:
     overlap_p2p: bool = False
     task: str = "pretrain"
     dpo_reference: str = "cached"
+    quant: str | None = None  # last: the positional order of the fields above is kept
 
     def __post_init__(self):
         for f in ("global_batch", "seq_length", "lora_rank"):
@@ -67,12 +73,26 @@ class TrainingSetup:
                            ("task", TASKS), ("dpo_reference", DPO_REFERENCES)):
             if getattr(self, f) not in choices:
                 raise ValueError(f"{f} ({getattr(self, f)!r}) must be one of {', '.join(choices)}")
-        if self.online_reference and self.dpo_reference == "adapters" and self.finetune == "full":
-            raise ValueError("dpo_reference ('adapters') needs a LoRA fine-tune (finetune is 'full': there are no "
-                             "adapters to turn off); use 'cached' or 'model'")
+        if self.quant == "none":  # the model section's word for "no quantised base"
+            object.__setattr__(self, "quant", None)
+        if self.quant is not None and self.finetune != "qlora":
+            raise ValueError(f"quant ({self.quant!r}) needs finetune 'qlora' (finetune is {self.finetune!r}): only a "
+                             "frozen base is stored quantised")
+        if self.finetune == "qlora" and self.quant is None:
+            object.__setattr__(self, "quant", "nf4")  # QLoRA's format unless told otherwise
+        if self.quant is not None and self.quant not in QUANTS:
+            raise ValueError(f"quant ({self.quant!r}) must be one of {', '.join(QUANTS)} or None")
+        if self.online_reference and self.dpo_reference == "adapters" and not self.adapters:
+            raise ValueError("dpo_reference ('adapters') needs a LoRA fine-tune, lora or qlora (finetune is 'full': "
+                             "there are no adapters to turn off); use 'cached' or 'model'")
 
     def replace(self, **changes) -> "TrainingSetup":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def adapters(self) -> bool:
+        """Only LoRA adapters train (lora and qlora): the base weights are frozen."""
+        return self.finetune in ("lora", "qlora")
 
     @property
     def optimizer_state_bytes(self) -> int:
