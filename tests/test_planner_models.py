@@ -97,8 +97,8 @@ def test_bad_training_and_cluster_inputs_are_named():
 
     with pytest.raises(ValueError, match=r"precision \('fp4'\) must be one of bf16, fp16, fp8"):
         TrainingSetup(8, 2048, precision="fp4")
-    with pytest.raises(ValueError, match=r"finetune \('qlora'\) must be one of full, lora"):
-        TrainingSetup(8, 2048, finetune="qlora")
+    with pytest.raises(ValueError, match=r"finetune \('dora'\) must be one of full, lora, qlora"):
+        TrainingSetup(8, 2048, finetune="dora")
     with pytest.raises(ValueError, match=r"seq_length \(0\) must be a positive integer"):
         TrainingSetup(8, 0)
     with pytest.raises(ValueError, match=r"gpus_per_node \(0\) must be a positive integer"):

@@ -139,3 +139,175 @@ def test_qlora_layout_equals_one_process_lora_on_the_same_dequantised_base(rank_
         torch.testing.assert_close(grads[k], want_grads[k], **FP64, msg=lambda m, k=k: f"{case} grad {k}: {m}")
         torch.testing.assert_close(adapters[k], want_adapters[k], **FP64, msg=lambda m, k=k: f"{case} {k}: {m}")
     assert any(float(v.abs().sum()) > 0 for k, v in grads.items() if k.startswith("lora_B"))
+
+
+# ---- resume, checkpoints, export ----
+
+def _bytes(model) -> dict[str, list[torch.Tensor]]:
+    """Every quantised weight's buffers (codes, absmax codes, scales, offset) by layer, on the CPU."""
+    from tpkernels.models.hf_io import quantized_layers
+
+    return {name: [b.detach().cpu().clone() for b in m.qweight.buffers()] for name, m in quantized_layers(model).items()}
+
+
+def _resume_worker(rank, world, folder, kw):
+    """Losses of the run at ``kw``, its quantised bytes before the steps and after a resume (if it resumed)."""
+    t = Trainer(_cfg(folder, **kw))
+    return [h["loss"] for h in t.train()], _bytes(t.model), t.resumed_from is not None, _adapters(t.model, "data")
+
+
+def test_resume_requantises_the_same_bytes_and_reshards_the_adapters(rank_pool, tmp_path, tiny_llama):
+    ck = str(tmp_path / "ck")
+    layout = dict(tp=2, sequence_parallel=True, num_microbatches=2)
+    whole = rank_pool(2).run(_resume_worker, tiny_llama, {**layout, "steps": 4}, timeout=300)
+    first = rank_pool(2).run(_resume_worker, tiny_llama, {**layout, "steps": 4, "stop_at_step": 2, "save_dir": ck},
+                             timeout=300)
+    again = rank_pool(2).run(_resume_worker, tiny_llama, {**layout, "steps": 4, "save_dir": ck}, timeout=300)
+    assert again[0][2] and not first[0][2]
+    # the same layout re-quantises the same bytes, and the run continues exactly as the uninterrupted one
+    for r in range(2):
+        assert first[r][1].keys() == again[r][1].keys()
+        assert all(torch.equal(a, b) for k in first[r][1] for a, b in zip(first[r][1][k], again[r][1][k]))
+    torch.testing.assert_close(torch.tensor(first[0][0] + again[0][0]), torch.tensor(whole[0][0]), **FP64)
+    # the checkpoint holds the adapters, the norms, the embedding and the head, never a quantised base weight
+    from tpkernels.train.checkpoint import latest
+    from tpkernels.train.checkpoint_files import read_dcp_metadata
+
+    keys = list(read_dcp_metadata(latest(ck)).state_dict_metadata)
+    assert any("lora_A" in k for k in keys) and any("embed_tokens" in k for k in keys)
+    assert not [k for k in keys if "lora" not in k and any(p in k for p in ("_proj.weight",))]
+    # at another layout (one process): the adapters of step 4 resharded, the base quantised as one process does
+    from tpkernels.models import ParallelTransformer
+
+    one = Trainer(_cfg(tiny_llama, steps=4, save_dir=ck))
+    assert one.resumed_from is not None and one.step_index == 4
+    fresh = ParallelTransformer.from_hf(tiny_llama, quant="nf4", dtype=torch.float64)
+    got, want = _bytes(one.model), _bytes(fresh)
+    assert got.keys() == want.keys() and all(torch.equal(a, b) for k in got for a, b in zip(got[k], want[k]))
+    saved = again[0][3]
+    for k, v in _adapters(one.model, "data").items():
+        torch.testing.assert_close(v, saved[k], rtol=0, atol=0)
+
+
+def test_one_process_pieces_are_bitsandbytes_bytes_of_each_hugging_face_tensor(tiny_llama):
+    """The fused q/k/v and gate/up layers quantise each Hugging Face tensor on its own: one process holds
+    bitsandbytes' bytes of q_proj, k_proj, v_proj (quantize_nf4 equals bitsandbytes: test_nf4_quant.py)."""
+    from safetensors.torch import load_file
+
+    from tpkernels.models import ParallelTransformer
+    from tpkernels.quant import quantize_nf4
+
+    original = load_file(f"{tiny_llama}/model.safetensors")
+    model = ParallelTransformer.from_hf(tiny_llama, quant="nf4")
+    qkv = model.chunks[0].layers[1].attention.qkv.qweight.pieces()
+    for piece, role in zip(qkv, ("q", "k", "v")):
+        want = quantize_nf4(original[f"model.layers.1.self_attn.{role}_proj.weight"])
+        for f in ("packed", "absmax_q", "absmax_scale", "absmax_offset"):
+            assert torch.equal(getattr(piece, f), getattr(want, f)), (role, f)
+
+
+def test_base_memory_per_rank_is_at_most_0_6_bytes_per_parameter(tmp_path):
+    """A Llama whose shards are 64-multiples (hidden 256, MLP 704): the quantised base's storage over its
+    parameters, no full-precision copy left on the model, and a load whose peak grows by the quantised
+    bytes per layer (one tensor is full precision at a time), not by a 16-bit layer."""
+    from model_checks import save_tiny_model
+
+    from tpkernels.live_bytes import LiveTensorBytes
+    from tpkernels.models import ParallelTransformer
+    from tpkernels.models.hf_io import quantized_layers
+
+    peaks, sizes = [], []
+    for layers in (2, 4):
+        folder = save_tiny_model("llama", tmp_path / f"b{layers}", 3, layers=layers, hidden=256, heads=4, kv_heads=2,
+                                 ffn=704)
+        with LiveTensorBytes() as mem:
+            model = ParallelTransformer.from_hf(folder, quant="nf4", dtype=torch.bfloat16)
+        quantised = quantized_layers(model)
+        params = sum(m.weight.numel() for m in quantised.values())
+        stored = sum(m.qweight.nbytes for m in quantised.values())
+        assert 0.5 < stored / params <= 0.6, stored / params  # 4 bits a weight is the floor: nothing left out
+        assert not [n for n, _ in model.named_parameters() if n.endswith(("qkv.weight", "out.weight", "gate_up.weight",
+                                                                         "down.weight"))]
+        assert all(m.weight.device.type == "meta" for m in quantised.values())
+        peaks.append(mem.peak_bytes)
+        sizes.append((params, stored + sum(p.numel() * p.element_size() for p in model.parameters())))
+    grown_params, grown_bytes = sizes[1][0] - sizes[0][0], sizes[1][1] - sizes[0][1]
+    # two more layers: the peak grows by what they store (~0.52 B a weight), far from 2 B a weight
+    assert peaks[1] - peaks[0] <= grown_bytes + 0.1 * grown_params, (peaks, sizes)
+    assert peaks[1] - peaks[0] < 2 * grown_params / 2
+
+
+def test_export_merged_and_peft_give_the_adapted_logits(rank_pool, tmp_path, tiny_llama):
+    """Trained at TP2, exported: the merged Hugging Face folder (dequantised base + adapters) and the PEFT
+    adapters on the base as one process quantises it give our one-process QLoRA model's logits."""
+    import subprocess
+    import sys
+
+    import peft
+    import transformers
+
+    from tpkernels.models import ParallelTransformer
+    from tpkernels.models.lora import apply_lora
+    from tpkernels.train.checkpoint import latest, load
+
+    ck = tmp_path / "ck"
+    rank_pool(2).run(_resume_worker, tiny_llama, dict(tp=2, sequence_parallel=True, num_microbatches=2, steps=2,
+                                                      save_dir=str(ck), precision="fp32"), timeout=300)
+    for cmd in ("export-hf", "export-peft"):
+        r = subprocess.run([sys.executable, "-m", "tpkernels.cli", cmd, str(ck), str(tmp_path / cmd)],
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr[-2000:]
+    ours = ParallelTransformer.from_hf(tiny_llama, quant="nf4")
+    apply_lora(ours, 4)
+    load(latest(ck), ours)
+    assert any(float(m.lora.B.detach().abs().sum()) > 0 for m in ours.modules() if hasattr(m, "lora"))
+    ids = torch.randint(0, 97, (2, 13))
+    with torch.no_grad():
+        want = ours(ids)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export-hf"),
+                                                                   attn_implementation="eager")
+        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
+        # PEFT on the base whose linears hold the dequantised NF4 values (what bitsandbytes' Linear4bit computes with)
+        base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="eager")
+        deq = ours.to_hf_state_dict()
+        base.load_state_dict({k: v for k, v in deq.items()}, strict=False)
+        adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "export-peft")).eval()
+        torch.testing.assert_close(adapted(ids).logits, want, rtol=1e-5, atol=1e-5)
+        config = json.loads((tmp_path / "export-peft" / "adapter_config.json").read_text())
+        assert config["r"] == 4 and config["base_model_name_or_path"] == tiny_llama
+
+
+# ---- bad input ----
+
+def test_bad_inputs_are_named_on_every_rank(rank_pool, tmp_path, tiny_llama):
+    from tpkernels.nn import ColumnParallelLinear, RowParallelLinear
+
+    with pytest.raises(ValueError, match=r"model.quant \('nf4'\) needs model.finetune qlora \(now 'full'\)"):
+        _cfg(tiny_llama, "full", **{"model.quant": "nf4"}).check()
+    with pytest.raises(ValueError, match=r"model.quant \('int8'\) needs model.finetune qlora \(now 'lora'\)"):
+        _cfg(tiny_llama, "lora", **{"model.quant": "int8"}).check()
+    with pytest.raises(ValueError, match="model.quant"):
+        _cfg(tiny_llama, **{"model.quant": "fp4"}).check()
+    # the CUDA kernels step K one NF4 block at a time: named before anything is allocated on the GPU
+    with pytest.raises(ValueError, match=r"in_features per rank \(40\) must be a multiple of 64"):
+        RowParallelLinear(40, 64, bias=False, device="cuda", quant="nf4")
+    with pytest.raises(ValueError, match=r"algo \('fused'\) reads a 16-bit weight"):
+        ColumnParallelLinear(64, 64, algo="fused", quant="nf4")
+    with pytest.raises(ValueError, match=r"quant \('nf3'\) must be one of nf4, int8"):
+        ColumnParallelLinear(64, 64, quant="nf3")
+    # a checkpoint of another base: every rank names it
+    ck = str(tmp_path / "ck")
+    layout = dict(tp=2, num_microbatches=2, steps=2, save_dir=ck)
+    rank_pool(2).run(_resume_worker, tiny_llama, layout, timeout=300)
+    for other, says in (({"model.quant": "int8"}, "builds a int8 base"), ({"finetune": "lora"}, "full-precision base")):
+        errors = rank_pool(2).run(_refused_worker, tiny_llama, {**layout, "steps": 3, **other}, timeout=300)
+        assert all("was saved with model.finetune qlora with model.quant nf4" in e and says in e for e in errors), errors
+
+
+def _refused_worker(rank, world, folder, kw):
+    finetune = kw.pop("finetune", "qlora")
+    try:
+        Trainer(_cfg(folder, finetune, **kw))
+    except ValueError as e:
+        return str(e)
+    return "no error"

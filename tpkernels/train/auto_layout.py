@@ -34,7 +34,8 @@ def plan_layout(cfg: TrainConfig, world: int):
     # the step), blocking P2P
     # auto: the data decides, after the layout; SFT and a cached DPO reference cost what pre-training costs
     task = cfg.training.task if cfg.training.task != "auto" else "pretrain"
-    train = TrainingSetup(gb, seq, precision=precision, finetune=cfg.model.finetune, lora_rank=cfg.model.lora_rank,
+    train = TrainingSetup(gb, seq, precision=precision, finetune=cfg.model.finetune, quant=cfg.model.base_quant,
+                          lora_rank=cfg.model.lora_rank,
                           overlap_grad_reduce=pc.overlap_dp, task=task, dpo_reference=cfg.dpo.reference)
     eff = None
     if torch.cuda.is_available():
