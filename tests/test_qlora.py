@@ -311,3 +311,41 @@ def _refused_worker(rank, world, folder, kw):
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+# ---- the fine-tuning tasks on a quantised base ----
+
+def test_dpo_on_qlora_cached_reference_equals_adapters_off(tmp_path):
+    """DPO with QLoRA: the cached reference and the adapters-off reference of every step (the quantised base
+    alone) give the same run."""
+    from test_dpo import _train as dpo_train
+
+    q = {"model.finetune": "qlora", "model.lora_rank": 4, "micro_batch_size": 2, "num_microbatches": 1,
+         "log_every": 1}
+    cached = dpo_train(tmp_path, {**q, "dpo.reference": "cached"})
+    online = dpo_train(tmp_path, {**q, "dpo.reference": "adapters"})
+    for k in cached:
+        torch.testing.assert_close(torch.tensor(online[k]), torch.tensor(cached[k]), rtol=1e-9, atol=1e-12, msg=k)
+    assert cached["loss"][-1] != cached["loss"][0]
+
+
+def _sft_worker(rank, world, tmp_path, kw):
+    from test_sft import _train as sft_train
+
+    return sft_train(tmp_path, kw)
+
+
+def test_sft_on_qlora_at_dp2_zero1_equals_one_process_and_bf16_tracks_fp64(rank_pool, tmp_path):
+    """SFT (prompts masked) on an NF4 base: DP2 with ZeRO-1 and full recompute trains what one process trains
+    (the same base: TP1 quantises alike); bf16 with fp32 masters stays within 2% of the fp64 losses."""
+    from test_sft import _train as sft_train
+
+    q = {"model.finetune": "qlora", "model.lora_rank": 4}
+    want = sft_train(tmp_path, dict(micro_batch_size=2, num_microbatches=1, **q))
+    assert want[0][-1] != want[0][0]
+    for loss, norm in rank_pool(2).run(_sft_worker, tmp_path, dict(dp=2, micro_batch_size=1, num_microbatches=1,
+                                                                   zero1=True, recompute="full", **q), timeout=300):
+        torch.testing.assert_close(torch.tensor(loss), torch.tensor(want[0]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(torch.tensor(norm), torch.tensor(want[1]), rtol=1e-6, atol=0)
+    bf16 = sft_train(tmp_path, {"micro_batch_size": 2, "num_microbatches": 1, "training.precision": "bf16", **q})[0]
+    torch.testing.assert_close(torch.tensor(bf16), torch.tensor(want[0]), rtol=2e-2, atol=0)
