@@ -114,6 +114,7 @@ CASES = {
     "tp2pp2-sp-zb-h1": (4, dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=4, schedule="zb-h1"), {}),
     "dp2-zero1-recompute": (2, dict(dp=2, zero1=True, recompute="full", num_microbatches=2), {}),
     "cp2": (2, dict(cp=2, num_microbatches=2), {}),
+    "pp2-interleaved": (2, dict(pp=2, virtual_stages=2, schedule="interleaved", num_microbatches=2), {}),
     "tp2-sp-int8": (2, {"tp": 2, "sequence_parallel": True, "num_microbatches": 2, "model.quant": "int8"}, {}),
 }
 
