@@ -143,15 +143,18 @@ TAIL=3 gpu_step "main job's step 0 vs fp64 (tpkernels train --nproc 1 --verify-s
 # ---- fine-tuning as users run it, one GPU under torchrun (NCCL), a few steps each: chat SFT (the loss on
 # the assistant tokens only), then DPO with LoRA on preference pairs (its reference computed once by a
 # forward pass over the pairs and cached), on the tiny corpus python/chat_data.py writes (a word-level
-# tokenizer with a real chat template, a random Llama). JSONL records need `datasets`, which the GPU
-# image lacks: its wheels travel in .whl/ (`pip download --no-deps -d .whl datasets dill multiprocess`,
-# then `carry` .whl), installed above; without them the two steps are skipped and say so.
+# tokenizer with a real chat template, a random Llama), then QLoRA on the SFT records (the same flags,
+# an NF4 base quantised from model.init_from as it is read, LoRA rank 16 adapters). JSONL records need
+# `datasets`, which the GPU image lacks: its wheels travel in .whl/ (`pip download --no-deps -d .whl
+# datasets dill multiprocess`, then `carry` .whl), installed above; without them the three steps are
+# skipped and say so.
 CHAT="$CKPT/chat"
 FT=(--model.init_from "$CHAT/model" --model.name "$CHAT/model" --data.tokenizer "$CHAT/tokenizer"
     --data.seq_length 64 --training.precision bf16 --training.steps 8 --parallel.micro_batch_size 8
     --logging.progress false --logging.log_every 2)
 SFT=("${FT[@]}" --data.source "$CHAT/sft.jsonl")
 DPO=("${FT[@]}" --data.source "$CHAT/pairs.jsonl" --model.finetune lora --dpo.cache_dir "$CKPT/dpo_reference")
+QLORA=("${SFT[@]}" --model.finetune qlora --model.quant nf4 --model.lora_rank 16)
 if $PY -c "import datasets" 2> /dev/null; then
   run_step "chat corpus (python/chat_data.py: tokenizer with a chat template, random Llama, SFT and DPO records)" 30 \
     chat_data.log $PY python/chat_data.py "$CHAT" || status=1
@@ -160,6 +163,8 @@ if $PY -c "import datasets" 2> /dev/null; then
       "${TRAIN[@]}" -m tpkernels.train "${SFT[@]}" --dry-run || status=1
     HEAD=4 run_step "DPO's command line (tpkernels train --dry-run, the same flags)" 60 train_dpo_dry_run.log \
       "${TRAIN[@]}" -m tpkernels.train "${DPO[@]}" --dry-run || status=1
+    HEAD=4 run_step "QLoRA's command line (tpkernels train --dry-run, the same flags)" 60 train_qlora_dry_run.log \
+      "${TRAIN[@]}" -m tpkernels.train "${QLORA[@]}" --dry-run || status=1
   fi
   TAIL=4 gpu_step "SFT: torchrun --nproc-per-node 1 (NCCL), chat records, assistant tokens only" 60 train_sft.log \
     "${TRAIN[@]}" -m torch.distributed.run --standalone --nproc-per-node 1 -m tpkernels.train "${SFT[@]}" \
@@ -167,15 +172,18 @@ if $PY -c "import datasets" 2> /dev/null; then
   TAIL=4 gpu_step "DPO: torchrun --nproc-per-node 1 (NCCL), LoRA, cached reference" 60 train_dpo.log \
     "${TRAIN[@]}" -m torch.distributed.run --standalone --nproc-per-node 1 -m tpkernels.train "${DPO[@]}" \
     --logging.metrics_file "$OUT/train_dpo_metrics.jsonl"
+  TAIL=4 gpu_step "QLoRA: torchrun --nproc-per-node 1 (NCCL), NF4 base from init_from, LoRA r16, chat records" 60 \
+    train_qlora.log "${TRAIN[@]}" -m torch.distributed.run --standalone --nproc-per-node 1 -m tpkernels.train \
+    "${QLORA[@]}" --logging.metrics_file "$OUT/train_qlora_metrics.jsonl"
 else
-  for what in "SFT: torchrun (NCCL), chat records" "DPO: torchrun (NCCL), LoRA, cached reference"; do
+  for what in "SFT: torchrun (NCCL), chat records" "DPO: torchrun (NCCL), LoRA, cached reference" \
+      "QLoRA: torchrun (NCCL), NF4 base, LoRA r16"; do
     step "$what"; echo "skipped: datasets is not installed (its wheels go in .whl/: see above)"
     record "$what" skipped 0 "datasets is not installed"
   done
 fi
-# To add as they land, each a few steps under torchrun with its own metrics file (not in the code yet,
-# so no command stands here for them):
-#   - QLoRA: an NF4-quantised base with LoRA adapters (model.finetune qlora)
+# To add as it lands, a few steps under torchrun with its own metrics file (not in the code yet, so no
+# command stands here for it):
 #   - FP8: training.precision fp8 (FP8 GEMMs, the planner's FP8 peak)
 rm -rf "$CKPT"
 
@@ -202,6 +210,10 @@ TAIL=30 gpu_step "bench: Llama ops" 60 bench_llama_ops.log $PY benchmarks/bench_
 TAIL=20 gpu_step "bench: LayerNorm" 40 bench_norms.log $PY benchmarks/bench_norms.py --reps 5
 TAIL=30 gpu_step "bench: NF4 GEMM (dequantised in registers) vs bf16 cuBLAS" 60 bench_nf4.log \
   $PY benchmarks/bench_nf4.py --device cuda --reps 5
+# a whole QLoRA step (NF4 and int8 base) vs LoRA vs full fine-tuning, one process, bf16, interleaved steps:
+# step time ratios, base bytes per param, the step's peak (max_memory_allocated) above what it starts with
+TAIL=8 gpu_step "bench: QLoRA vs LoRA vs full fine-tuning step (bf16, hidden 1024, 4 layers)" 60 bench_qlora.log \
+  $PY benchmarks/bench_qlora.py --device cuda --quick
 TAIL=30 gpu_step "bench: bias_gelu" 40 bench_bias_gelu.log $PY benchmarks/bench_bias_gelu.py --sizes 1 16 64
 # TP through the virtual-rank harness: fused AG+GEMM / GEMM+RS / GEMM+AR at Flux's and Llama-3-70B's TP=8
 # shapes, every emulated rank's kernels at once on this GPU
