@@ -88,3 +88,18 @@ def test_dequantize_and_to_linear_return_the_dequantised_dense_layer():
     col.dequantize_()
     assert col.qweight is None and isinstance(col.weight, nn.Parameter) and not col.weight.requires_grad
     torch.testing.assert_close(col.weight, dense.weight, rtol=0, atol=0)
+
+
+def test_nf4_layer_trains_with_several_cpu_threads():
+    """The C++ kernels' worker threads do not inherit no-grad mode: an input that requires grad must not
+    reach ATen's out= GEMM there (it raised with more than one thread)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        col = ColumnParallelLinear.from_linear(nn.Linear(512, 512), None, quant="nf4")
+        x = torch.randn(64, 512, requires_grad=True)
+        col(x).sum().backward()
+        want = torch.ones(64, 512) @ col.qweight.dequantize()
+        torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(old)

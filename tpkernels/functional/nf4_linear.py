@@ -97,7 +97,9 @@ def nf4_linear_fwd(x: Tensor, packed: Tensor, absmax_q: Tensor, absmax_scale: Te
                    *, backend: str | None = None) -> Tensor:
     """Forward launcher (no autograd, no bias): x (..., K) -> (..., n), x's dtype."""
     k = x.shape[-1]
-    x2 = _rows(x)
+    # detached: the kernels' worker threads do not inherit the caller's no-grad mode, and ATen's out=
+    # GEMMs refuse an input that requires grad there (launchers are below autograd by contract)
+    x2 = _rows(x.detach())
     name = _select(x, k, backend)
     if name == "triton":
         from tpkernels.kernels.triton import nf4_linear as tk  # noqa: PLC0415  (triton import is slow)
@@ -115,7 +117,7 @@ def nf4_linear_fwd(x: Tensor, packed: Tensor, absmax_q: Tensor, absmax_scale: Te
 def nf4_linear_bwd(dy: Tensor, packed: Tensor, absmax_q: Tensor, absmax_scale: Tensor, absmax_offset: Tensor, k: int,
                    *, backend: str | None = None) -> Tensor:
     """Input-gradient launcher: dy (..., N) -> dx (..., k) = dy · W, dy's dtype."""
-    dy2 = _rows(dy)
+    dy2 = _rows(dy.detach())
     name = _select(dy, k, backend)
     if name == "triton":
         from tpkernels.kernels.triton import nf4_linear as tk  # noqa: PLC0415

@@ -54,9 +54,12 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
         ctx.split = split
         ctx.has_bias, ctx.regather = bias is not None, regather_input
         if sequence_parallel:
+            # a frozen weight (LoRA's base) needs no input for its backward: the gathered input is not kept
+            keep = (ctx.needs_input_grad[1] or split is not None) and not regather_input
             x_full, (y,) = all_gather_matmul(x, [weight.t()], group, gather_dim=seq_dim,
-                                             algo=algo if overlap else "collective", return_a=not regather_input)
-            ctx.save_for_backward(x if regather_input else x_full, weight)
+                                             algo=algo if overlap else "collective", return_a=keep)
+            ctx.save_for_backward(x_full if keep else x, weight)
+            ctx.regather = not keep
         else:
             y = torch.matmul(x, weight.t())
             ctx.save_for_backward(x, weight)
@@ -72,11 +75,14 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
         db = _rows(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         _, world = group_rank_size(ctx.group)
         if ctx.sp:
-            x_full = all_gather_dim(x_saved, ctx.seq_dim, ctx.group) if ctx.regather else x_saved
+            x_full = (all_gather_dim(x_saved, ctx.seq_dim, ctx.group) if ctx.regather else x_saved) \
+                if gw.needed else None
             algo = choose_algo("matmul_reduce_scatter", ctx.algo, world, 2.0 * dy.numel() * weight.shape[1],
                                dy.device, ctx.overlap, dtype=dy.dtype, k=weight.shape[0], n=weight.shape[1],
                                group=ctx.group)
-            if gw.deferred:  # W later, one GEMM: it owns dy and the gathered input
+            if not gw.needed:
+                side = []
+            elif gw.deferred:  # W later, one GEMM: it owns dy and the gathered input
                 gw.add(dy, x_full)
                 side = []
             elif algo == "ring":  # one weight-gradient chunk per ring step, while partial sums travel
