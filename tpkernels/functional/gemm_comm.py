@@ -55,7 +55,7 @@ from tpkernels.parallel import consistency
 from tpkernels.parallel.collectives import all_gather_into, reduce_scatter_into
 from tpkernels.parallel.groups import global_rank, group_rank_size
 from tpkernels.parallel.trace import CommSpan, gemm_span
-from tpkernels.functional.quantized_weight import is_operand, matmul as _mm
+from tpkernels.functional.quantized_weight import is_operand, matmul as _mm, out_dtype as _out_dtype
 
 ALGOS = ("auto", "collective", "ring", "fused")
 FAMILY = "gemm_comm"
@@ -264,7 +264,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], group=N
             for src in range(world):
                 on_chunk(src, a_full[src * m:(src + 1) * m])
         return (a_full.movedim(0, gd) if return_a else None), [o.movedim(0, gd) for o in outs]
-    outs = [torch.empty(full_shape[:-1] + (b.shape[1],), dtype=a.dtype, device=a.device) for b in bs]
+    outs = [torch.empty(full_shape[:-1] + (b.shape[1],), dtype=_out_dtype(a, b), device=a.device) for b in bs]
     if how == "collective":
         a_full = _empty(full_shape, a)
         span = CommSpan("all_gather", a.device.type, bytes=a.numel() * a.element_size() * world)
@@ -389,7 +389,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
             work()
     if reduce_op == "avg":
         acc = acc / world
-    return acc.to(a.dtype).movedim(0, sd)
+    return acc.to(_out_dtype(a, b)).movedim(0, sd)
 
 
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, reduce_op: str = "sum", algo: str = "auto",
@@ -434,7 +434,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, reduce_op: s
         if pad:  # zero rows give zero partial sums
             rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
         shard = matmul_reduce_scatter(rows, b, group, scatter_dim=0, reduce_op=reduce_op, algo="ring")
-        full = torch.empty((rows.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+        full = torch.empty((rows.shape[0], b.shape[1]), dtype=_out_dtype(a, b), device=a.device)
         span = CommSpan("all_gather", a.device.type, bytes=full.numel() * full.element_size())
         all_gather_into(full, shard, group)
         span.done()
@@ -446,4 +446,4 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, reduce_op: s
     span.done()
     if reduce_op == "avg":
         y = y / world
-    return y.to(a.dtype)
+    return y.to(_out_dtype(a, b))

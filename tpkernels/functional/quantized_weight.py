@@ -169,12 +169,19 @@ class QuantizedOperand:
 
 
 def is_operand(b) -> bool:
-    return isinstance(b, QuantizedOperand)
+    """``b`` is a weight operand object (QuantizedOperand, the FP8 linears' Fp8Operand), not a tensor: it
+    has ``shape``, ``dtype`` (what ``a`` must be), ``device``, ``matmul(a, out)`` and maybe ``out_dtype``."""
+    return not isinstance(b, Tensor) and hasattr(b, "matmul")
+
+
+def out_dtype(a: Tensor, b) -> torch.dtype:
+    """The dtype of ``a @ b``: an operand's ``out_dtype`` (FP8 bytes in, 16-bit out), else a's."""
+    return getattr(b, "out_dtype", a.dtype)
 
 
 def matmul(a: Tensor, b, out: Tensor | None = None) -> Tensor:
-    """``a @ b`` for a tensor or a :class:`QuantizedOperand` ``b`` (the GEMM-communication ops' one GEMM call)."""
-    if isinstance(b, QuantizedOperand):
+    """``a @ b`` for a tensor or an operand ``b`` (the GEMM-communication ops' one GEMM call)."""
+    if is_operand(b):
         return b.matmul(a, out)
     return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
 
@@ -199,5 +206,6 @@ def quantized_bytes_per_param(fmt: str, in_features: int) -> float:
     return 1.0 + 4.0 / max(in_features, 1)
 
 
-__all__ = ["FORMATS", "QuantizedOperand", "QuantizedWeight", "is_operand", "matmul", "quantized_bytes_per_param",
+__all__ = ["FORMATS", "QuantizedOperand", "QuantizedWeight", "is_operand", "matmul", "out_dtype",
+           "quantized_bytes_per_param",
            "triton_shape_problem"]

@@ -30,6 +30,7 @@ import math
 import torch
 from torch import nn
 
+from tpkernels.functional.fp8_linear import Fp8LinearState, Fp8Options, fp8_column_parallel_linear, fp8_row_parallel_linear
 from tpkernels.functional.gemm_comm import check_algo
 from tpkernels.functional.quantized_tp_linear import quantized_column_parallel_linear, quantized_row_parallel_linear
 from tpkernels.functional.quantized_weight import QuantizedWeight, triton_shape_problem
@@ -68,6 +69,25 @@ class _TPLinear(nn.Module):
         self.sequence_parallel, self.overlap_comm, self.sequence_dim = sequence_parallel, overlap_comm, sequence_dim
         self.algo, self.quant = algo, quant
         self.qweight: QuantizedWeight | None = None
+        self.fp8: Fp8LinearState | None = None
+
+    def enable_fp8(self, options: Fp8Options | None = None) -> Fp8LinearState:
+        """Run this layer's GEMMs in FP8 (``tpkernels.functional.fp8_linear``) with ``options``' recipe;
+        ``layer.fp8.enabled = False`` turns it back to 16-bit at any step boundary."""
+        if self.qweight is not None:
+            raise ValueError(f"fp8 on a quantised (quant {self.quant!r}) layer: its GEMM is the dequantising NF4 / "
+                             "int8 kernel; FP8 training of a QLoRA base is not supported (use bf16 with qlora)")
+        k, n = self.weight.shape[1], self.weight.shape[0]
+        for dim, v in (("in_features per rank", k), ("out_features per rank", n)):
+            if v % 16:
+                raise ValueError(f"fp8: {type(self).__name__} {n}×{k} per rank: {dim} ({v}) must be a multiple of 16 "
+                                 "(FP8 GEMMs take 16-element multiples)")
+        self.fp8 = Fp8LinearState(options or Fp8Options(), self.tp_group, isinstance(self, ColumnParallelLinear))
+        return self.fp8
+
+    @property
+    def fp8_active(self) -> bool:
+        return self.fp8 is not None and self.fp8.enabled
 
     def _make_weight(self, shape: tuple[int, int], split_dim: int, device, dtype) -> None:
         """A full-precision parameter, or with ``quant`` a meta tensor standing for the quantised shard."""
@@ -155,6 +175,9 @@ class ColumnParallelLinear(_TPLinear):
         if self.qweight is not None:
             y = quantized_column_parallel_linear(x, self.qweight, self.bias, self.tp_group, self.sequence_parallel,
                                                  self.sequence_dim, self.algo, self.overlap_comm)
+        elif self.fp8_active:
+            y = fp8_column_parallel_linear(x, self.weight, self.bias, self.fp8, self.tp_group, self.sequence_parallel,
+                                           self.sequence_dim, self.algo, self.overlap_comm)
         else:
             y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
                                        self.sequence_dim, self.algo, self.regather_input, self.overlap_comm)
@@ -220,6 +243,9 @@ class RowParallelLinear(_TPLinear):
         if self.qweight is not None:
             return quantized_row_parallel_linear(x, self.qweight, self.bias, self.tp_group, self.sequence_parallel,
                                                  self.sequence_dim, self.algo, self.overlap_comm)
+        if self.fp8_active:
+            return fp8_row_parallel_linear(x, self.weight, self.bias, self.fp8, self.tp_group, self.sequence_parallel,
+                                           self.sequence_dim, self.algo, self.overlap_comm)
         return row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
                                    self.sequence_dim, self.algo, self.overlap_comm)
 
