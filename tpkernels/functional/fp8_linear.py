@@ -112,7 +112,7 @@ def _bytes(t8: torch.Tensor) -> torch.Tensor:
     return t8.view(torch.uint8)
 
 
-def _rowcast(t: torch.Tensor, fmt: str, stats: CastStats, group=None, reduce: bool = False):
+def _rowcast(t: torch.Tensor, fmt: str, stats: CastStats | None, group=None, reduce: bool = False):
     """Rowwise FP8 of a 2-D ``t`` along its rows ((rows, 1) scales), amaxes MAX-reduced over ``group`` when
     ``reduce`` (its rows span the group's ranks)."""
     amax = t.detach().abs().float().amax(1, keepdim=True)
@@ -126,8 +126,8 @@ def _wgrad(st: Fp8LinearState, dy2, x2, dy8, sdy, x8, sx, weight):
     """dW = dyᵀ·x in FP8 (tensorwise: the transposed FP8 bytes; rowwise: re-quantised along the token
     rows of dyᵀ and xᵀ), fp32 accumulation, in the weight's dtype."""
     if st.rowwise:
-        a8, sa = _rowcast(dy2.t().contiguous(), st.dy.fmt, st.dy.stats)
-        b8, sb = _rowcast(x2.t().contiguous(), "e4m3", st.x.stats)
+        a8, sa = _rowcast(dy2.t().contiguous(), st.dy.fmt, st.dy.live_stats)
+        b8, sb = _rowcast(x2.t().contiguous(), "e4m3", st.x.live_stats)
     else:
         a8, sa, b8, sb = dy8.t().contiguous(), sdy, x8.t().contiguous(), sx
     return fp8_gemm(a8, sa, b8, sb, torch.float32).to(weight.dtype)
@@ -136,7 +136,7 @@ def _wgrad(st: Fp8LinearState, dy2, x2, dy8, sdy, x8, sx, weight):
 def _wt8(st: Fp8LinearState, weight, w8, sw, group=None, reduce: bool = False):
     """Wᵀ (K, N) in FP8 for the input gradient, with its scale."""
     if st.rowwise:
-        return _rowcast(weight.detach().t().contiguous(), "e4m3", st.w.stats, group, reduce)
+        return _rowcast(weight.detach().t().contiguous(), "e4m3", st.w.live_stats, group, reduce)
     return w8.t().contiguous(), sw
 
 

@@ -10,7 +10,8 @@ gradients in E4M3 too (``grad_format``).
 
 A cast is ``q = cast(clamp(x · scale, ±max))``: values beyond the format's range *saturate* to
 ±max (counted), nonzero values below half the smallest subnormal *underflow* to 0 (counted), NaN
-and ±inf are refused by name (a NaN would reach every rank's scale through the amax reduction).
+and ±inf are refused by name (a NaN would reach every rank's scale through the amax reduction; on a
+GPU at the step's end, from the counted amax, not per cast: that check would sync the host).
 The scale maps the amax to the format's max: ``scale = max / amax / 2^margin`` (amax 0 or a
 scale that would overflow fp32: scale 1).
 
@@ -69,22 +70,28 @@ def scale_from_amax(amax: Tensor, fmt: str, margin: int = 0) -> Tensor:
 
 @dataclass
 class CastStats:
-    """Counts of one or more casts: ``numel`` values, ``saturated`` beyond the range, ``underflow``
-    nonzero values cast to 0, ``amax`` the largest |value| seen."""
+    """Counts of one or more casts: ``numel`` values (host int), ``saturated`` beyond the range,
+    ``underflow`` nonzero values cast to 0, ``amax`` the largest |value| seen. The last three stay
+    device tensors (0-d) until read: counting never syncs the host."""
 
     numel: int = 0
-    saturated: int = 0
-    underflow: int = 0
-    amax: float = 0.0
+    saturated: Tensor | float = 0.0
+    underflow: Tensor | float = 0.0
+    amax: Tensor | float = 0.0
 
     def add(self, other: "CastStats") -> None:
         self.numel += other.numel
-        self.saturated += other.saturated
-        self.underflow += other.underflow
-        self.amax = max(self.amax, other.amax)
+        self.saturated = self.saturated + other.saturated
+        self.underflow = self.underflow + other.underflow
+        self.amax = torch.maximum(torch.as_tensor(self.amax), torch.as_tensor(other.amax)) \
+            if isinstance(self.amax, Tensor) or isinstance(other.amax, Tensor) else max(self.amax, other.amax)
 
 
 def _check_finite(x: Tensor, name: str) -> None:
+    """NaN / inf refused by name at once on the CPU; on a GPU the check would sync every cast, so a
+    non-finite value shows in the counted amax instead, read once per step (the trainer names the layer)."""
+    if x.device.type == "cuda":
+        return
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} holds NaN or infinite values: it has no FP8 code (and its amax would reach every "
                          "rank's scale); the step before produced them")
@@ -101,9 +108,9 @@ def cast_to_fp8(x: Tensor, scale: Tensor, fmt: str, *, name: str = "x", stats: C
     q = scaled.clamp(-top, top).to(fp8_dtype(fmt))
     if stats is not None:
         # beyond the range by more than the fp32 rounding of max / amax (an amax value lands on max ± 1 ulp)
-        stats.add(CastStats(x.numel(), int((scaled.abs() > top * (1 + 2.0 ** -20)).sum()),
-                            int(((x != 0) & (q.float() == 0)).sum()),
-                            float(x.abs().max()) if x.numel() else 0.0))
+        stats.add(CastStats(x.numel(), (scaled.abs() > top * (1 + 2.0 ** -20)).sum().float(),
+                            ((x != 0) & (q.float() == 0)).sum().float(),
+                            x.detach().abs().max().float() if x.numel() else 0.0))
     return q
 
 
@@ -147,6 +154,7 @@ class ScaleState:
         self.group, self.rows_span_group = group, rows_span_group
         self.history: deque[Tensor] = deque(maxlen=history)
         self.stats = CastStats()
+        self.counting = True  # saturation / underflow counts (the guardrail's input): two extra passes
 
     def scale_for(self, x: Tensor) -> Tensor:
         """The scale this cast of ``x`` uses (delayed: pushes x's amax after taking it)."""
@@ -168,9 +176,14 @@ class ScaleState:
         _check_finite(x, name)
         scale = self.scale_for(x)
         if self.recipe == "rowwise":
-            q = cast_to_fp8(x.reshape(-1, x.shape[-1]), scale, self.fmt, name=name, stats=self.stats, check=False)
+            q = cast_to_fp8(x.reshape(-1, x.shape[-1]), scale, self.fmt, name=name, stats=self.live_stats, check=False)
             return q.view(x.shape), scale
-        return cast_to_fp8(x, scale, self.fmt, name=name, stats=self.stats, check=False), scale
+        return cast_to_fp8(x, scale, self.fmt, name=name, stats=self.live_stats, check=False), scale
+
+    @property
+    def live_stats(self) -> CastStats | None:
+        """Where casts count (None when counting is off)."""
+        return self.stats if self.counting else None
 
     def take_stats(self) -> CastStats:
         s, self.stats = self.stats, CastStats()

@@ -28,7 +28,8 @@ def plan_layout(cfg: TrainConfig, world: int):
     spec = cfg.model_config()
     seq, pc = cfg.data.seq_length, cfg.parallel
     gb = cfg.training.global_batch or pc.micro_batch_size * pc.num_microbatches * world
-    precision = {"fp16": "fp16", "bf16": "bf16"}.get(cfg.training.precision,
+    # fp8: the layout is planned as bf16 (which linears run FP8 is decided later, per linear)
+    precision = {"fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}.get(cfg.training.precision,
                                                      "bf16" if torch.cuda.is_available() else "fp32")
     # our trainer: bucketed DP gradient overlap (overlap_dp), torch's ZeRO-1 (weights gathered after
     # the step), blocking P2P

@@ -29,7 +29,8 @@ from tpkernels.description.source import ModelSection
 from tpkernels.options import opt, section
 from tpkernels.parallel.config import ParallelConfig
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64", "fp8")
+FP8_KINDS = ("qkv", "out", "gate_up", "up", "down")  # the decoder layers' TP linears
 LAYOUTS = ("manual", "auto")
 
 
@@ -38,8 +39,9 @@ class TrainingSection:
     steps: int = opt(10, "the schedule's length (the learning rate decays over it)")
     stop_at_step: int | None = opt(None, "end this run early, e.g. to resume later (default: steps)")
     seed: int = opt(0, "seed of the initial weights and of the data")
-    precision: str = opt("fp32", "fp32, bf16 (fp32 masters and accumulation), fp16 (+ loss scaling), or fp64 (every "
-                                 "tensor in double: the oracle runs that layouts are checked against)", PRECISIONS)
+    precision: str = opt("fp32", "fp32, bf16 (fp32 masters and accumulation), fp16 (+ loss scaling), fp8 (bf16 with "
+                                 "the decoder layers' linears in FP8: the fp8 section), or fp64 (every tensor in "
+                                 "double: the oracle runs that layouts are checked against)", PRECISIONS)
     initial_loss_scale: float = opt(65536.0, "fp16: the dynamic loss scale's start (halved on overflow)")
     global_batch: int | None = opt(None, "layout auto: sequences per step (default: the config's at pure DP)")
     task: str = opt("auto", "pretrain (every token a target), sft (assistant turns / completions only: the loss is "
@@ -76,6 +78,35 @@ class DataSection:
                        ("all_assistant", "last_assistant"))
     overflow: str = opt("error", "a sample (or preference pair) longer than seq_length: error, or truncate it",
                         ("error", "truncate"))
+
+
+@dataclass(frozen=True)
+class Fp8Section:
+    recipe: str = opt("current", "current (this tensor's amax), delayed (an amax history: TransformerEngine's "
+                                 "default) or rowwise (a scale per row: torchao's)", ("current", "delayed", "rowwise"))
+    history: int = opt(16, "delayed: casts in each tensor's amax history")
+    amax_reduction: str = opt("max", "delayed: max or most_recent of the history", ("max", "most_recent"))
+    grad_format: str = opt("e5m2", "output gradients' format: e5m2, or e4m3 with its own scale", ("e5m2", "e4m3"))
+    margin: int = opt(0, "powers of two of headroom below the format's max")
+    layers: str = opt("auto", "auto (FP8 where the planner predicts the linear faster), all, none, or linears by "
+                              "kind, comma-separated: " + ",".join(FP8_KINDS))
+    measure: bool = opt(False, "auto: measure this machine's bf16 and FP8 GEMM rates (instead of the GPU preset's)")
+    min_gain: float = opt(1.05, "auto: the predicted speed-up a linear needs to run in FP8")
+    max_saturation: float = opt(1e-3, "guardrail: share of a linear's cast values beyond the FP8 range")
+    max_underflow: float = opt(0.25, "guardrail: share of a linear's nonzero cast values flushed to 0")
+    guard_steps: int = opt(3, "guardrail: consecutive steps over a threshold that move the linear back to bf16; "
+                              "0: no guardrail (and no counting)")
+
+    def kinds(self) -> list[str] | None:
+        """The linear kinds ``layers`` names (None for auto)."""
+        v = str(self.layers).strip().lower()
+        if v == "auto":
+            return None
+        if v == "all":
+            return list(FP8_KINDS)
+        if v in ("none", ""):
+            return []
+        return [k.strip() for k in v.split(",") if k.strip()]
 
 
 @dataclass(frozen=True)
@@ -150,6 +181,7 @@ class TrainConfig:
     optimizer: OptimizerSection = section(OptimizerSection, "AdamW and its schedule")
     data: DataSection = section(DataSection, "tokens")
     dpo: DpoSection = section(DpoSection, "preference training (training.task dpo)")
+    fp8: Fp8Section = section(Fp8Section, "FP8 linears (training.precision fp8)")
     eval: EvalSection = section(EvalSection, "validation: forward-only passes over held-out data")
     checkpoint: CheckpointSection = section(CheckpointSection, "checkpoints")
     logging: LoggingSection = section(LoggingSection, "progress, metrics, traces")
@@ -177,6 +209,30 @@ class TrainConfig:
     def parallel_config(self, world: int) -> ParallelConfig:
         """The layout on ``world`` ranks (``dp`` none: what the world size leaves)."""
         return self.parallel.for_world(world)
+
+    def _fp8_errors(self) -> list[str]:
+        f, t, errs = self.fp8, self.training, []
+        kinds = f.kinds()
+        bad = [k for k in kinds or [] if k not in FP8_KINDS]
+        if bad:
+            errs.append(f"fp8.layers ({f.layers!r}) names {bad}: give auto, all, none or kinds among "
+                        f"{', '.join(FP8_KINDS)}")
+        if f.history < 1:
+            errs.append(f"fp8.history ({f.history}) must be a positive integer")
+        if f.guard_steps < 0 or not 0 <= f.max_saturation <= 1 or not 0 <= f.max_underflow <= 1:
+            errs.append(f"fp8.guard_steps ({f.guard_steps}) must be >= 0, fp8.max_saturation ({f.max_saturation}) "
+                        f"and fp8.max_underflow ({f.max_underflow}) in [0, 1]")
+        if not (math.isfinite(f.min_gain) and f.min_gain > 0):
+            errs.append(f"fp8.min_gain ({f.min_gain!r}) must be a finite number > 0")
+        if t.precision == "fp8":
+            if self.model.finetune == "qlora":
+                errs.append("training.precision fp8 with model.finetune qlora: the 4-bit base runs the dequantising "
+                            "NF4 / int8 GEMM, not FP8 (FP8 on a QLoRA base is not supported); use bf16")
+            if t.initial_loss_scale != TrainingSection.initial_loss_scale:
+                errs.append(f"training.initial_loss_scale ({t.initial_loss_scale}) is fp16's loss scaling: fp8 trains "
+                            "bf16 weights and activations with FP8 GEMMs and scales each tensor itself (no loss "
+                            "scale); leave it unset")
+        return errs
 
     def with_values(self, values: dict) -> "TrainConfig":
         """This config with ``values`` (dotted keys or aliases, typed) on top, checked as a file's are."""
@@ -256,6 +312,7 @@ class TrainConfig:
         if t.task == "dpo" and dpo.reference == "adapters" and not self.model.adapters:
             errs.append(f"dpo.reference (adapters) needs model.finetune lora or qlora (now {self.model.finetune!r}: "
                         "there are no adapters to turn off); use dpo.reference cached or model")
+        errs += self._fp8_errors()
         errs += self.model.errors("model.")
         errs += self.parallel.layout_errors("parallel.")
         return errs

@@ -18,7 +18,9 @@ import torch
 
 from tpkernels.parallel import control
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+# fp8: bf16 weights and activations (fp32 masters); the chosen linears' GEMMs in FP8 (tpkernels.train.fp8_policy)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64,
+          "fp8": torch.bfloat16}
 FULL = (torch.float32, torch.float64)  # the optimizer steps the parameters themselves
 
 

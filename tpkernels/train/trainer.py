@@ -56,6 +56,7 @@ from tpkernels.train.metrics import (
     write_trace,
 )
 from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer
+from tpkernels.train.fp8_policy import Fp8Policy
 from tpkernels.train.precision import DTYPES, FULL, MixedPrecision
 
 
@@ -139,6 +140,7 @@ class Trainer:
         self.model = self.build_model()
         ms, opt = cfg.model, cfg.optimizer
         self.lora_layers = apply_lora(self.model, ms.lora_rank, ms.lora_alpha) if ms.adapters else []
+        self.fp8 = Fp8Policy(self) if cfg.training.precision == "fp8" else None
         self.mp = MixedPrecision(self.model, dtype, init_scale=cfg.training.initial_loss_scale) \
             if dtype not in FULL else None
         params = self.mp.masters if self.mp else list(self.model.parameters())
@@ -197,6 +199,12 @@ class Trainer:
                     self.saved_step = self.step_index
                 if self.mp is not None and "loss_scale" in meta:
                     self.mp.load_state_dict(meta["loss_scale"])
+                if self.fp8 is not None:
+                    self.fp8.restore(meta.get("fp8_moved", []))
+        if self.fp8 is not None:
+            self.metrics.write(self.fp8.choice_record())
+            if self.is_logger:
+                print(self.fp8.table(), flush=True)
 
     def build_model(self) -> ParallelTransformer:
         """This rank's part of the run's model as it starts: ``model.init_from``'s weights, or the seed's
@@ -218,6 +226,8 @@ class Trainer:
                 "model_config": dataclasses.asdict(self.mc)}
         if self.mp is not None:
             meta["loss_scale"] = self.mp.state_dict()
+        if self.fp8 is not None:
+            meta["fp8_moved"] = self.fp8.moved
         if self.cfg.checkpoint.async_save:
             if self._ckpt_group is None and dist.is_initialized():
                 self._ckpt_group = dist.new_group(backend="gloo")
@@ -408,6 +418,13 @@ class Trainer:
                          preference=preference)
         self._warn_comm(rec)
         out = rec.as_dict()
+        if self.fp8 is not None:
+            fp8_rec, moved = self.fp8.after_step(step)
+            out.update(fp8_rec)
+            if moved:
+                self.metrics.write({"fp8_guard": self.fp8.moved[-len(moved):], "layout": self.pc.short()})
+            for text in moved if self.is_logger else ():
+                print(text, flush=True)
         self.metrics.write({**out, "layout": self.pc.short(), "mfu_vs": self.peak_label})
         self.step_index += 1
         self.history.append(out)

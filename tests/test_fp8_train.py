@@ -1,0 +1,94 @@
+"""FP8 training in the job: a Llama at TP2×PP2+SP trained 50 steps on packed text (README.md, byte
+tokens) in fp8 with each recipe tracks the bf16 run within a band derived from the same run's bf16
+distance to fp32, with no NaN; the guardrail moves a linear whose inputs saturate back to bf16 and
+says so; the per-linear choice is kept in the metrics file; bad input is named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train import small
+from tpkernels.train import Trainer
+
+README = str(Path(__file__).resolve().parents[1] / "README.md")
+# 16-multiples per rank at TP2 (FP8 GEMMs): hidden 32, heads 4 / 2 KV (q/k/v 32 rows a rank), MLP 64
+TEXT = {"model.hidden": 32, "model.ffn": 64, "model.vocab": 258, "data.source": README, "data.seq_length": 32,
+        "optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3, "optimizer.clip_grad": 1.0}
+LAYOUT = dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2, micro_batch_size=2)
+
+
+def _losses(rank, world, kw):
+    t = Trainer(small(**{**TEXT, **LAYOUT, "steps": 50, **kw}))
+    return [h["loss"] for h in t.train()], [h.get("fp8/saturated") for h in t.history]
+
+
+def test_fp8_recipes_track_bf16_within_the_bf16_to_fp32_band(rank_pool):
+    runs = {name: rank_pool(4).run(_losses, kw, timeout=600)[0][0] for name, kw in {
+        "fp32": {"precision": "fp32"}, "bf16": {"precision": "bf16"},
+        "current": {"precision": "fp8", "fp8.layers": "all"},
+        "delayed": {"precision": "fp8", "fp8.layers": "all", "fp8.recipe": "delayed"},
+        "rowwise": {"precision": "fp8", "fp8.layers": "all", "fp8.recipe": "rowwise"}}.items()}
+    fp32, bf16 = torch.tensor(runs["fp32"]), torch.tensor(runs["bf16"])
+    assert fp32[-5:].mean() < fp32[:5].mean() - 0.5  # it learns the text
+    # the band: bf16's largest relative distance to fp32 over the 50 steps (measured: ~8%); fp8 may be
+    # twice as far from bf16 (measured: 3-5.5%), and must end where bf16 ends
+    band = float(((bf16 - fp32).abs() / fp32).max())
+    assert 0 < band < 0.2
+    for recipe in ("current", "delayed", "rowwise"):
+        got = torch.tensor(runs[recipe])
+        assert torch.isfinite(got).all(), recipe
+        assert not torch.equal(got, bf16), recipe  # FP8 ran
+        gap = float(((got - bf16).abs() / bf16).max())
+        assert gap <= 2 * band, (recipe, gap, band)
+        assert abs(float(got[-10:].mean() - bf16[-10:].mean())) <= 2 * band * float(bf16[-10:].mean()), recipe
+
+
+def test_guardrail_moves_a_saturating_linear_back_to_bf16_and_says_so(tmp_path, capsys):
+    """layers.1.down's input grows 8× every call (and its output is divided back, so nothing else sees it): under
+    delayed scaling its casts saturate every step, and after fp8.guard_steps (2) steps it runs bf16; the other
+    linears stay FP8; the metrics file names the move."""
+    metrics = tmp_path / "m.jsonl"
+    t = Trainer(small(**{**TEXT, "steps": 6, "precision": "fp8", "fp8.layers": "all", "fp8.recipe": "delayed",
+                         "fp8.guard_steps": 2, "micro_batch_size": 2, "num_microbatches": 1,
+                         "logging.metrics_file": str(metrics), "optimizer.lr": 1e-4, "optimizer.min_lr": 1e-5}))
+    down = t.model.chunks[0].layers[1].mlp.down
+    calls = [0]
+
+    def grow(module, args):
+        calls[0] += 1
+        return (args[0] * 8.0 ** calls[0],)
+
+    down.register_forward_pre_hook(grow)
+    down.register_forward_hook(lambda module, args, out: out / 8.0 ** calls[0])
+    history = t.train()
+    assert [m["layer"] for m in t.fp8.moved] == ["layers.1.down"] and t.fp8.moved[0]["step"] == 2
+    assert not down.fp8_active and down.fp8 is not None
+    others = [m for n, (k, m) in t.fp8.mine.items() if n != "layers.1.down"]
+    assert others and all(m.fp8_active for m in others)
+    assert history[0]["fp8/saturated"] == 0 and history[1]["fp8/saturated"] > 1e-3  # the first cast: its own amax
+    assert [h["fp8/linears"] for h in history] == [16, 16, 15, 15, 15, 15]
+    out = capsys.readouterr().out
+    assert "fp8 guardrail: layers.1.down moves back to bf16 after step 2" in out and "saturated" in out
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    choice = [r for r in records if "fp8_choice" in r]
+    assert choice and choice[0]["fp8_choice"]["fp8"] == ["qkv", "out", "gate_up", "down"]
+    assert [r["fp8_guard"][0]["layer"] for r in records if "fp8_guard" in r] == ["layers.1.down"]
+
+
+def test_fp8_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="training.precision fp8 with model.finetune qlora"):
+        small(precision="fp8", **{"model.finetune": "qlora"})
+    with pytest.raises(ValueError, match=r"training.initial_loss_scale \(1024.0\) is fp16's loss scaling"):
+        small(precision="fp8", initial_loss_scale=1024.0)
+    with pytest.raises(ValueError, match=r"fp8.layers \('qkv,mlp'\) names \['mlp'\]"):
+        small(precision="fp8", **{"fp8.layers": "qkv,mlp"})
+    with pytest.raises(ValueError, match=r"fp8.recipe"):
+        small(precision="fp8", **{"fp8.recipe": "blockwise"})
+    # an MLP 40 wide: the down projection's in_features is no FP8 GEMM shape
+    with pytest.raises(ValueError, match=r"fp8.layers \('all'\): layers.0.down: .*in_features per rank \(40\) "
+                                         r"must be a multiple of 16"):
+        Trainer(small(precision="fp8", **{"fp8.layers": "all", "model.hidden": 32, "model.ffn": 40}))
