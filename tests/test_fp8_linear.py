@@ -116,3 +116,23 @@ def test_fp8_refuses_shapes_and_bases_it_cannot_take():
     layer.enable_fp8()
     with pytest.raises(ValueError, match="input holds NaN or infinite values"):
         layer(torch.full((2, 64), float("nan")))
+
+
+def _gather_bytes_worker(rank, world, fp8):
+    from tpkernels.parallel.trace import CommTrace
+
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(64, 32 * world, False, None, sequence_parallel=True, sequence_dim=1,
+                                 dtype=torch.bfloat16)
+    if fp8:
+        layer.enable_fp8()
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    with _forced_algo("collective"), CommTrace() as tr:
+        layer(x)
+    return sum(s.args.get("bytes", 0) for s in tr.spans if s.name == "all_gather")
+
+
+def test_fp8_all_gather_moves_half_the_bytes_of_bf16_in_the_trace(rank_pool):
+    bf16 = rank_pool(2).run(_gather_bytes_worker, False)[0]
+    fp8 = rank_pool(2).run(_gather_bytes_worker, True)[0]
+    assert bf16 == 2 * 8 * 64 * 2 * 2 and fp8 * 2 == bf16

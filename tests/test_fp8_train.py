@@ -92,3 +92,16 @@ def test_fp8_bad_inputs_are_named():
     with pytest.raises(ValueError, match=r"fp8.layers \('all'\): layers.0.down: .*in_features per rank \(40\) "
                                          r"must be a multiple of 16"):
         Trainer(small(precision="fp8", **{"fp8.layers": "all", "model.hidden": 32, "model.ffn": 40}))
+
+
+def test_lora_adapters_train_in_bf16_on_an_fp8_base():
+    """LoRA on an FP8 base: the base linears run FP8 (forward and input gradient only: frozen), the adapters
+    train in bf16, the base weights never change."""
+    t = Trainer(small(**{**TEXT, "steps": 3, "precision": "fp8", "fp8.layers": "all", "model.finetune": "lora",
+                         "model.lora_rank": 4, "micro_batch_size": 2, "num_microbatches": 1}))
+    down = t.model.chunks[0].layers[0].mlp.down
+    before = down.weight.detach().clone()
+    losses = [h["loss"] for h in t.train()]
+    assert down.fp8_active and all(torch.isfinite(torch.tensor(losses)))
+    assert torch.equal(down.weight.detach(), before) and down.weight.grad is None
+    assert float(down.lora.B.detach().abs().sum()) > 0 and down.lora.B.dtype == torch.bfloat16
