@@ -132,15 +132,23 @@ def test_cached_reference_equals_a_frozen_model(tmp_path):
     assert cached["loss"][-1] != cached["loss"][0]
 
 
+def cached_equals_adapters_off(tmp_path, finetune: str) -> dict:
+    """Train with the cached reference and with the adapters-off one: the same run, step by step (metrics
+    to 1e-9); returns the config both used."""
+    kw = {"model.finetune": finetune, "model.lora_rank": 4, "micro_batch_size": 2, "num_microbatches": 1,
+          "log_every": 1}
+    cached = _train(tmp_path, {**kw, "dpo.reference": "cached"})
+    online = _train(tmp_path, {**kw, "dpo.reference": "adapters"})
+    for k in cached:
+        torch.testing.assert_close(torch.tensor(online[k]), torch.tensor(cached[k]), rtol=1e-9, atol=1e-12, msg=k)
+    assert cached["loss"][-1] != cached["loss"][0]
+    return kw
+
+
 def test_cached_reference_equals_adapters_off_with_lora(tmp_path):
     """LoRA: the reference read from the cache (computed once before training) and the one computed every
     step with the adapters turned off give the same run; the cache is re-used by the next run."""
-    lora = {"model.finetune": "lora", "model.lora_rank": 4, "micro_batch_size": 2, "num_microbatches": 1,
-            "log_every": 1}
-    cached = _train(tmp_path, {**lora, "dpo.reference": "cached"})
-    online = _train(tmp_path, {**lora, "dpo.reference": "adapters"})
-    for k in cached:
-        torch.testing.assert_close(torch.tensor(online[k]), torch.tensor(cached[k]), rtol=1e-9, atol=1e-12, msg=k)
+    lora = cached_equals_adapters_off(tmp_path, "lora")
     folders = list((tmp_path / "ref").iterdir())
     assert len(folders) == 1 and (folders[0] / "key.json").is_file()
     stamp = {p.name: p.stat().st_mtime_ns for p in folders[0].iterdir()}

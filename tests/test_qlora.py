@@ -319,15 +319,9 @@ def _refused_worker(rank, world, folder, kw):
 def test_dpo_on_qlora_cached_reference_equals_adapters_off(tmp_path):
     """DPO with QLoRA: the cached reference and the adapters-off reference of every step (the quantised base
     alone) give the same run."""
-    from test_dpo import _train as dpo_train
+    from test_dpo import cached_equals_adapters_off
 
-    q = {"model.finetune": "qlora", "model.lora_rank": 4, "micro_batch_size": 2, "num_microbatches": 1,
-         "log_every": 1}
-    cached = dpo_train(tmp_path, {**q, "dpo.reference": "cached"})
-    online = dpo_train(tmp_path, {**q, "dpo.reference": "adapters"})
-    for k in cached:
-        torch.testing.assert_close(torch.tensor(online[k]), torch.tensor(cached[k]), rtol=1e-9, atol=1e-12, msg=k)
-    assert cached["loss"][-1] != cached["loss"][0]
+    cached_equals_adapters_off(tmp_path, "qlora")
 
 
 def _sft_worker(rank, world, tmp_path, kw):

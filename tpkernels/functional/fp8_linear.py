@@ -169,9 +169,7 @@ class Fp8ColumnParallelLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        st = ctx.st
-        x_full8, sx, w8, sw, weight, x_hp = ctx.saved_tensors
-        dy = dy.contiguous()
+        st, (x_full8, sx, w8, sw, weight, x_hp), dy = ctx.st, ctx.saved_tensors, dy.contiguous()
         dy2 = _rows(dy)
         dy8, sdy = st.dy.cast(dy2, "output gradient")
         _, world = group_rank_size(ctx.group)
@@ -226,14 +224,12 @@ class Fp8RowParallelLinearFunction(torch.autograd.Function):
                 y = matmul_reduce_scatter(_bytes(x8), op, group, scatter_dim=seq_dim, algo=algo, overlap=overlap)
             else:
                 y = matmul_all_reduce(_bytes(x8), op, group, algo=algo if overlap else "collective")
-        ctx.save_for_backward(x8, sx, w8, sw, weight, x if st.rowwise else None)
+        ctx.save_for_backward(x8, sx, w8, sw, weight, x if st.rowwise else None)  # x8: what the wgrad reads
         return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, dy):
-        st = ctx.st
-        x8, sx, w8, sw, weight, x_hp = ctx.saved_tensors
-        dy = dy.contiguous()
+        st, (x8, sx, w8, sw, weight, x_hp), dy = ctx.st, ctx.saved_tensors, dy.contiguous()
         _, world = group_rank_size(ctx.group)
         wt8, swt = _wt8(st, weight, w8, sw)  # a row shard's Wᵀ rows are whole on this rank
         db = None

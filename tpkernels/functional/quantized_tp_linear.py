@@ -41,12 +41,16 @@ def _bias_grad(ctx, dy: torch.Tensor, reduce_group=None):
     return all_reduce(db, reduce_group) if reduce_group is not None else db
 
 
+def _keep(ctx, qw, bias, group, sequence_parallel, seq_dim, algo, overlap) -> None:
+    """What the backward needs: the quantised weight and the layout, never x."""
+    ctx.qw, ctx.group, ctx.sp, ctx.seq_dim, ctx.algo, ctx.overlap = qw, group, sequence_parallel, seq_dim, algo, overlap
+    ctx.has_bias = bias is not None
+
+
 class QuantizedColumnParallelLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, qw: QuantizedWeight, group, sequence_parallel, seq_dim, algo, overlap):
-        ctx.qw, ctx.group, ctx.sp, ctx.seq_dim, ctx.algo, ctx.overlap = qw, group, sequence_parallel, seq_dim, algo, \
-            overlap
-        ctx.has_bias = bias is not None
+        _keep(ctx, qw, bias, group, sequence_parallel, seq_dim, algo, overlap)
         if sequence_parallel:
             _, (y,) = all_gather_matmul(x, [qw.operand(transposed=True)], group, gather_dim=seq_dim,
                                         algo=algo if overlap else "collective", return_a=False)
@@ -76,9 +80,7 @@ class QuantizedColumnParallelLinearFunction(torch.autograd.Function):
 class QuantizedRowParallelLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, qw: QuantizedWeight, group, sequence_parallel, seq_dim, algo, overlap):
-        ctx.qw, ctx.group, ctx.sp, ctx.seq_dim, ctx.algo, ctx.overlap = qw, group, sequence_parallel, seq_dim, algo, \
-            overlap
-        ctx.has_bias = bias is not None
+        _keep(ctx, qw, bias, group, sequence_parallel, seq_dim, algo, overlap)
         b = qw.operand(transposed=True)
         if sequence_parallel:
             y = matmul_reduce_scatter(x, b, group, scatter_dim=seq_dim, algo=algo, overlap=overlap)
