@@ -136,3 +136,25 @@ def test_fp8_zero_bubble_trains_what_1f1b_trains(rank_pool):
     1F1B trains on the same micro-batches."""
     one, zb = rank_pool(2).run(_schedules, timeout=300)[0]
     assert one == zb and one[-1] < one[0]
+
+
+def test_a_run_learns_each_linears_gain_and_the_next_auto_choice_uses_it(tmp_path, monkeypatch):
+    """fp8.learn: the first step's timing of each kind of linear (bf16 vs FP8, this run's shapes) is kept per
+    machine; the next run's auto choice reads it instead of the prediction (here: a fabricated 2× for gate_up
+    picks it; the CPU's measured gains, below 1, leave the others in bf16)."""
+    from tpkernels.planner.fp8_choice import load_gains, save_gains
+
+    monkeypatch.setenv("TPKERNELS_CACHE_DIR", str(tmp_path))
+    kw = {**TEXT, "steps": 2, "precision": "fp8", "micro_batch_size": 2, "num_microbatches": 1}
+    first = Trainer(small(**{**kw, "fp8.layers": "all"}))
+    first.train()
+    machine = first.fp8.machine()
+    gains = load_gains(machine)
+    assert sorted(gains) == sorted(first.fp8.learned) and len(gains) == 4
+    assert all(0 < g < 1 for g in gains.values())  # the CPU emulates FP8 GEMMs: slower than bf16
+    gate_up = next(k for k in gains if k.startswith(f"64x{32}x{128}"))
+    save_gains(machine, {gate_up: 2.0})
+    second = Trainer(small(**{**kw, "fp8.layers": "auto", "fp8.learn": False}))
+    assert second.fp8.kinds == ["gate_up"]
+    reasons = {c.name: c.reason for c in second.fp8.choices}
+    assert reasons["gate_up"].startswith("measured 2.00×") and reasons["qkv"].startswith("measured 0.")

@@ -34,6 +34,7 @@ Rates  ``rates`` (measured on this machine) take precedence: the measured GEMM r
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -94,9 +95,12 @@ def _exposed(comm: float, gemm: float, eff: Efficiency) -> float:
 
 def fp8_layer_choices(model: ModelConfig, *, tp: int, sequence_parallel: bool, tokens: int, frozen: bool = False,
                       gpu: GPUSpec | None = None, rates: Fp8Rates | None = None, min_gain: float = 1.05,
-                      eff: Efficiency | None = None, cluster: ClusterSpec | None = None) -> list[Fp8LayerChoice]:
+                      eff: Efficiency | None = None, cluster: ClusterSpec | None = None,
+                      learned: dict[str, float] | None = None) -> list[Fp8LayerChoice]:
     """One choice per linear of a decoder layer (module doc). ``tokens``: this rank's micro-batch tokens
-    (m); ``cluster``: the links of the SP all-gather (default: one node of ``gpu``)."""
+    (m); ``cluster``: the links of the SP all-gather (default: one node of ``gpu``); ``learned``: gains
+    a run measured on this machine (:func:`gain_key` -> bf16 / fp8 time of the whole linear, its
+    communication included), which replace the prediction of their shapes."""
     gpu = gpu or (cluster.gpu if cluster else None)
     names = ["qkv", "out", "gate_up" if model.gated_mlp else "up", "down"]
     base = eff or (calibrated_for(gpu) if gpu else Efficiency())
@@ -117,6 +121,15 @@ def fp8_layer_choices(model: ModelConfig, *, tp: int, sequence_parallel: bool, t
     out = []
     for name, (k, n) in zip(names, _linear_shapes(model, tp)):
         shape = {"name": name, "m": int(m), "k": int(k), "n": int(n)}
+        seen = (learned or {}).get(gain_key(m, k, n, frozen, sequence_parallel and tp > 1))
+        if seen is not None:
+            bad = [f"{d} ({int(v)}) not a multiple of {FP8_MULTIPLE} (FP8 GEMMs)" for d, v in (("k", k), ("n", n))
+                   if v % FP8_MULTIPLE]
+            chosen = not bad and seen >= min_gain
+            out.append(Fp8LayerChoice(**shape, bf16_s=math.nan, fp8_s=math.nan, gain=seen, chosen=chosen,
+                                      reason="; ".join(bad) or f"measured {seen:.2f}× on this machine by an earlier "
+                                                             "run (fp8.learn)"))
+            continue
         if rgpu is None:
             out.append(Fp8LayerChoice(**shape, bf16_s=math.nan, fp8_s=math.nan, gain=math.nan, chosen=False,
                                       reason=no_fp8))
@@ -157,6 +170,43 @@ def fp8_layer_choices(model: ModelConfig, *, tp: int, sequence_parallel: bool, t
         out.append(Fp8LayerChoice(**shape, bf16_s=bf16, fp8_s=fp8, gain=gain, chosen=chosen, reason=reason,
                                   bf16_comm_s=bf16_comm, fp8_comm_s=fp8_comm, cast_s=cast))
     return out
+
+
+def gain_key(m: int, k: int, n: int, frozen: bool, gathered: bool) -> str:
+    """The learned-gain key of a linear's micro-batch GEMM (tokens m, k in, n out per rank)."""
+    return f"{int(m)}x{int(k)}x{int(n)}{' frozen' if frozen else ''}{' sp' if gathered else ''}"
+
+
+def _gains_path():
+    from tpkernels.planner.fit import cache_path  # noqa: PLC0415
+
+    return cache_path().parent / "fp8_gains.json"
+
+
+def load_gains(machine: str) -> dict[str, float]:
+    """The FP8 gains runs measured on ``machine`` (planner.fit.machine_key), by :func:`gain_key`."""
+    try:
+        data = json.loads(_gains_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    got = data.get(machine) if isinstance(data, dict) else None
+    return {k: float(v) for k, v in got.items() if isinstance(v, (int, float))} if isinstance(got, dict) else {}
+
+
+def save_gains(machine: str, gains: dict[str, float]):
+    """Keep ``gains`` for ``machine`` (merged over earlier ones); returns the file."""
+    path = _gains_path()
+    try:
+        data = json.loads(path.read_text())
+        data = data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        data = {}
+    data[machine] = {**(data.get(machine) if isinstance(data.get(machine), dict) else {}), **gains}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path
 
 
 def _median_time(fn, sync, reps: int) -> float:

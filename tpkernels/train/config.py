@@ -92,6 +92,9 @@ class Fp8Section:
                               "kind, comma-separated: " + ",".join(FP8_KINDS))
     measure: bool = opt(False, "auto: measure this machine's bf16 and FP8 GEMM rates (instead of the GPU preset's)")
     min_gain: float = opt(1.05, "auto: the predicted speed-up a linear needs to run in FP8")
+    learn: bool = opt(True, "after the first step, time each kind of linear in bf16 and in FP8 at this run's shapes "
+                            "(communication included) and keep the gains: later auto choices on this machine use "
+                            "them instead of the prediction")
     max_saturation: float = opt(1e-3, "guardrail: share of a linear's cast values beyond the FP8 range")
     max_underflow: float = opt(0.25, "guardrail: share of a linear's nonzero cast values flushed to 0")
     guard_steps: int = opt(3, "guardrail: consecutive steps over a threshold that move the linear back to bf16; "

@@ -14,6 +14,13 @@ the world sums them per linear (every rank decides alike). A linear over ``fp8.m
 step (exactly bf16 from then on), and the run says which, why and when; the move is kept in the
 checkpoint's meta so a resume keeps it. Each step's record carries the worst linear's saturation
 and underflow shares, the FP8 linears' count and their largest input amax (its trend).
+
+Learning (``fp8.learn``): after the run's first step every rank times one linear of each kind, at
+this run's micro-batch shape, forward and backward with its TP communication, in bf16 and in FP8
+(detached copies of the weights and fresh FP8 states: training is untouched); the gains, averaged
+over the ranks, are kept per machine (tpkernels.planner.fp8_choice.save_gains) and replace the
+model's prediction for those shapes in every later ``auto`` choice on this machine, as the layout
+planner keeps what autotune trials measured.
 """
 
 from __future__ import annotations
@@ -45,11 +52,13 @@ class Fp8Policy:
     """Built by the Trainer after the model (and its adapters): enables FP8 on the chosen linears."""
 
     def __init__(self, trainer):
+        self.trainer = trainer
         f = trainer.cfg.fp8
         self.cfg, self.guard_steps = f, f.guard_steps
         self.options = Fp8Options(f.recipe, f.history, f.amax_reduction, f.grad_format, f.margin)
         self.mine = _linears(trainer.model)
-        kinds_here = sorted({k for k, _ in self.mine.values()}, key=FP8_KINDS.index)
+        self.kinds_here = kinds_here = sorted({k for k, _ in self.mine.values()}, key=FP8_KINDS.index)
+        self.learn_pending, self.learned = f.learn, None
         # every rank's linears in one order, for the guardrail's one all-reduce
         self.names = [f"layers.{i}.{k}" for i in range(trainer.mc.num_layers) for k in kinds_here]
         self.choices = None
@@ -74,7 +83,7 @@ class Fp8Policy:
         self.last_amax: float | None = None
 
     def _auto(self, trainer):
-        from tpkernels.planner.fp8_choice import fp8_layer_choices, measure_fp8_rates  # noqa: PLC0415
+        from tpkernels.planner.fp8_choice import fp8_layer_choices, load_gains, measure_fp8_rates  # noqa: PLC0415
         from tpkernels.planner.measure import preset_for_device  # noqa: PLC0415
 
         pc, dev = trainer.pc, trainer.device
@@ -86,8 +95,82 @@ class Fp8Policy:
         tokens = pc.micro_batch_size * trainer.cfg.data.seq_length // pc.cp
         choices = fp8_layer_choices(trainer.mc, tp=pc.tp, sequence_parallel=pc.sequence_parallel, tokens=tokens,
                                     frozen=trainer.cfg.model.adapters, gpu=gpu, rates=rates,
-                                    min_gain=self.cfg.min_gain)
+                                    min_gain=self.cfg.min_gain, learned=load_gains(self.machine()))
         return [c.name for c in choices if c.chosen], choices
+
+    def machine(self) -> str:
+        """The planner's key of this machine (its GPU preset or CPU, and the rank count)."""
+        from tpkernels.planner.fit import machine_key  # noqa: PLC0415
+        from tpkernels.planner.measure import preset_for_device  # noqa: PLC0415
+
+        dev, ranks = self.trainer.device, self.trainer.pc.world_size
+        if dev.type != "cuda":
+            return machine_key("cpu", ranks)
+        name = torch.cuda.get_device_name(dev)
+        gpu = preset_for_device(name)
+        return machine_key(gpu.name if gpu else name, ranks)
+
+    def learn(self) -> dict[str, float]:
+        """Time one linear of each kind in bf16 and in FP8 (module docstring); keep and return the gains
+        by planner key. Collective: every rank, the same kinds in the same order."""
+        import time  # noqa: PLC0415
+
+        from tpkernels.functional.fp8_linear import (Fp8LinearState, fp8_column_parallel_linear,  # noqa: PLC0415
+                                                     fp8_row_parallel_linear)
+        from tpkernels.functional.tp_linear import column_parallel_linear, row_parallel_linear  # noqa: PLC0415
+        from tpkernels.nn.tensor_parallel import ColumnParallelLinear  # noqa: PLC0415
+        from tpkernels.planner.fp8_choice import gain_key, save_gains  # noqa: PLC0415
+
+        tr, pc = self.trainer, self.trainer.pc
+        first = {}
+        for kind, layer in self.mine.values():
+            first.setdefault(kind, layer)
+        s = tr.cfg.data.seq_length // pc.cp
+        sp = pc.sequence_parallel and pc.tp > 1
+        keys, gains = [], []
+        sync = torch.cuda.synchronize if tr.device.type == "cuda" else (lambda: None)
+        for kind in self.kinds_here:
+            layer = first[kind]
+            column = isinstance(layer, ColumnParallelLinear)
+            k, n = layer.weight.shape[1], layer.weight.shape[0]
+            if k % 16 or n % 16 or layer.qweight is not None:
+                continue
+            frozen = not layer.weight.requires_grad
+            shape = (pc.micro_batch_size, s // pc.tp if column and sp else s, k)
+            x = torch.randn(shape, dtype=layer.weight.dtype, device=layer.weight.device)
+            args = (layer.tp_group, layer.sequence_parallel, layer.sequence_dim, layer.algo)
+
+            def step(fp8: bool, layer=layer, column=column, frozen=frozen, x=x, args=args):
+                xi = x.detach().requires_grad_()
+                w = layer.weight.detach().clone().requires_grad_(not frozen)
+                if fp8:
+                    st = Fp8LinearState(self.options, layer.tp_group, column)
+                    for role in (st.x, st.w, st.dy):
+                        role.counting = self.guard_steps > 0  # the counting the run pays for
+                    fn = fp8_column_parallel_linear if column else fp8_row_parallel_linear
+                    y = fn(xi, w, None, st, *args, layer.overlap_comm)
+                elif column:
+                    y = column_parallel_linear(xi, w, None, *args, False, layer.overlap_comm)
+                else:
+                    y = row_parallel_linear(xi, w, None, *args, layer.overlap_comm)
+                y.backward(torch.ones_like(y))
+
+            times = {}
+            for fp8 in (False, True):
+                step(fp8)  # warm-up
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    step(fp8)
+                sync()
+                times[fp8] = (time.perf_counter() - t0) / 3
+            keys.append(gain_key(pc.micro_batch_size * s, k, n, frozen, sp))
+            gains.append(times[False] / times[True])
+        gains = [g / pc.world_size for g in control.all_reduce_values(gains, "sum")]
+        self.learned = dict(zip(keys, gains))
+        if tr.state.rank == 0 and self.learned:
+            save_gains(self.machine(), self.learned)
+        return self.learned
 
     def table(self) -> str:
         from tpkernels.planner.fp8_choice import format_choices  # noqa: PLC0415
@@ -122,6 +205,9 @@ class Fp8Policy:
     def after_step(self, step: int) -> tuple[dict, list[str]]:
         """Read and reset the casts' counts (one all-reduce); apply the guardrail. Returns the step record's
         fp8 fields and the messages of the linears moved back to bf16."""
+        if self.learn_pending:
+            self.learn_pending = False
+            self.learn()
         if self.guard_steps == 0 or not self.kinds:
             return {}, []
         n = len(self.names)
