@@ -212,19 +212,21 @@ class Fp8Policy:
             return {}, []
         n = len(self.names)
         index = {name: i for i, name in enumerate(self.names)}
-        counts, amax = [0.0] * (3 * n), [0.0] * n
+        dev = self.trainer.device
+        counts = torch.zeros(3 * n, dtype=torch.float64, device=dev)  # numel, saturated, underflow per linear
+        amax = torch.zeros(n, dtype=torch.float64, device=dev)
         for name, (kind, layer) in self.mine.items():
             if layer.fp8 is None or not layer.fp8.enabled:
                 continue
             i = index[name]
             stats = layer.fp8.take_stats()
-            for s in stats.values():
+            for s in stats.values():  # device counters: no host read until the reduced vector
                 counts[3 * i] += s.numel
-                counts[3 * i + 1] += float(s.saturated)
-                counts[3 * i + 2] += float(s.underflow)
-            amax[i] = float(stats["x"].amax)
-        counts = control.all_reduce_values(counts, "sum")
-        amax = control.all_reduce_values(amax, "max")
+                counts[3 * i + 1] += s.saturated
+                counts[3 * i + 2] += s.underflow
+            amax[i] = torch.as_tensor(stats["x"].amax, dtype=torch.float64, device=dev)
+        counts = control.all_reduce_(counts, "sum").tolist()  # the step's one host read of the counts
+        amax = control.all_reduce_(amax, "max").tolist()
         bad_amax = [self.names[i] for i, a in enumerate(amax) if not math.isfinite(a)]
         if bad_amax:
             raise FloatingPointError(f"fp8: the input of {', '.join(bad_amax[:4])} held NaN or inf at step {step}; "
