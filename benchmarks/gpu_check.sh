@@ -182,9 +182,27 @@ else
     record "$what" skipped 0 "datasets is not installed"
   done
 fi
-# To add as it lands, a few steps under torchrun with its own metrics file (not in the code yet, so no
-# command stands here for it):
-#   - FP8: training.precision fp8 (FP8 GEMMs, the planner's FP8 peak)
+# ---- FP8 training as users run it: one GPU under torchrun (NCCL), training.precision fp8 with fp8.layers
+# auto: the planner's GEMM model (this GPU's preset: FP8 and bf16 peaks, HBM for the casts) picks the
+# decoder linears that run FP8, and rank 0 prints its per-linear table (layer, GEMM, predicted bf16 and
+# fp8 ms, gain, chosen, why) before step 0; the metrics file keeps it (fp8_choice) and every step's
+# record carries the guardrail's fp8/saturated, fp8/underflow, fp8/linears. A model wide enough for FP8
+# to pay on some linears (hidden 2048, ffn 5632, 4 layers, 16/8 heads; 4 x 1024 tokens of packed README
+# text a step: on the H200 preset qkv 1.11x, gate_up 1.22x, down 1.15x run FP8 and out, 1.01x, stays
+# bf16), 8 steps, no checkpoint (0.19B params: ~3 GB with masters and AdamW state); fp8.learn (on by
+# default) times each kind of linear in bf16 and FP8 after step 0 into this check's own planner cache
+FP8_JOB=(--config python/configs/demo_llama_tp2_pp2.yaml --parallel.tp 1 --parallel.pp 1
+         --parallel.sequence_parallel false --model.hidden 2048 --model.ffn 5632 --model.heads 16
+         --model.kv_heads 8 --data.source README.md --data.seq_length 1024 --parallel.micro_batch_size 4
+         --parallel.num_microbatches 1 --training.precision fp8 --fp8.layers auto --training.steps 8
+         --checkpoint.save_dir none --logging.progress false --logging.log_every 2)
+if [ -n "$DRY" ]; then
+  HEAD=4 run_step "FP8 job's command line (tpkernels train --dry-run, the same flags)" 60 train_fp8_dry_run.log \
+    "${TRAIN[@]}" -m tpkernels.train "${FP8_JOB[@]}" --dry-run || status=1
+fi
+TAIL=16 gpu_step "FP8: torchrun --nproc-per-node 1 (NCCL), training.precision fp8, fp8.layers auto (the choice table)" \
+  60 train_fp8.log "${TRAIN[@]}" -m torch.distributed.run --standalone --nproc-per-node 1 -m tpkernels.train \
+  "${FP8_JOB[@]}" --logging.metrics_file "$OUT/train_fp8_metrics.jsonl"
 rm -rf "$CKPT"
 
 gpu_step "cuda-marked tests (all but attention)" 100 gpu_tests.log \
@@ -214,6 +232,11 @@ TAIL=30 gpu_step "bench: NF4 GEMM (dequantised in registers) vs bf16 cuBLAS" 60 
 # step time ratios, base bytes per param, the step's peak (max_memory_allocated) above what it starts with
 TAIL=8 gpu_step "bench: QLoRA vs LoRA vs full fine-tuning step (bf16, hidden 1024, 4 layers)" 60 bench_qlora.log \
   $PY benchmarks/bench_qlora.py --device cuda --quick
+# FP8 vs bf16: per-linear GEMM TFLOP/s at Llama-3-8B (TP1) and Llama-3-70B (TP8) per-rank shapes, M = 8192,
+# on pre-cast operands and with the casts (target: FP8 >= 1.5x bf16), the planner's prediction beside each;
+# then one training step of a hidden-2048 Llama in bf16 vs fp8 (fp8.layers all; target >= 1.25x)
+TAIL=40 gpu_step "bench: FP8 vs bf16 GEMMs (Llama-3-8B/70B shapes) and one training step" 60 bench_fp8.log \
+  $PY benchmarks/bench_fp8.py --device cuda
 TAIL=30 gpu_step "bench: bias_gelu" 40 bench_bias_gelu.log $PY benchmarks/bench_bias_gelu.py --sizes 1 16 64
 # TP through the virtual-rank harness: fused AG+GEMM / GEMM+RS / GEMM+AR at Flux's and Llama-3-70B's TP=8
 # shapes, every emulated rank's kernels at once on this GPU
