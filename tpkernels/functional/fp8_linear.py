@@ -19,8 +19,10 @@ Communication (TP group of P ranks, SP: the sequence split over it):
   row, SP      forward: y = matmul_reduce_scatter(x8, Wᵀ) in bf16/fp32 (a sum stays in high precision,
                as TransformerEngine's); backward: dy quantised on its shard and all-gathered in FP8.
   no SP        the all-reduce of the row output / column input gradient in fp32, the GEMMs in FP8.
-  rowwise      per-token scales would have to travel with every ring chunk (not built): the rowwise
-               recipe gathers FP8 bytes and their row scales with one collective each, then multiplies.
+  rowwise      gathers 16-bit values (one collective: per-token scales would have to travel with every
+               ring chunk) and casts after the gather; the gathered 16-bit input is kept, since the
+               weight gradient re-quantises it along the other axis (as torchao's rowwise recipe does);
+               the row layer's output gradient is gathered in 16 bits for the same reason.
 The fused GEMM-comm kernels read 16-bit operands: "auto" picks ring or collective here.
 
 Bytes and FLOPs per layer and micro-batch (m tokens, k in, n out per rank): FLOPs 3 · 2mkn, as bf16;
@@ -164,7 +166,10 @@ class Fp8ColumnParallelLinearFunction(torch.autograd.Function):
             x_full8, sx = _cast_rows(st.x, x_full, "input")
             y = fp8_gemm(x_full8, sx, w8, sw, out).view(*x_full.shape[:-1], w8.shape[0])
             x_full8 = x_full8.view(*x_full.shape)
-        ctx.save_for_backward(x_full8, sx, w8, sw, weight, x if st.rowwise else None)
+        # rowwise keeps the 16-bit (gathered) input: its weight gradient re-quantises it along the tokens;
+        # a frozen weight (LoRA's base) keeps no input at all
+        wg = ctx.needs_input_grad[1]
+        ctx.save_for_backward(x_full8 if wg else None, sx, w8, sw, weight, x_full if st.rowwise and wg else None)
         return y if bias is None else y + bias
 
     @staticmethod
@@ -191,11 +196,7 @@ class Fp8ColumnParallelLinearFunction(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             x2 = _rows(x_full8)
-            x_hp_full = None
-            if st.rowwise:
-                x_hp_full = all_gather_dim(x_hp, ctx.seq_dim, ctx.group) if ctx.sp and world > 1 else x_hp
-                x_hp_full = _rows(x_hp_full)
-            dw = _wgrad(st, dy2, x_hp_full, dy8, sdy, x2, sx, weight)
+            dw = _wgrad(st, dy2, _rows(x_hp) if st.rowwise else None, dy8, sdy, x2, sx, weight)
         db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None, None, None, None
 
@@ -224,7 +225,8 @@ class Fp8RowParallelLinearFunction(torch.autograd.Function):
                 y = matmul_reduce_scatter(_bytes(x8), op, group, scatter_dim=seq_dim, algo=algo, overlap=overlap)
             else:
                 y = matmul_all_reduce(_bytes(x8), op, group, algo=algo if overlap else "collective")
-        ctx.save_for_backward(x8, sx, w8, sw, weight, x if st.rowwise else None)  # x8: what the wgrad reads
+        wg = ctx.needs_input_grad[1]  # x8: what the weight gradient reads (a frozen weight keeps no input)
+        ctx.save_for_backward(x8 if wg else None, sx, w8, sw, weight, x if st.rowwise and wg else None)
         return y if bias is None else y + bias
 
     @staticmethod

@@ -21,12 +21,14 @@ Casts  FP8 only. One pass per tensor reads its 16 bits and writes 8 (amax fused:
        m_x = m / tp for a column-parallel layer under SP (cast on the local shard, then gathered in
        fp8), else m. Bytes at HBM bandwidth × Efficiency.hbm (measured: Fp8Rates.cast_gbs), plus
        one kernel's fixed cost per pass (Efficiency.gemm_launch_s; measured: Fp8Rates.cast_op_s).
-Comm   column-parallel layers (qkv, gate_up / up) under SP with tp > 1 all-gather their input:
-       2·m·k bytes in bf16, m·k in fp8, once forward and again backward for the weight gradient
-       (not when frozen). Exposed as step_time.py counts TP comm: all of it less what
-       Efficiency.tp_overlap hides, the hidden part capped at the layer's own GEMM time. The other
-       TP collectives (reduce-scatters, the row layers' dY all-gather) stay 16-bit either way and
-       are left out. Without a GPU (measured rates alone) no link is known: no comm counted.
+Comm   under SP with tp > 1, a column-parallel layer (qkv, gate_up / up) all-gathers its input in the
+       forward (2·m·k bytes in bf16, m·k in fp8; the gathered input is kept for the weight gradient),
+       a row-parallel layer (out, down) its output gradient in the backward (2·m·n, m·n in fp8).
+       The rowwise recipe gathers 16-bit values (``fp8_gather=False``: per-token scales would follow
+       every ring chunk). Exposed as step_time.py counts TP comm: all of it less what
+       Efficiency.tp_overlap hides, the hidden part capped at the layer's own GEMM time. The
+       reduce-scatters of partial sums stay fp32 either way and are left out. Without a GPU
+       (measured rates alone) no link is known: no comm counted.
 Rates  ``rates`` (measured on this machine) take precedence: the measured GEMM rates at efficiency 1,
        no waves or tiles (measure.calibrate's convention); else ``gpu``'s peaks × its generation's
        calibrated efficiencies (or ``eff``).
@@ -96,11 +98,12 @@ def _exposed(comm: float, gemm: float, eff: Efficiency) -> float:
 def fp8_layer_choices(model: ModelConfig, *, tp: int, sequence_parallel: bool, tokens: int, frozen: bool = False,
                       gpu: GPUSpec | None = None, rates: Fp8Rates | None = None, min_gain: float = 1.05,
                       eff: Efficiency | None = None, cluster: ClusterSpec | None = None,
-                      learned: dict[str, float] | None = None) -> list[Fp8LayerChoice]:
+                      learned: dict[str, float] | None = None, fp8_gather: bool = True) -> list[Fp8LayerChoice]:
     """One choice per linear of a decoder layer (module doc). ``tokens``: this rank's micro-batch tokens
     (m); ``cluster``: the links of the SP all-gather (default: one node of ``gpu``); ``learned``: gains
     a run measured on this machine (:func:`gain_key` -> bf16 / fp8 time of the whole linear, its
-    communication included), which replace the prediction of their shapes."""
+    communication included), which replace the prediction of their shapes; ``fp8_gather``: the recipe
+    all-gathers FP8 bytes (current, delayed), else 16-bit values (rowwise)."""
     gpu = gpu or (cluster.gpu if cluster else None)
     names = ["qkv", "out", "gate_up" if model.gated_mlp else "up", "down"]
     base = eff or (calibrated_for(gpu) if gpu else Efficiency())
@@ -134,10 +137,15 @@ def fp8_layer_choices(model: ModelConfig, *, tp: int, sequence_parallel: bool, t
             out.append(Fp8LayerChoice(**shape, bf16_s=math.nan, fp8_s=math.nan, gain=math.nan, chosen=False,
                                       reason=no_fp8))
             continue
-        gathers = sequence_parallel and tp > 1 and name in COLUMN_LAYERS and cluster is not None
-        ag = group_collective_time("all_gather", 2.0 * m * k, tp, 1, cluster, reff) if gathers else 0.0
-        ag8 = group_collective_time("all_gather", 1.0 * m * k, tp, 1, cluster, reff) if gathers else 0.0
-        ag, ag8 = ag * (2 if wgrad else 1), ag8 * (2 if wgrad else 1)  # forward + re-gather for dW
+        # SP all-gathers: a column layer's input (forward; the gathered input is kept for the weight
+        # gradient, not gathered again), a row layer's output gradient (backward); in FP8 at 1 byte an
+        # element unless the recipe gathers 16-bit values (rowwise)
+        sp_on = sequence_parallel and tp > 1 and cluster is not None
+        elems = (m * k if name in COLUMN_LAYERS else m * n) if sp_on else 0.0
+        ag = group_collective_time("all_gather", 2.0 * elems, tp, 1, cluster, reff) if elems else 0.0
+        ag8 = group_collective_time("all_gather", (1.0 if fp8_gather else 2.0) * elems, tp, 1, cluster, reff) \
+            if elems else 0.0
+        gathers = sp_on and name in COLUMN_LAYERS and fp8_gather
         g16 = _gemms(m, k, n, rgpu, reff, "bf16", wgrad)
         bf16_comm = _exposed(ag, g16, reff)
         bf16 = g16 + bf16_comm

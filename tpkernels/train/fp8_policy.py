@@ -95,7 +95,8 @@ class Fp8Policy:
         tokens = pc.micro_batch_size * trainer.cfg.data.seq_length // pc.cp
         choices = fp8_layer_choices(trainer.mc, tp=pc.tp, sequence_parallel=pc.sequence_parallel, tokens=tokens,
                                     frozen=trainer.cfg.model.adapters, gpu=gpu, rates=rates,
-                                    min_gain=self.cfg.min_gain, learned=load_gains(self.machine()))
+                                    min_gain=self.cfg.min_gain, learned=load_gains(self.machine()),
+                                    fp8_gather=self.options.recipe != "rowwise")
         return [c.name for c in choices if c.chosen], choices
 
     def machine(self) -> str:
