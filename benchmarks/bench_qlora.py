@@ -261,7 +261,7 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", choices=("1", "tp2"), default=["1", "tp2"],
                     help="CPU layouts: one process, TP2 (SP) on 2 gloo ranks (CUDA: one process only)")
     ap.add_argument("--threads", type=int, default=1,
-                    help="CPU: torch threads of the process and of each TP rank (default 1: see the note below)")
+                    help="CPU: torch threads of the process and of each TP rank (default 1: the same work per core)")
     for k in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab", "seq", "rows"):
         ap.add_argument(f"--{k.replace('_', '-')}", type=int)
     a = ap.parse_args()
@@ -271,9 +271,7 @@ def main() -> None:
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU visible")
     # one thread per process by default: the TP2 ranks run one each (2 ranks on a 2-core machine), and the
-    # one-process layout then does the same work per core; with more threads, the C++ NF4 forward calls
-    # at::mm_out on ATen worker threads, which do not inherit the autograd function's no-grad mode and
-    # refuse an input that requires grad (reported; TP ranks run 1 thread and never see it)
+    # one-process layout then does the same work per core
     if a.device == "cpu":
         torch.set_num_threads(a.threads)
     warnings.filterwarnings("ignore")
