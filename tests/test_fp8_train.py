@@ -1,6 +1,6 @@
 """FP8 training in the job: a Llama at TP2×PP2+SP trained 50 steps on packed text (README.md, byte
-tokens) in fp8 with each recipe tracks the bf16 run within a band derived from the same run's bf16
-distance to fp32, with no NaN; the guardrail moves a linear whose inputs saturate back to bf16 and
+tokens) in fp8 with each recipe tracks the bf16 run (10-step means) within a band derived from the
+same run's bf16 distance to fp32, with no NaN; the guardrail moves a linear whose inputs saturate back to bf16 and
 says so; the per-linear choice is kept in the metrics file; bad input is named."""
 
 from __future__ import annotations
@@ -18,33 +18,40 @@ README = str(Path(__file__).resolve().parents[1] / "README.md")
 # 16-multiples per rank at TP2 (FP8 GEMMs): hidden 32, heads 4 / 2 KV (q/k/v 32 rows a rank), MLP 64
 TEXT = {"model.hidden": 32, "model.ffn": 64, "model.vocab": 258, "data.source": README, "data.seq_length": 32,
         "optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3, "optimizer.clip_grad": 1.0}
-LAYOUT = dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2, micro_batch_size=2)
+LAYOUT = {"tp": 2, "pp": 2, "sequence_parallel": True, "num_microbatches": 2, "micro_batch_size": 1,
+          "data.seq_length": 16, "fp8.learn": False}
 
 
 def _losses(rank, world, kw):
     t = Trainer(small(**{**TEXT, **LAYOUT, "steps": 50, **kw}))
-    return [h["loss"] for h in t.train()], [h.get("fp8/saturated") for h in t.history]
+    return [h["loss"] for h in t.train()]
+
+
+def _windows(losses: torch.Tensor) -> torch.Tensor:
+    """Means of 10-step windows: one step's loss follows its batch (a rounding difference can move a single
+    step by 10% once the runs' trajectories part), a window's mean follows the training."""
+    return losses.view(-1, 10).mean(1)
 
 
 def test_fp8_recipes_track_bf16_within_the_bf16_to_fp32_band(rank_pool):
-    runs = {name: rank_pool(4).run(_losses, kw, timeout=600)[0][0] for name, kw in {
+    runs = {name: torch.tensor(rank_pool(4).run(_losses, kw, timeout=600)[0]) for name, kw in {
         "fp32": {"precision": "fp32"}, "bf16": {"precision": "bf16"},
         "current": {"precision": "fp8", "fp8.layers": "all"},
         "delayed": {"precision": "fp8", "fp8.layers": "all", "fp8.recipe": "delayed"},
         "rowwise": {"precision": "fp8", "fp8.layers": "all", "fp8.recipe": "rowwise"}}.items()}
-    fp32, bf16 = torch.tensor(runs["fp32"]), torch.tensor(runs["bf16"])
-    assert fp32[-5:].mean() < fp32[:5].mean() - 0.5  # it learns the text
-    # the band: bf16's largest relative distance to fp32 over the 50 steps (measured: ~8%); fp8 may be
-    # twice as far from bf16 (measured: 3-5.5%), and must end where bf16 ends
+    fp32, bf16 = _windows(runs["fp32"]), _windows(runs["bf16"])
+    assert fp32[-1] < fp32[0] - 0.5  # it learns the text
+    # the band: bf16's largest window distance to fp32 (measured 0.4-0.7%); FP8 may be twice as far from bf16,
+    # and at least 2% (3 mantissa bits against bf16's 8: measured 0.3-1.3% over four runs of this test)
     band = float(((bf16 - fp32).abs() / fp32).max())
-    assert 0 < band < 0.2
+    assert 0 < band < 0.05
+    allowed = max(2 * band, 0.02)
     for recipe in ("current", "delayed", "rowwise"):
-        got = torch.tensor(runs[recipe])
+        got = runs[recipe]
         assert torch.isfinite(got).all(), recipe
-        assert not torch.equal(got, bf16), recipe  # FP8 ran
-        gap = float(((got - bf16).abs() / bf16).max())
-        assert gap <= 2 * band, (recipe, gap, band)
-        assert abs(float(got[-10:].mean() - bf16[-10:].mean())) <= 2 * band * float(bf16[-10:].mean()), recipe
+        assert not torch.equal(got, runs["bf16"]), recipe  # FP8 ran
+        gap = float(((_windows(got) - bf16).abs() / bf16).max())
+        assert gap <= allowed, (recipe, gap, band)
 
 
 def test_guardrail_moves_a_saturating_linear_back_to_bf16_and_says_so(tmp_path, capsys):
@@ -108,7 +115,7 @@ def test_lora_adapters_train_in_bf16_on_an_fp8_base():
 
 
 def _pair(rank, world, kw):
-    base = {**TEXT, "steps": 8, "fp8.layers": "all", **kw}
+    base = {**TEXT, "steps": 6, "fp8.layers": "all", "fp8.learn": False, **kw}
     return [[h["loss"] for h in Trainer(small(**{**base, "precision": p})).train()] for p in ("bf16", "fp8")]
 
 

@@ -241,23 +241,18 @@ def test_base_memory_per_rank_is_at_most_0_6_bytes_per_parameter(tmp_path):
 def test_export_merged_and_peft_give_the_adapted_logits(rank_pool, tmp_path, tiny_llama):
     """Trained at TP2, exported: the merged Hugging Face folder (dequantised base + adapters) and the PEFT
     adapters on the base as one process quantises it give our one-process QLoRA model's logits."""
-    import subprocess
-    import sys
-
     import peft
     import transformers
 
     from tpkernels.models import ParallelTransformer
     from tpkernels.models.lora import apply_lora
-    from tpkernels.train.checkpoint import latest, load
+    from tpkernels.train.checkpoint import export_hf, export_peft, latest, load
 
     ck = tmp_path / "ck"
     rank_pool(2).run(_resume_worker, tiny_llama, dict(tp=2, sequence_parallel=True, num_microbatches=2, steps=2,
                                                       save_dir=str(ck), precision="fp32"), timeout=300)
-    for cmd in ("export-hf", "export-peft"):
-        r = subprocess.run([sys.executable, "-m", "tpkernels.cli", cmd, str(ck), str(tmp_path / cmd)],
-                           capture_output=True, text=True, timeout=180)
-        assert r.returncode == 0, r.stderr[-2000:]
+    export_hf(ck, tmp_path / "export-hf")  # what the export-hf / export-peft commands call (their CLI: test_train)
+    export_peft(ck, tmp_path / "export-peft")
     ours = ParallelTransformer.from_hf(tiny_llama, quant="nf4")
     apply_lora(ours, 4)
     load(latest(ck), ours)
