@@ -18,7 +18,7 @@ README = str(Path(__file__).resolve().parents[1] / "README.md")
 # 16-multiples per rank at TP2 (FP8 GEMMs): hidden 32, heads 4 / 2 KV (q/k/v 32 rows a rank), MLP 64
 TEXT = {"model.hidden": 32, "model.ffn": 64, "model.vocab": 258, "data.source": README, "data.seq_length": 32,
         "optimizer.lr": 1e-2, "optimizer.min_lr": 1e-3, "optimizer.clip_grad": 1.0}
-LAYOUT = {"tp": 2, "pp": 2, "sequence_parallel": True, "num_microbatches": 2, "micro_batch_size": 1,
+LAYOUT = {"tp": 2, "pp": 2, "sequence_parallel": True, "num_microbatches": 1, "micro_batch_size": 2,
           "data.seq_length": 16, "fp8.learn": False}
 
 
@@ -41,7 +41,7 @@ def test_fp8_recipes_track_bf16_within_the_bf16_to_fp32_band(rank_pool):
         "rowwise": {"precision": "fp8", "fp8.layers": "all", "fp8.recipe": "rowwise"}}.items()}
     fp32, bf16 = _windows(runs["fp32"]), _windows(runs["bf16"])
     assert fp32[-1] < fp32[0] - 0.5  # it learns the text
-    # the band: bf16's largest window distance to fp32 (measured 0.4-0.7%); FP8 may be twice as far from bf16,
+    # the band: bf16's largest window distance to fp32 (measured 0.07-0.7%); FP8 may be twice as far from bf16,
     # and at least 2% (3 mantissa bits against bf16's 8: measured 0.3-1.3% over four runs of this test)
     band = float(((bf16 - fp32).abs() / fp32).max())
     assert 0 < band < 0.05
