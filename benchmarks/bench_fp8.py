@@ -68,7 +68,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import RESULTS_DIR, print_table, pyplot, run_metadata, write_csv
+from common import RESULTS_DIR, print_table, pyplot, run_metadata, time_ms, write_csv
 
 README = str(HERE.parent / "README.md")
 TP = 2  # the CPU layout: TP2 + SP on 2 gloo ranks
@@ -326,13 +326,7 @@ def timer(device: torch.device, reps: int):
         return statistics.median(s.elapsed_time(e) for s, e in ev)
 
     def cpu_ms(fn) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return time_ms(fn, device, reps, warmup=1)
 
     return cuda_ms if device.type == "cuda" else cpu_ms
 
