@@ -4,7 +4,6 @@ the halved SP all-gather included (tpkernels/planner/fp8_choice.py)."""
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -149,9 +148,7 @@ def test_format_choices_lists_every_layer():
 
 
 def test_measure_fp8_rates_cpu():
-    t0 = time.perf_counter()
     r = measure_fp8_rates(torch.device("cpu"), sizes=(256,), reps=1)
-    assert time.perf_counter() - t0 < 2.0
     assert r.device == "cpu"
     for v in (r.bf16_tflops, r.fp8_tflops, r.cast_gbs, r.cast_op_s):
         assert 0 < v < math.inf

@@ -142,11 +142,6 @@ def _wt8(st: Fp8LinearState, weight, w8, sw, group=None, reduce: bool = False):
     return w8.t().contiguous(), sw
 
 
-def _cast_rows(state: ScaleState, t: torch.Tensor, name: str):
-    t8, s = state.cast(_rows(t), name)
-    return t8, s
-
-
 class Fp8ColumnParallelLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, st: Fp8LinearState, group, sequence_parallel, seq_dim, algo, overlap):
@@ -163,7 +158,7 @@ class Fp8ColumnParallelLinearFunction(torch.autograd.Function):
             x_full8 = x_full_b.view(x8.dtype)
         else:
             x_full = all_gather_dim(x, seq_dim, group) if sequence_parallel and world > 1 else x
-            x_full8, sx = _cast_rows(st.x, x_full, "input")
+            x_full8, sx = st.x.cast(_rows(x_full), "input")
             y = fp8_gemm(x_full8, sx, w8, sw, out).view(*x_full.shape[:-1], w8.shape[0])
             x_full8 = x_full8.view(*x_full.shape)
         # rowwise keeps the 16-bit (gathered) input: its weight gradient re-quantises it along the tokens;
@@ -209,7 +204,7 @@ class Fp8RowParallelLinearFunction(torch.autograd.Function):
         ctx.has_bias = bias is not None
         out = x.dtype
         w8, sw = st.w.cast(weight.detach(), "weight")
-        x8, sx = _cast_rows(st.x, x, "input")
+        x8, sx = st.x.cast(_rows(x), "input")
         x8 = x8.view(x.shape)
         _, world = group_rank_size(group)
         if st.rowwise:  # row scales do not follow the ring's chunks: the whole local product, then the sum
@@ -238,7 +233,7 @@ class Fp8RowParallelLinearFunction(torch.autograd.Function):
         if ctx.sp and world > 1:
             if st.rowwise:
                 dy_full = all_gather_dim(dy, ctx.seq_dim, ctx.group)
-                dy8, sdy = _cast_rows(st.dy, dy_full, "output gradient")
+                dy8, sdy = st.dy.cast(_rows(dy_full), "output gradient")
                 dx = fp8_gemm(dy8, sdy, wt8, swt, dy.dtype).view(*dy_full.shape[:-1], wt8.shape[0])
             else:
                 dy8_shard, sdy = st.dy.cast(dy, "output gradient")  # scale agreed over TP, then gathered in FP8
@@ -251,7 +246,7 @@ class Fp8RowParallelLinearFunction(torch.autograd.Function):
                 db = all_reduce(_rows(dy).sum(0), ctx.group)
         else:
             dy_full = dy
-            dy8, sdy = _cast_rows(st.dy, dy, "output gradient")
+            dy8, sdy = st.dy.cast(_rows(dy), "output gradient")
             dx = fp8_gemm(dy8, sdy, wt8, swt, dy.dtype).view(*dy.shape[:-1], wt8.shape[0])
             db = _rows(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         dw = None

@@ -197,15 +197,5 @@ def triton_shape_problem(in_features: int, layer: str = "layer") -> str | None:
     return None
 
 
-def quantized_bytes_per_param(fmt: str, in_features: int) -> float:
-    """Bytes per parameter of a base weight stored as ``fmt`` (without per-tensor constants)."""
-    if fmt == "nf4":
-        from tpkernels.quant.nf4 import nf4_bytes_per_param  # noqa: PLC0415
-
-        return nf4_bytes_per_param()
-    return 1.0 + 4.0 / max(in_features, 1)
-
-
 __all__ = ["FORMATS", "QuantizedOperand", "QuantizedWeight", "is_operand", "matmul", "out_dtype",
-           "quantized_bytes_per_param",
            "triton_shape_problem"]
