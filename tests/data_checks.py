@@ -36,10 +36,55 @@ def make_tokenizer(folder: Path, template: str | None = PLAIN) -> Path:
     return folder
 
 
-def reference_mask(ids: list[int], last_only: bool = False) -> list[bool]:
+# code-style chats: a ByteLevel BPE tokenizer (``tokenizers``' defaults, offsets trimmed) with a template that
+# opens with a preamble (<s>) and an injected system prompt, headers as special tokens
+CODE_PLAIN = ("<s>{% if messages[0]['role'] != 'system' %}<|system|>be brief<|end|>\n{% endif %}"
+              "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CODE_MARKED = ("<s>{% if messages[0]['role'] != 'system' %}<|system|>be brief<|end|>\n{% endif %}"
+               "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}"
+               "{{ m['content'] }}<|end|>{% endgeneration %}\n{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n"
+               "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CODE = ["def add(a, b):\n    if a:\n        return a + b\n    return b\n",
+        "    return x  # indented\n\n\tdone",
+        "for i in range(3):\n    print(i)\n"]
+CODE_CHATS = [
+    {"messages": [{"role": "user", "content": "write add"}, {"role": "assistant", "content": CODE[0]},
+                  {"role": "user", "content": "and the loop"}, {"role": "assistant", "content": CODE[2]}]},
+    {"messages": [{"role": "assistant", "content": CODE[1]}, {"role": "user", "content": "more"},
+                  {"role": "assistant", "content": CODE[0]}]},
+    {"messages": [{"role": "system", "content": "code"}, {"role": "assistant", "content": CODE[1]}]},
+]
+
+
+def make_bytelevel_tokenizer(folder: Path, template: str | None = CODE_PLAIN) -> Path:
+    """A byte-level BPE trained here on the code snippets (tokenizers' ByteLevel pre-tokenizer and
+    post-processor at their defaults: whitespace-only tokens get empty trimmed offsets), as an HF folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.post_processor = processors.ByteLevel()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CODE * 20 + ["write add and the loop more code be brief"] * 5, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="<|end|>")
+    if template is not None:
+        fast.chat_template = template
+    fast.save_pretrained(str(folder))
+    return folder
+
+
+def reference_mask(ids: list[int], last_only: bool = False, tok=None) -> list[bool]:
     """Supervised tokens by the templates' own structure: after each <|assistant|> token up to and including
-    the <|end|> that closes the turn (the last such turn only with ``last_only``)."""
+    the <|end|> that closes the turn (the last such turn only with ``last_only``); ``tok``: a tokenizer whose
+    special ids differ from make_tokenizer's."""
     a, e = SPECIAL.index("<|assistant|>"), SPECIAL.index("<|end|>")
+    if tok is not None:
+        a, e = tok.convert_tokens_to_ids("<|assistant|>"), tok.convert_tokens_to_ids("<|end|>")
     mask, inside, turns = [], False, []
     for t in ids:
         if t == a:

@@ -1,21 +1,28 @@
 """Chat templates and the assistant mask: the package's mask (generation markers, or prefix rendering)
-equals a separate, simple rule on the rendered tokens for every turn and for the last only; prompt/
-completion supervises the completion and its EOS; every bad input is a named error."""
+equals a separate, simple rule on the rendered tokens for every turn and for the last only, with a
+word-level tokenizer and with a byte-level BPE whose offsets are trimmed (code indentation, a
+conversation opening with an assistant turn after a preamble and an injected system prompt); prompt/
+completion supervises the completion and its EOS; every bad input (an unknown role too) is a named error."""
 
 from __future__ import annotations
 
 import pytest
 
-from data_checks import CHATS, MARKED, NOT_MONOTONE, PLAIN, SPECIAL, make_tokenizer, reference_mask
+from data_checks import (CHATS, CODE_CHATS, CODE_MARKED, CODE_PLAIN, MARKED, NOT_MONOTONE, PLAIN, SPECIAL,
+                         make_bytelevel_tokenizer, make_tokenizer, reference_mask)
 from tpkernels.data.chat import SampleEncoder, load_hf_tokenizer
 
 
 @pytest.fixture(scope="module")
 def toks(tmp_path_factory):
     root = tmp_path_factory.mktemp("toks")
-    return {name: load_hf_tokenizer(str(make_tokenizer(root / name, tpl)), "test")
+    toks = {name: load_hf_tokenizer(str(make_tokenizer(root / name, tpl)), "test")
             for name, tpl in (("plain", PLAIN), ("marked", MARKED), ("not_monotone", NOT_MONOTONE),
                               ("none", None))}
+    for name, tpl in (("code_plain", CODE_PLAIN), ("code_marked", CODE_MARKED),
+                      ("code_twice", CODE_PLAIN + "{% for m in messages %}{{ m['content'] }}{% endfor %}")):
+        toks[name] = load_hf_tokenizer(str(make_bytelevel_tokenizer(root / name, tpl)), "test")
+    return toks
 
 
 @pytest.mark.parametrize("template", ["plain", "marked"])
@@ -28,6 +35,27 @@ def test_assistant_mask_equals_the_simple_rule(toks, template, loss_on):
         assert doc.mask == reference_mask(doc.ids, last_only=loss_on == "last_assistant"), k
         end = SPECIAL.index("<|end|>")
         assert doc.mask[len(doc.ids) - 1 - doc.ids[::-1].index(end)]  # the closing end-of-turn is supervised
+
+
+@pytest.mark.parametrize("template", ["code_plain", "code_marked"])
+@pytest.mark.parametrize("loss_on", ["all_assistant", "last_assistant"])
+def test_code_mask_keeps_whitespace_tokens_and_skips_the_preamble(toks, template, loss_on):
+    """Byte-level BPE, offsets trimmed: indentation tokens (empty offsets) are supervised like the rest of the
+    reply; a conversation opening with an assistant turn supervises neither the preamble (<s>) nor the system
+    prompt the template injects."""
+    tok = toks[template]
+    enc = SampleEncoder(tok, "messages", loss_on)
+    spaces = 0
+    for k, chat in enumerate(CODE_CHATS):
+        (doc,) = enc.encode(chat, f"record {k}")
+        rendered = tok(tok.apply_chat_template(chat["messages"], tokenize=False), add_special_tokens=False,
+                       return_offsets_mapping=True)
+        assert doc.ids == rendered["input_ids"]  # the rendering, tokenized
+        assert doc.mask == reference_mask(doc.ids, last_only=loss_on == "last_assistant", tok=tok), k
+        offsets = rendered["offset_mapping"]
+        blank = [m for i, m, (a, b) in zip(doc.ids, doc.mask, offsets) if tok.decode([i]).isspace() and a == b]
+        spaces += sum(blank)
+    assert spaces >= 2  # whitespace-only tokens with empty (trimmed) offsets were among the supervised
 
 
 def test_conversational_and_plain_prompt_completion(toks):
@@ -72,3 +100,15 @@ def test_bad_inputs_are_named_errors(toks):
         SampleEncoder(toks["plain"], "messages", "every")
     with pytest.raises(ValueError, match="needs data.tokenizer"):
         load_hf_tokenizer(None, "chat")
+    for role in ("robot", "assitant"):
+        bad = [{"role": "user", "content": "hi"}, {"role": role, "content": "hello"},
+               {"role": "assistant", "content": "bye"}]
+        with pytest.raises(ValueError, match=rf"record 4: message 1 has role '{role}': a role must be one of "
+                                             "system, user, assistant"):
+            msgs.encode({"messages": bad}, "record 4")
+        with pytest.raises(ValueError, match=rf"r \(prompt\): message 0 has role '{role}'"):
+            pc.encode({"prompt": bad[1:2], "completion": bad[2:]}, "r")
+    opening = {"messages": [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": "bye"}]}
+    with pytest.raises(ValueError, match="does not render the opening assistant turn's content as given"):
+        SampleEncoder(toks["code_twice"], "messages").encode(opening, "r")

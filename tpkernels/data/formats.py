@@ -21,6 +21,7 @@ FORMATS = ("auto", "text", "messages", "prompt_completion", "preference")
 COLUMNS = {"text": ("text",), "messages": ("messages",), "prompt_completion": ("prompt", "completion"),
            "preference": ("prompt", "chosen", "rejected")}
 CHAT_FORMATS = ("messages", "prompt_completion")  # training.task sft
+ROLES = ("system", "user", "assistant")  # a message's role; any other (a typo, "robot") is refused, not trained as prompt
 
 
 def detect_format(columns: list[str], given: str = "auto", source: str = "") -> str:
@@ -49,13 +50,16 @@ def is_conversational(value) -> bool:
 
 
 def check_messages(messages, where: str, *, final_assistant: bool = True) -> list[dict]:
-    """``messages`` as a list of {role, content} with string contents; with ``final_assistant`` it must end
-    with an assistant turn (a conversation whose reply is missing trains nothing)."""
+    """``messages`` as a list of {role, content} with string contents and a role of ``ROLES``; with
+    ``final_assistant`` it must end with an assistant turn (a conversation whose reply is missing trains nothing)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: messages must be a non-empty list of {{role, content}}, not {messages!r:.80}")
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"{where}: each message must be {{role: str, content: str}}, not {m!r:.80}")
+    for j, m in enumerate(messages):
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}: message {j} has role {m['role']!r}: a role must be one of {', '.join(ROLES)}")
     if final_assistant and messages[-1]["role"] != "assistant":
         raise ValueError(f"{where}: the messages end with a {messages[-1]['role']!r} turn: the last turn must be the "
                          "assistant's (the reply the loss trains on)")
