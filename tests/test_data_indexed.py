@@ -1,7 +1,10 @@
 """Megatron's indexed format: write/read round trip, the trainer's memory-mapped rows equal text
-packing's, `tpkernels prepare-data` with several processes and resume, corrupted .idx named."""
+packing's, a sentence-split corpus (several sequences per document) restarts positions per document
+only, `tpkernels prepare-data` with several processes and resume, corrupted .idx named."""
 
 from __future__ import annotations
+
+import struct
 
 import numpy as np
 import pytest
@@ -28,6 +31,52 @@ def test_round_trip(tmp_path):
     big.add_document([70_000])
     big.finish()
     assert IndexedFile(tmp_path / "big").document(0).tolist() == [70_000]
+
+
+def megatron_files(prefix, documents: list[list[list[int]]]) -> None:
+    """``prefix.bin``/``.idx`` as Megatron-LM's ``IndexedDatasetBuilder`` writes them (add_item per sentence,
+    end_document per document), int32 tokens: written here from the layout, not by the package's writer."""
+    sentences = [s for d in documents for s in d]
+    lengths = np.array([len(s) for s in sentences], dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64) * 4]).astype(np.int64)
+    doc_index = np.concatenate([[0], np.cumsum([len(d) for d in documents])]).astype(np.int64)
+    with open(f"{prefix}.bin", "wb") as f:
+        f.write(np.array([t for s in sentences for t in s], dtype=np.int32).tobytes())
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 4) + struct.pack("<Q", len(lengths))
+                + struct.pack("<Q", len(doc_index)) + lengths.tobytes() + pointers.tobytes() + doc_index.tobytes())
+
+
+def test_sentence_split_documents_restart_positions_per_document(tmp_path):
+    """Positions (and so the varlen document mask and the targets) restart at each document of the index,
+    not at each of its sentences: a sentence's last token predicts the next sentence of its document."""
+    docs, tok = [], 0
+    for d in range(int(torch.randint(5, 9, ()))):
+        doc = []
+        for _ in range(int(torch.randint(1 + (d == 0), 5, ()))):  # sentences of 1..6 tokens; 2+ in document 0
+            n = int(torch.randint(1, 7, ()))
+            doc.append(list(range(tok, tok + n)))
+            tok += n
+        docs.append(doc)
+    megatron_files(tmp_path / "split", docs)
+    ix = IndexedFile(tmp_path / "split")
+    assert len(ix) == len(docs) and ix.document(1).tolist() == [t for s in docs[1] for t in s]
+    seq = 7
+    data = IndexedTokens(tmp_path / "split", seq, seed=0)
+    doc_of = [d for d, doc in enumerate(docs) for s in doc for _ in s]  # token t (== its id) -> its document
+    b = data.batch(0, data.rows)  # one epoch: every row once
+    assert sorted(b.ids[:, 0].tolist()) == list(range(0, data.rows * seq, seq))
+    for ids, pos in zip(b.ids.tolist(), b.position_ids.tolist()):
+        want = [0]
+        for t in range(1, seq):
+            want.append(want[-1] + 1 if doc_of[ids[t]] == doc_of[ids[t - 1]] else 0)
+        assert pos == want, (ids, pos)
+    first = len(docs[0][0])  # document 0's second sentence starts in row 0 and continues its positions
+    assert b.position_ids[b.ids[:, 0] == 0][0, first] == first
+    target = b.targets()
+    for r, ids in enumerate(b.ids.tolist()):  # within a document every next token is a target
+        assert [target[r, t] != -100 for t in range(seq - 1)] == [doc_of[ids[t]] == doc_of[ids[t + 1]]
+                                                                  for t in range(seq - 1)]
 
 
 def test_prepare_data_matches_text_packing_and_resumes(tmp_path, capsys):
@@ -78,4 +127,9 @@ def test_corrupted_index_is_a_named_error(tmp_path):
     (tmp_path / "c.idx").write_bytes(raw)
     (tmp_path / "c.bin").write_bytes(b"\0\0")
     with pytest.raises(ValueError, match=r"its sequences end at byte 10 of .*c.bin', which has 2"):
+        IndexedFile(tmp_path / "c")
+    (tmp_path / "c.bin").write_bytes(b"\0" * 10)
+    (tmp_path / "c.idx").write_bytes(raw[:-8] + np.array([1], dtype=np.int64).tobytes())  # doc index 0, 1, 1
+    with pytest.raises(ValueError, match=r"its document index \(3 entries: \[0, 1, 1\] … \[0, 1, 1\]\) must run "
+                                         r"from 0 to its 2 sequences"):
         IndexedFile(tmp_path / "c")

@@ -17,8 +17,12 @@ The ``.idx`` layout (little-endian), as Megatron-LM's ``MMapIndexedDataset`` wri
     i64[S]   byte offset of each sequence in .bin
     i64[D]   sequence index at which each document starts (0 first, S last)
 
-A document here is one sequence. A header that is not this (bad magic, version, dtype, a file
-shorter than its counts say, a .bin shorter than its pointers) is a named error.
+A document is a run of sequences (Megatron's ``document_indices``): one sequence per document as
+``tpkernels prepare-data`` writes them, or one per sentence in a ``--split-sentences`` corpus, whose
+sentences then belong to one document: positions and the document mask restart at each document,
+not at each sequence. A header that is not this (bad magic, version, dtype, a file shorter than its
+counts say, a .bin shorter than its pointers, a document index that does not run from 0 to S) is a
+named error.
 """
 
 from __future__ import annotations
@@ -80,20 +84,32 @@ class IndexedFile:
         self.lengths = np.frombuffer(raw, np.int32, n_seq, head)
         self.pointers = np.frombuffer(raw, np.int64, n_seq, head + 4 * n_seq)
         self.doc_index = np.frombuffer(raw, np.int64, n_doc, head + 12 * n_seq)
+        if n_doc < 1 or self.doc_index[0] != 0 or self.doc_index[-1] != n_seq or \
+                (n_doc > 1 and int(np.diff(self.doc_index).min()) < 0):
+            raise bad(f"its document index ({n_doc} entries: {self.doc_index[:3].tolist()} … "
+                      f"{self.doc_index[-3:].tolist()}) must run from 0 to its {n_seq} sequences, non-decreasing")
         size = binf.stat().st_size
         end = int(self.pointers[-1]) + int(self.lengths[-1]) * self.dtype.itemsize if n_seq else 0
         if n_seq and (int(self.lengths.min()) < 0 or end > size):
             raise bad(f"its sequences end at byte {end} of {str(binf)!r}, which has {size}")
         self.tokens = np.memmap(binf, dtype=self.dtype, mode="r", shape=(size // self.dtype.itemsize,)) \
             if size else np.zeros(0, self.dtype)
-        self.starts = self.pointers // self.dtype.itemsize  # token offset of each document
+        self.starts = self.pointers // self.dtype.itemsize  # token offset of each sequence
         self.n_tokens = end // self.dtype.itemsize
+        # token offset of each non-empty document (its first sequence's): where positions restart
+        first = np.unique(self.doc_index[:-1])
+        self.doc_starts = self.starts[first[first < n_seq]]
 
     def __len__(self) -> int:
-        return len(self.lengths)
+        """The number of documents."""
+        return len(self.doc_index) - 1
 
     def document(self, i: int) -> np.ndarray:
-        return np.asarray(self.tokens[self.starts[i]:self.starts[i] + self.lengths[i]])
+        """The tokens of document ``i`` (its sequences, back to back)."""
+        a, b = int(self.doc_index[i]), int(self.doc_index[i + 1])
+        if a == b:
+            return np.zeros(0, self.dtype)
+        return np.asarray(self.tokens[self.starts[a]:self.starts[b - 1] + self.lengths[b - 1]])
 
 
 class IndexedWriter:
@@ -145,7 +161,8 @@ def read_meta(source: str | Path) -> dict | None:
 class IndexedTokens:
     """Pre-training rows from indexed files: each file's tokens cut into rows of ``seq`` (a file's last
     partial row dropped), a document cut by a row end continuing in the next row; positions restart at
-    each document start (from the index, not from an end-of-document id). Rows visited in a fresh
+    each document start (from the document index: not at an end-of-document id, nor at each sequence of
+    a multi-sequence document). Rows visited in a fresh
     permutation per epoch: row k of the stream depends only on (seed, k). Memory-mapped: a batch reads
     only its rows."""
 
@@ -168,8 +185,8 @@ class IndexedTokens:
         fi = int(np.searchsorted(self.first, r, side="right") - 1)
         f, a = self.files[fi], (r - int(self.first[fi])) * self.seq
         t = a + np.arange(self.seq)
-        doc = np.searchsorted(f.starts, t, side="right") - 1
-        pos = t - np.maximum(f.starts[doc], a)
+        doc = np.searchsorted(f.doc_starts, t, side="right") - 1
+        pos = t - np.maximum(f.doc_starts[np.maximum(doc, 0)], a)
         return np.asarray(f.tokens[a:a + self.seq]).astype(np.int64), pos
 
     def batch(self, step: int, rows: int) -> TokenBatch:
