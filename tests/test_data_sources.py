@@ -1,16 +1,20 @@
 """Records through Hugging Face datasets from local files only: JSONL, Parquet, Arrow and save_to_disk
 give the same rows; formats from the columns; a missing path or column, non-UTF-8 bytes: named
-errors; datasets imported only for such sources; weighted blends deterministic in (seed, step)."""
+errors; datasets imported only for such sources; weighted blends deterministic in (seed, step), with exact
+long-run proportions (a weight below 1/2000 included) and a weight that cannot get a row refused."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
 import torch
 
 from data_checks import CHATS, make_tokenizer, write_jsonl
+from tpkernels.data.batch import TokenBatch
+from tpkernels.data.blend import Blend
 from tpkernels.train.data import make_data
 
 SEQ = 32
@@ -97,3 +101,48 @@ def test_blend_is_deterministic_and_weighted(tmp_path):
     assert torch.equal(make_data(cfg.data.source, 8, 1, 300).batch(5, 8).ids, x.batch(5, 8).ids)
     with pytest.raises(ValueError, match="weight -1 of .* must be > 0"):
         make_data(f"-1 {tmp_path / 'a.txt'} 1 {tmp_path / 'b.txt'}", 8, 1, 300)
+
+
+class _Probe:
+    """A source whose row at stream position p is [its index, p]."""
+
+    def __init__(self, j):
+        self.j = j
+
+    def rows_at(self, positions):
+        return TokenBatch(torch.stack([torch.full_like(positions, self.j), positions], dim=1))
+
+
+def test_blend_proportions_are_exact_and_every_weight_is_read():
+    """Over whole periods each source gets exactly its share of the rows, every prefix is within a row per
+    source of it, each source's rows are read in its own stream order, once; a weight below 1/2000 (which a
+    1000-slot block never reads) gets its exact share too."""
+    m = int(torch.randint(2, 5, ()))
+    weights = [float(w) for w in torch.randint(1, 30, (m,))]
+    for ws in (weights, [0.9995, 0.0005], [0.9985, 0.0015]):
+        blend = Blend([_Probe(j) for j in range(len(ws))], ws)
+        period = blend.period
+        exact = [Fraction(repr(w)) / sum(Fraction(repr(v)) for v in ws) for w in ws]
+        assert [Fraction(int(w), period) for w in blend.W] == exact  # the weights as written, exactly
+        want = torch.tensor([float(f) for f in exact], dtype=torch.float64)
+        rows = torch.cat([blend.batch(s, 97).ids for s in range(-(-2 * period // 97))])[:2 * period]
+        src = rows[:, 0]
+        counts = torch.stack([torch.cumsum(src == j, 0) for j in range(len(ws))], 1).double()
+        k = torch.arange(1, len(src) + 1, dtype=torch.float64)[:, None]
+        assert counts[-1].long().tolist() == [2 * int(w) for w in blend.W]  # two whole periods: exact
+        assert float((counts - k * want).abs().max()) < len(ws)  # every prefix close
+        for j in range(len(ws)):  # source j's rows: its own stream positions 0, 1, 2, ... in order
+            assert rows[src == j, 1].tolist() == list(range(int(counts[-1, j])))
+    assert Blend([_Probe(0), _Probe(1)], [0.9995, 0.0005]).batch(0, 2000).ids[:, 0].sum() == 1
+
+
+def test_blend_refuses_a_weight_that_cannot_get_a_row(tmp_path):
+    (tmp_path / "a.txt").write_text("a" * 400)
+    (tmp_path / "b.txt").write_text("b" * 400)
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    with pytest.raises(ValueError, match=r"weight 1e-12 of '.*b.txt' is 1e-12 of the blend, below 2\*\*-31"):
+        make_data(f"1 {a} 1e-12 {b}", 8, 1, 300)
+    with pytest.raises(ValueError, match=r"weight 0.001 of '.*b.txt' \(0.000999 of the blend\) gets its first row at "
+                                         r"stream position 500, after the run's 400 rows"):
+        make_data(f"1 {a} 0.001 {b}", 8, 1, 300, run_rows=400)
+    assert make_data(f"1 {a} 0.001 {b}", 8, 1, 300, run_rows=501).batch(0, 501).ids[500, 0] == ord("b")

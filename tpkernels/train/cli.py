@@ -56,7 +56,7 @@ def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
     cfg.parallel.validate(world_size=world, key_prefix="parallel.", **mc.layout_rules(cfg.data.seq_length))
     pc = cfg.parallel_config(world)
     if read_data:
-        data_of(cfg, mc.vocab_size)
+        data_of(cfg, mc.vocab_size, pc.global_batch_size)
     else:
         check_source(cfg, mc.vocab_size)
     cp = ""

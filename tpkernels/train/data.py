@@ -58,9 +58,11 @@ def _one(source: str, seq: int, seed: int, vocab_size: int, tokenizer: str | Non
 
 
 def make_data(source: str, seq: int, seed: int, vocab_size: int, tokenizer: str | None = None, *,
-              fmt: str = "auto", loss_on: str = "all_assistant", overflow: str = "error", task: str = "auto"):
+              fmt: str = "auto", loss_on: str = "all_assistant", overflow: str = "error", task: str = "auto",
+              run_rows: int | None = None):
     """The data of ``data.source`` (see the module docstring); ``task``: ``training.task`` (``auto``: what the
-    data implies)."""
+    data implies); ``run_rows``: the rows the run reads (steps × global batch; a blend refuses a weight
+    whose first row comes later)."""
     task = None if task == "auto" else task
     blend = parse_blend(source)
     if blend is None:
@@ -69,14 +71,15 @@ def make_data(source: str, seq: int, seed: int, vocab_size: int, tokenizer: str 
         raise ValueError(f"data.source ({source!r}): a blend mixes files, not synthetic sources")
     parts = [_one(p, seq, seed * 31 + j, vocab_size, tokenizer, fmt, loss_on, overflow, task)
              for j, (_, p) in enumerate(blend)]
-    return Blend(parts, [w for w, _ in blend])
+    return Blend(parts, [w for w, _ in blend], [p for _, p in blend], run_rows)
 
 
-def data_of(cfg, vocab_size: int):
-    """``make_data`` with a TrainConfig's data and training keys."""
+def data_of(cfg, vocab_size: int, global_batch: int | None = None):
+    """``make_data`` with a TrainConfig's data and training keys (``global_batch``: the layout's, for the
+    run's length)."""
     d, t = cfg.data, cfg.training
     return make_data(d.source, d.seq_length, t.seed, vocab_size, d.tokenizer, fmt=d.format, loss_on=d.loss_on,
-                     overflow=d.overflow, task=t.task)
+                     overflow=d.overflow, task=t.task, run_rows=t.steps * global_batch if global_batch else None)
 
 
 def check_source(cfg, vocab_size: int) -> None:
