@@ -2,8 +2,9 @@
 
 Every check draws fresh random inputs, poisons the output buffers with NaN where the caller can
 hand them over, and compares the output, the log-sum-exp and all three gradients (with a
-gradient flowing into the lse too) against ``attention_naive`` in float64, with ``ref_lp`` the same
-naive math in the input dtype.
+gradient flowing into the lse too) against ``attention_naive`` in float64, with two low-precision
+evaluations in the input dtype as the tolerance rule's yardstick: the textbook math (autograd through
+softmax) and the same math with FlashAttention's backward (``oracle_blocked``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,38 @@ def oracle(q, k, v, do, dlse, scale, causal, dtype, window=(-1, -1), softcap=0.0
     return tuple(t.detach().cpu() for t in (o, lse, *grads))
 
 
+def oracle_blocked(q, k, v, do, dlse, scale, causal, dtype, window=(-1, -1), softcap=0.0):
+    """``oracle``'s (o, lse, dq, dk, dv) in ``dtype`` with the backward written as FlashAttention's:
+    dS = P∘(dP − δ) with dP = dO·Vᵀ and δ = rowsum(dO∘O) − dlse. The textbook backward (autograd through
+    softmax: P·dP − P·Σ(P·dP)) cancels exactly with one key, so alone it is no yardstick there (see
+    tpkernels/testing/tolerance.py). q (b, sq, h, d), k/v (b, sk, hk, d)."""
+    q, k, v, do = (t.detach().to(dtype) for t in (q, k, v, do))
+    o, lse = attention_naive(q, k, v, scale, causal, window=window, softcap=softcap)
+    group = q.shape[2] // k.shape[2]
+    kr, vr = (t.repeat_interleave(group, dim=2).transpose(1, 2) for t in (k, v))  # (b, h, sk, d)
+    qh, doh, oh = q.transpose(1, 2), do.transpose(1, 2), o.transpose(1, 2)  # (b, h, sq, d)
+    s = torch.matmul(qh, kr.transpose(-1, -2)) * scale  # (b, h, sq, sk)
+    t = torch.tanh(s / softcap) if softcap > 0 else None
+    s = softcap * t if t is not None else s
+    keep = visible(0, q.shape[1], q.shape[1], k.shape[1], *window_bounds(causal, window), q.device)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])  # masked: exp(-inf) = 0
+    delta = (doh * oh).sum(-1) - dlse.to(q.device, dtype)  # (b, h, sq)
+    ds = p * (torch.matmul(doh, vr.transpose(-1, -2)) - delta[..., None])
+    if t is not None:  # d(softcap·tanh(u/softcap))/du = 1 − tanh²
+        ds = ds * (1 - t * t)
+    b, h, sk = q.shape[0], q.shape[2], k.shape[1]
+
+    def per_kv_head(g):  # (b, h, sk, d) -> (b, sk, hk, d): the group's query heads summed
+        return g.reshape(b, h // group, group, sk, -1).sum(2).transpose(1, 2)
+
+    dq = (torch.matmul(ds, kr) * scale).transpose(1, 2)
+    dk = per_kv_head(torch.matmul(ds.transpose(-1, -2), qh) * scale)
+    dv = per_kv_head(torch.matmul(p.transpose(-1, -2), doh))
+    return tuple(t.detach().cpu() for t in (o, lse, dq, dk, dv))
+
+
 def lse_cotangent(lse_shape, seen_mask):
     """A random gradient for the lse, 0 where the row sees no key (its lse is -inf there)."""
     g = torch.randn(lse_shape, dtype=torch.float64)
@@ -39,24 +72,28 @@ def lse_cotangent(lse_shape, seen_mask):
 
 
 def _floor_ulps(dtype) -> float:
-    # In fp32 (and fp64) the floor decides. The naive fp32 math can be luckier than any blocked algorithm: with
-    # one key, softmax's backward cancels exactly, while FA2's dS = P·(dP − delta) subtracts two
-    # d-long dot products (an error of a few 1e-7 at unit scale). 32 ulps (3.8e-6) still catches any
-    # real bug (errors of 1e-3 and up). In 16-bit dtypes ref_lp's own error dominates.
+    # In fp32 (and fp64) the floor decides where both low-precision evaluations are lucky (their errors are
+    # one sample each of the roundoff). The one-key case, where the textbook backward cancels exactly, is
+    # oracle_blocked's to measure, not the floor's (a fixed floor of 32 ulps at the output's scale once
+    # failed a correct kernel there: FA2's dS subtracts dot products √d times larger than dq). 32 ulps
+    # (3.8e-6) still catches any real bug (errors of 1e-3 and up). In 16-bit dtypes ref_lp's own error
+    # dominates.
     return 32.0 if dtype in (torch.float32, torch.float64) else 8.0
 
 
 def compare(ours, ref64, ref_lp, names=("out", "lse", "dq", "dk", "dv"), ulps=None):
-    """ours/ref64/ref_lp: (o, lse, dq, dk, dv) tuples. lse rows that are -inf must match exactly.
+    """ours/ref64: (o, lse, dq, dk, dv) tuples; ref_lp: one such tuple or a list of them (low-precision
+    evaluations: the rule's yardstick is their largest error). lse rows that are -inf must match exactly.
     ``ulps``: the floor in units of the dtype's last place (default: the dtype's usual floor)."""
     ulps = ulps if ulps is not None else _floor_ulps(ours[0].dtype)
-    for name, a, r64, rlp in zip(names, ours, ref64, ref_lp):
-        a = a.detach().cpu()
+    evals = ref_lp if isinstance(ref_lp, list) else [ref_lp]
+    for i, (name, a, r64) in enumerate(zip(names, ours, ref64)):
+        a, rlp = a.detach().cpu(), [e[i] for e in evals]
         if name == "lse":
             inf = torch.isinf(r64)
             assert torch.equal(torch.isinf(a), inf), "lse: -inf rows (queries that see no key) differ"
             assert bool((a[inf] < 0).all()), "lse: rows that see no key must be -inf"
-            a, r64, rlp = a[~inf], r64[~inf], rlp[~inf]
+            a, r64, rlp = a[~inf], r64[~inf], [r[~inf] for r in rlp]
             # the lse is fp32 whatever the input dtype: compare at fp32's floor
             assert_fa_close(a.float(), r64, rlp, name=name, ulps=ulps)
             continue
@@ -88,7 +125,8 @@ def check_dense(run, b, sq, sk, h, hk, d, causal, dtype, device, scale=None, lse
         dlse = torch.zeros_like(dlse)
     ours = run(q, k, v, do, dlse, scale, causal, window, softcap)
     ref64 = oracle(q, k, v, do, dlse, scale, causal, torch.float64, ref_window, softcap)
-    ref_lp = oracle(q, k, v, do, dlse, scale, causal, dtype, ref_window, softcap)
+    ref_lp = [oracle(q, k, v, do, dlse, scale, causal, dtype, ref_window, softcap),
+              oracle_blocked(q, k, v, do, dlse, scale, causal, dtype, ref_window, softcap)]
     ulps = None
     if score_floor:
         top = (scale * torch.einsum("bqhd,bkhd->bhqk", q.double().cpu(),
@@ -136,9 +174,8 @@ def check_varlen(run_varlen, run_dense, lens_q, lens_k, h, hk, d, causal, dtype,
             continue
         args = [t[None] for t in (q[qs], k[ks], v[ks], do[qs])] + [dlse[None, :, qs]]
         ref64 = oracle(*args, scale, causal, torch.float64, window, softcap)
-        ref_lp = oracle(*args, scale, causal, dtype, window, softcap)
-        per_seq = tuple(t[0] for t in ref64[:1]) + (ref64[1][0],) + tuple(t[0] for t in ref64[2:])
-        per_lp = tuple(t[0] for t in ref_lp[:1]) + (ref_lp[1][0],) + tuple(t[0] for t in ref_lp[2:])
+        per_seq = tuple(t[0] for t in ref64)  # the batch of one sequence unwrapped
+        per_lp = [tuple(t[0] for t in ev(*args, scale, causal, dtype, window, softcap)) for ev in (oracle, oracle_blocked)]
         compare(mine, per_seq, per_lp)
         alone = run_dense(*args[:3], args[3], args[4], scale, causal, window, softcap)
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), mine, alone):
