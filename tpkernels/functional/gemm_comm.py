@@ -50,7 +50,6 @@ import torch
 import torch.distributed as dist
 
 from tpkernels import backends
-from tpkernels.dtypes import widen
 from tpkernels.parallel import consistency
 from tpkernels.parallel.collectives import all_gather_into, reduce_scatter_into
 from tpkernels.parallel.groups import global_rank, group_rank_size
@@ -79,8 +78,8 @@ def _fused_limits(impl: str, device: torch.device, dtype, k: int | None = None, 
     if impl != "fused":
         return None
     if quantized:
-        return ("the fused kernels read a 16-bit weight tensor; a quantised (NF4 / int8) weight runs the ring or "
-                "collective algorithm around its dequantising GEMM")
+        return ("the fused kernels read a 16-bit weight tensor; a quantised (NF4 / int8) or FP8 weight runs the ring "
+                "or collective algorithm around its own GEMM")
     if device.type != "cuda":
         return (f"the fused GEMM-communication kernels need CUDA tensors and torch symmetric memory, got a "
                 f"{device.type} tensor (on the CPU they run only in the virtual-TP harness, "
@@ -341,7 +340,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
 
     def partial(d: int, step: int) -> torch.Tensor:
         with gemm_span("matmul chunk", a.device.type, step=step, dst=d):
-            return widen(_mm(am[d * m:(d + 1) * m], b))
+            return _mm(am[d * m:(d + 1) * m], b, wide=True)
 
     if how == "local":
         with gemm_span("matmul", a.device.type):
@@ -359,7 +358,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_
         return out.view((m,) + tuple(am.shape[1:-1]) + (b.shape[1],)).movedim(0, sd)
     if how == "collective":
         with gemm_span("matmul", a.device.type):
-            full = widen(_mm(am, b))
+            full = _mm(am, b, wide=True)
         acc = _empty((m,) + tuple(full.shape[1:]), full)
         span = CommSpan("reduce_scatter", a.device.type, bytes=full.numel() * full.element_size())
         handle = reduce_scatter_into(acc, full, group, async_op=True)
@@ -440,7 +439,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, reduce_op: s
         span.done()
         return full[:rows.shape[0] - pad].view(out_shape)
     with gemm_span("matmul", a.device.type):
-        y = widen(_mm(a, b))
+        y = _mm(a, b, wide=True)
     span = CommSpan("all_reduce", a.device.type, bytes=y.numel() * y.element_size())
     dist.all_reduce(y, group=group)
     span.done()

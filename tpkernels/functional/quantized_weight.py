@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from tpkernels.dtypes import widen
 from tpkernels.functional.nf4_linear import nf4_linear_bwd, nf4_linear_fwd
 from tpkernels.quant.nf4 import BLOCK, Int8Weight, NF4Weight, dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 
@@ -161,16 +162,19 @@ class QuantizedOperand:
     def dim(self) -> int:
         return 2
 
-    def matmul(self, a: Tensor, out: Tensor | None = None) -> Tensor:
+    def matmul(self, a: Tensor, out: Tensor | None = None, wide: bool = False) -> Tensor:
+        """``a @ self``; ``wide``: in the accumulation dtype (the kernels write a's dtype: widened after)."""
         y = self.qw.forward_gemm(a) if self.transposed else self.qw.input_grad(a)
+        if wide:
+            y = widen(y)
         if out is None:
             return y
         return out.copy_(y)
 
 
 def is_operand(b) -> bool:
-    """``b`` is a weight operand object (QuantizedOperand, the FP8 linears' Fp8Operand), not a tensor: it
-    has ``shape``, ``dtype`` (what ``a`` must be), ``device``, ``matmul(a, out)`` and maybe ``out_dtype``."""
+    """``b`` is a weight operand object (QuantizedOperand, the FP8 format's operands), not a tensor: it has
+    ``shape``, ``dtype`` (what ``a`` must be), ``device``, ``matmul(a, out, wide)`` and maybe ``out_dtype``."""
     return not isinstance(b, Tensor) and hasattr(b, "matmul")
 
 
@@ -179,10 +183,15 @@ def out_dtype(a: Tensor, b) -> torch.dtype:
     return getattr(b, "out_dtype", a.dtype)
 
 
-def matmul(a: Tensor, b, out: Tensor | None = None) -> Tensor:
-    """``a @ b`` for a tensor or an operand ``b`` (the GEMM-communication ops' one GEMM call)."""
+def matmul(a: Tensor, b, out: Tensor | None = None, wide: bool = False) -> Tensor:
+    """``a @ b`` for a tensor or an operand ``b`` (the TP linears' and GEMM-communication ops' one GEMM
+    call); ``wide``: the result in the accumulation dtype (partial sums that travel between ranks: an FP8
+    operand's GEMM writes fp32 directly, a 16-bit GEMM's output is widened)."""
     if is_operand(b):
-        return b.matmul(a, out)
+        return b.matmul(a, out, wide=wide)
+    if wide:
+        y = widen(torch.matmul(a, b))
+        return y if out is None else out.copy_(y)
     return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
 
 

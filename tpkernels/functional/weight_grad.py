@@ -39,7 +39,8 @@ from tpkernels.dtypes import accumulation_dtype
 _STATE = threading.local()
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (..., K) as a 2-D (rows, K) view."""
     return t.reshape(-1, t.shape[-1])
 
 
@@ -47,12 +48,13 @@ class WeightGradStore:
     """The weight gradients queued during one B (one micro-batch of one model chunk)."""
 
     def __init__(self):
-        self._queue: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self._queue: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], object]] = []
         self._work: list = []
 
-    def put(self, weight: torch.Tensor, chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Queue weight.grad += Σ dyᵀ·x over ``chunks`` of (dy (..., out), x (..., in))."""
-        self._queue.append((weight, chunks))
+    def put(self, weight: torch.Tensor, chunks: list[tuple[torch.Tensor, torch.Tensor]], product=None) -> None:
+        """Queue weight.grad += Σ dyᵀ·x over ``chunks`` of (dy (..., out), x (..., in)); ``product(dy, x)``:
+        the weight format's GEMM (None: the plain one)."""
+        self._queue.append((weight, chunks, product))
 
     def defer(self, fn) -> None:
         """Queue other W work of a custom layer (called with no arguments at flush). To keep hooks and
@@ -70,8 +72,8 @@ class WeightGradStore:
         if not self._queue:
             return
         grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a weight used twice gets one sum
-        for weight, chunks in self._queue:
-            g = _sum_of_products(chunks)
+        for weight, chunks, product in self._queue:
+            g = _sum_of_products(chunks, product)
             prev = grads.get(id(weight))
             grads[id(weight)] = (weight, g if prev is None else prev[1].add_(g))
         self._queue.clear()
@@ -79,9 +81,13 @@ class WeightGradStore:
         torch.autograd.backward(weights, [g.to(w.dtype) for w, g in grads.values()])
 
 
-def _accumulate(acc: torch.Tensor | None, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """acc + dyᵀ·x over all rows, acc in the accumulation dtype (created by the first chunk)."""
-    dy2, x2 = _rows(dy), _rows(x)
+def _accumulate(acc: torch.Tensor | None, dy: torch.Tensor, x: torch.Tensor, product=None) -> torch.Tensor:
+    """acc + dyᵀ·x over all rows, acc in the accumulation dtype (created by the first chunk);
+    ``product(dy, x)`` (a weight format's GEMM, in the accumulation dtype) instead of the plain one."""
+    if product is not None:
+        p = product(dy, x)
+        return p if acc is None else acc.add_(p)
+    dy2, x2 = rows(dy), rows(x)
     if acc is None:
         p = torch.matmul(dy2.t(), x2)
         return p.to(accumulation_dtype(p.dtype))
@@ -90,10 +96,10 @@ def _accumulate(acc: torch.Tensor | None, dy: torch.Tensor, x: torch.Tensor) -> 
     return acc.add_(torch.matmul(dy2.t(), x2))
 
 
-def _sum_of_products(chunks) -> torch.Tensor:
+def _sum_of_products(chunks, product=None) -> torch.Tensor:
     acc = None
     for dy, x in chunks:
-        acc = _accumulate(acc, dy, x)
+        acc = _accumulate(acc, dy, x, product)
     return acc
 
 
@@ -151,9 +157,11 @@ class WeightGrad:
     """The weight gradient of one linear layer in one backward (see the module docstring).
 
     weight: (out, in); each ``add(dy, x)`` is a chunk of rows: dy (..., out), x (..., in).
-    ``split``: what ``weight_for_graph`` returned for a weight it kept out of the graph, if any."""
+    ``split``: what ``weight_for_graph`` returned for a weight it kept out of the graph, if any;
+    ``product(dy, x)``: the weight format's GEMM for dyᵀ·x (FP8), None for the plain one."""
 
-    def __init__(self, weight: torch.Tensor, needed: bool = True, split: SplitWeight | None = None):
+    def __init__(self, weight: torch.Tensor, needed: bool = True, split: SplitWeight | None = None, product=None):
+        self.product = product
         self.weight, self.needed = (split.weight, True) if split is not None else (weight, needed)
         self.store = active_store() if self.needed else None
         self._now = None  # a split weight outside any store: its own store, flushed by result()
@@ -172,7 +180,7 @@ class WeightGrad:
         if self.deferred:
             self._chunks.append((dy, x))
         else:
-            self._acc = _accumulate(self._acc, dy, x)
+            self._acc = _accumulate(self._acc, dy, x, self.product)
 
     def result(self) -> torch.Tensor | None:
         """The gradient for autograd to accumulate; None when not needed or queued for W."""
@@ -180,7 +188,7 @@ class WeightGrad:
             return None
         if self.deferred:
             if self._chunks:
-                self.store.put(self.weight, self._chunks)
+                self.store.put(self.weight, self._chunks, self.product)
             if self._now is not None:
                 self._now.flush()  # a nested backward over the weight alone
             return None
@@ -203,7 +211,7 @@ class LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dx = torch.matmul(dy, weight) if ctx.needs_input_grad[0] else None
-        db = _rows(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        db = rows(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         gw = WeightGrad(weight, ctx.needs_input_grad[1], ctx.split_weight)
         gw.add(dy, x)
         return dx, gw.result(), db, None, None

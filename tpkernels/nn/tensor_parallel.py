@@ -17,6 +17,9 @@ algorithm, "auto" by the rule of :mod:`tpkernels.backends`).
 full-precision parameter; ``layer.weight`` is then a meta tensor that keeps the shard's shape,
 dtype and TP tag for whoever reads them (LoRA). Load it with ``load_quantized_`` (or
 ``from_linear``); ``dequantize_()`` turns it back into an ordinary frozen parameter (export).
+``enable_fp8(...)``: the GEMMs run in FP8, the casts through the layer's slot of an
+:class:`~tpkernels.quant.fp8_state.Fp8State` (the run state's one owner). Every format runs the one
+communication schedule of :mod:`tpkernels.functional.tp_linear`.
 
 Weight gradients use the package's one weight-gradient mechanism
 (:mod:`tpkernels.functional.weight_grad`): inside a zero-bubble schedule they are deferred to the
@@ -30,11 +33,12 @@ import math
 import torch
 from torch import nn
 
-from tpkernels.functional.fp8_linear import Fp8LinearState, Fp8Options, fp8_column_parallel_linear, fp8_row_parallel_linear
+from tpkernels.functional.fp8_format import Fp8Format
 from tpkernels.functional.gemm_comm import check_algo
-from tpkernels.functional.quantized_tp_linear import quantized_column_parallel_linear, quantized_row_parallel_linear
 from tpkernels.functional.quantized_weight import QuantizedWeight, triton_shape_problem
 from tpkernels.functional.tp_linear import column_parallel_linear, row_parallel_linear
+from tpkernels.functional.weight_format import DENSE, QuantizedFormat
+from tpkernels.quant.fp8_state import Fp8Recipe, Fp8Slot, Fp8State
 from tpkernels.parallel.groups import group_rank_size
 from tpkernels.parallel.param_tags import tag
 from tpkernels.parallel.mappings import (
@@ -69,11 +73,13 @@ class _TPLinear(nn.Module):
         self.sequence_parallel, self.overlap_comm, self.sequence_dim = sequence_parallel, overlap_comm, sequence_dim
         self.algo, self.quant = algo, quant
         self.qweight: QuantizedWeight | None = None
-        self.fp8: Fp8LinearState | None = None
+        self.fp8: Fp8Slot | None = None
 
-    def enable_fp8(self, options: Fp8Options | None = None) -> Fp8LinearState:
-        """Run this layer's GEMMs in FP8 (``tpkernels.functional.fp8_linear``) with ``options``' recipe;
-        ``layer.fp8.enabled = False`` turns it back to 16-bit at any step boundary."""
+    def enable_fp8(self, recipe: Fp8Recipe | None = None, *, state: Fp8State | None = None,
+                   name: str = "linear") -> Fp8Slot:
+        """Run this layer's GEMMs in FP8 (:mod:`tpkernels.functional.fp8_format`), casting through the slot
+        ``name`` of ``state`` (a model's one FP8 state), or of a state of its own with ``recipe``
+        (``layer.fp8.state``: ``end_step()`` closes a step, ``disable(name)`` moves it back to 16 bits)."""
         if self.qweight is not None:
             raise ValueError(f"fp8 on a quantised (quant {self.quant!r}) layer: its GEMM is the dequantising NF4 / "
                              "int8 kernel; FP8 training of a QLoRA base is not supported (use bf16 with qlora)")
@@ -82,12 +88,24 @@ class _TPLinear(nn.Module):
             if v % 16:
                 raise ValueError(f"fp8: {type(self).__name__} {n}×{k} per rank: {dim} ({v}) must be a multiple of 16 "
                                  "(FP8 GEMMs take 16-element multiples)")
-        self.fp8 = Fp8LinearState(options or Fp8Options(), self.tp_group, isinstance(self, ColumnParallelLinear))
+        if state is None:
+            state = Fp8State(recipe or Fp8Recipe(), [name], self.weight.device, reduce_group=self.tp_group)
+        self.fp8 = state.slot(name, self.tp_group, isinstance(self, ColumnParallelLinear))
         return self.fp8
 
     @property
     def fp8_active(self) -> bool:
         return self.fp8 is not None and self.fp8.enabled
+
+    @property
+    def weight_format(self):
+        """How this layer's weight multiplies now: quantised, FP8 or dense."""
+        if self.qweight is not None:
+            return QuantizedFormat(self.qweight)
+        return Fp8Format(self.fp8) if self.fp8_active else DENSE
+
+    def _weight_arg(self):
+        return None if self.qweight is not None else self.weight
 
     def _make_weight(self, shape: tuple[int, int], split_dim: int, device, dtype) -> None:
         """A full-precision parameter, or with ``quant`` a meta tensor standing for the quantised shard."""
@@ -116,12 +134,17 @@ class _TPLinear(nn.Module):
         return self
 
     @torch.no_grad()
-    def dequantize_(self) -> "_TPLinear":
+    def dequantize_(self, values: torch.Tensor | None = None) -> "_TPLinear":
         """Replace the quantised weight by its dequantised values as a frozen parameter (then merge_lora_,
-        save_hf and to_linear work as for any layer)."""
+        save_hf and to_linear work as for any layer). ``values`` (this shard's shape): dequantised values to
+        hold instead of this layer's own codes (an export rebuilding another TP size's shards)."""
         if self.qweight is None:
             return self
-        w, t = self.qweight.dequantize(), self.weight.tp_tag
+        if values is not None and tuple(values.shape) != self.qweight.shape:
+            raise ValueError(f"values of shape {tuple(values.shape)} must have the layer's shard shape "
+                             f"{self.qweight.shape}")
+        w = self.qweight.dequantize() if values is None else values.to(self.qweight.device, self.qweight.dtype)
+        t = self.weight.tp_tag
         del self.weight
         self.weight = nn.Parameter(w, requires_grad=False)
         self.weight.tp_tag = t
@@ -172,15 +195,9 @@ class ColumnParallelLinear(_TPLinear):
         """x: (..., in) — with SP this rank's shard of ``sequence_dim``. Returns (..., out/P) over the full
         sequence, or (..., out) with ``gather_output``."""
         self._check_input(x, self.in_features, "in_features")
-        if self.qweight is not None:
-            y = quantized_column_parallel_linear(x, self.qweight, self.bias, self.tp_group, self.sequence_parallel,
-                                                 self.sequence_dim, self.algo, self.overlap_comm)
-        elif self.fp8_active:
-            y = fp8_column_parallel_linear(x, self.weight, self.bias, self.fp8, self.tp_group, self.sequence_parallel,
-                                           self.sequence_dim, self.algo, self.overlap_comm)
-        else:
-            y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
-                                       self.sequence_dim, self.algo, self.regather_input, self.overlap_comm)
+        y = column_parallel_linear(x, self._weight_arg(), self.bias, self.tp_group, self.sequence_parallel,
+                                   self.sequence_dim, self.algo, self.regather_input, self.overlap_comm,
+                                   weight_format=self.weight_format)
         return gather_from_tensor_parallel(y, self.tp_group) if self.gather_output else y
 
     @classmethod
@@ -240,14 +257,8 @@ class RowParallelLinear(_TPLinear):
         self._check_input(x, self.in_per_rank, "in_features / tensor_parallel_size")
         if self.sequence_parallel:
             check_divisible(x.shape[self.sequence_dim], self.tp_size, "sequence length", _SP)
-        if self.qweight is not None:
-            return quantized_row_parallel_linear(x, self.qweight, self.bias, self.tp_group, self.sequence_parallel,
-                                                 self.sequence_dim, self.algo, self.overlap_comm)
-        if self.fp8_active:
-            return fp8_row_parallel_linear(x, self.weight, self.bias, self.fp8, self.tp_group, self.sequence_parallel,
-                                           self.sequence_dim, self.algo, self.overlap_comm)
-        return row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
-                                   self.sequence_dim, self.algo, self.overlap_comm)
+        return row_parallel_linear(x, self._weight_arg(), self.bias, self.tp_group, self.sequence_parallel,
+                                   self.sequence_dim, self.algo, self.overlap_comm, weight_format=self.weight_format)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, tp_group=None, **kwargs) -> "RowParallelLinear":

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
+import uuid
 from dataclasses import dataclass
 
 from tpkernels.description import ModelConfig
@@ -124,7 +126,7 @@ def fp8_layer_choices(model: ModelConfig, *, tp: int, sequence_parallel: bool, t
     out = []
     for name, (k, n) in zip(names, _linear_shapes(model, tp)):
         shape = {"name": name, "m": int(m), "k": int(k), "n": int(n)}
-        seen = (learned or {}).get(gain_key(m, k, n, frozen, sequence_parallel and tp > 1))
+        seen = (learned or {}).get(gain_key(name, m, k, n, tp, frozen, sequence_parallel and tp > 1))
         if seen is not None:
             bad = [f"{d} ({int(v)}) not a multiple of {FP8_MULTIPLE} (FP8 GEMMs)" for d, v in (("k", k), ("n", n))
                    if v % FP8_MULTIPLE]
@@ -180,9 +182,13 @@ def fp8_layer_choices(model: ModelConfig, *, tp: int, sequence_parallel: bool, t
     return out
 
 
-def gain_key(m: int, k: int, n: int, frozen: bool, gathered: bool) -> str:
-    """The learned-gain key of a linear's micro-batch GEMM (tokens m, k in, n out per rank)."""
-    return f"{int(m)}x{int(k)}x{int(n)}{' frozen' if frozen else ''}{' sp' if gathered else ''}"
+def gain_key(kind: str, m: int, k: int, n: int, tp: int, frozen: bool, gathered: bool) -> str:
+    """The learned-gain key of a linear: its kind (qkv, out, gate_up, up, down: which also says its
+    communication, column or row-parallel), its micro-batch GEMM (tokens m, k in, n out per rank), the TP
+    degree and SP (what it communicates) and whether its weight is frozen (no weight-gradient GEMM).
+    Two kinds with one GEMM shape keep separate gains: a column layer gathers its input under SP, a
+    row layer reduce-scatters its output."""
+    return f"{kind} {int(m)}x{int(k)}x{int(n)} tp{int(tp)}{' sp' if gathered else ''}{' frozen' if frozen else ''}"
 
 
 def _gains_path():
@@ -211,9 +217,13 @@ def save_gains(machine: str, gains: dict[str, float]):
         data = {}
     data[machine] = {**(data.get(machine) if isinstance(data.get(machine), dict) else {}), **gains}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    # a name of this writer's own: two runs saving at once never write into each other's file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
