@@ -317,6 +317,47 @@ def test_bf16_checkpoint_resumes_exactly(tmp_path):
     assert again == full[3:]
 
 
+def test_metrics_file_holds_each_step_of_the_run_once(tmp_path):
+    """logging.metrics_file is the run's record: a new run replaces what the file held (here an older run's
+    step 0); a run resumed from step 2, after a run that logged steps 2 and 3 and was killed writing a
+    line, logs 2 and 3 once, its own (step_s tells the runs apart)."""
+    import json
+    import shutil
+
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    metrics.write_text('{"step": 0, "loss": 99.0, "step_s": 1.0}\n')
+    kw = dict(steps=4, num_microbatches=1, metrics_file=str(metrics))
+
+    def logged():
+        return [(r["step"], r["loss"], r["step_s"]) for r in map(json.loads, metrics.read_text().splitlines())]
+
+    first = Trainer(small(**kw, save_dir=str(ck), save_every=2)).train()
+    assert logged() == [(h["step"], h["loss"], h["step_s"]) for h in first]
+    shutil.rmtree(ck / "step_00000004")  # the run is resumed from step 2
+    with open(metrics, "a") as f:
+        f.write('{"step": 4, "lo')
+    again = Trainer(small(**kw, save_dir=str(ck))).train()
+    assert [h["step"] for h in again] == [2, 3]
+    assert logged() == [(h["step"], h["loss"], h["step_s"]) for h in first[:2] + again]
+
+
+def test_one_process_saves_loads_and_exports_say_nothing_of_dcp(tmp_path):
+    """Without a process group DCP warns "torch.distributed is disabled ..." at every save and load: one
+    process is what we mean there, so no such warning reaches a user of a one-process run or export-hf."""
+    import warnings
+
+    from tpkernels.train.checkpoint import export_hf
+
+    ck = str(tmp_path / "ck")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        Trainer(small(steps=2, num_microbatches=1, save_dir=ck)).train()  # saves step 2
+        Trainer(small(steps=3, num_microbatches=1, save_dir=ck)).train()  # loads it, saves step 3
+        export_hf(ck, tmp_path / "hf")
+    assert (tmp_path / "hf" / "config.json").is_file()
+    assert not [str(w.message) for w in seen if "torch.distributed is disabled" in str(w.message)]
+
+
 # ---- recompute ----
 
 def test_recompute_gives_the_same_training_and_keeps_less(rank_pool):

@@ -27,6 +27,7 @@ this rank had to write and how much space was free.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -51,6 +52,17 @@ from tpkernels.train.output_paths import path_problem
 
 KINDS = ("model", "exp_avg", "exp_avg_sq")
 _SEP = "::"
+# DCP says this on every save and load without a process group (a one-process run, export-hf, export-peft):
+# one process is what we mean there, so the warning tells a user nothing. Hidden exactly, and only around our
+# own calls of DCP (_quiet_dcp), never process-wide.
+DCP_ONE_PROCESS = r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=DCP_ONE_PROCESS, category=UserWarning)
+        yield
 
 
 def _key(kind: str, name: str, rows, cols) -> str:
@@ -194,7 +206,8 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of:
         return PendingSave(dcp.async_save(sd, checkpoint_id=str(tmp), process_group=async_group), tmp, final, meta,
                            sd)
     try:  # DCP gathers every rank's write error and raises it on all of them
-        dcp.save(sd, checkpoint_id=str(tmp))
+        with _quiet_dcp():
+            dcp.save(sd, checkpoint_id=str(tmp))
     except (OSError, dcp.api.CheckpointException) as e:
         raise _failed_save(tmp, sd, e) from e
     _barrier()
@@ -305,7 +318,8 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
                              None if cols is None else ((c0 - cols[0], c1 - cols[0]), (c0 - c[0], c1 - c[0]))))
             jobs.append((target, covered, None, name, kind, None))
     try:
-        dcp.load(want, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())  # never unpickles
+        with _quiet_dcp():
+            dcp.load(want, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())  # never unpickles
     except dcp.api.CheckpointException as e:  # DCP gathers every rank's error: a refusal is the same on all ranks
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
         if refused:

@@ -43,12 +43,40 @@ def peak_flops(device: torch.device) -> tuple[float, str]:
 
 
 class MetricsFile:
-    """One JSON object per line, appended as steps finish (rank 0)."""
+    """One JSON object per line, appended as steps finish (rank 0).
+
+    The file is the record of one run, each step once, as the run finally took it: a new run starts
+    a fresh file (``start(None)``), and a run resumed from the checkpoint of step S drops the records
+    the earlier run wrote from its first record of step S on (``start(S)``): those steps are trained
+    again and logged anew, so a reader never sees a step twice nor the abandoned values. This is
+    TensorBoard's ``SummaryWriter(purge_step=S)``; a TensorBoard mirror of this file passes the same
+    step. A line left half-written by a killed run is dropped too."""
 
     def __init__(self, path: str | Path | None):
         self.path = Path(path) if path else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def start(self, resumed_step: int | None) -> None:
+        """At a run's start: a fresh file for a new run (``resumed_step`` None), else the earlier run's
+        records before the first one of step >= ``resumed_step`` (records without a step, such as
+        the FP8 choice or an autotune summary, stay where they were written)."""
+        if self.path is None:
+            return
+        kept: list[str] = []
+        if resumed_step is not None and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the half-written last line of a killed run
+                step = record.get("step") if isinstance(record, dict) else None
+                if isinstance(step, int) and step >= resumed_step:
+                    break
+                kept.append(line + "\n")
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.path)  # a reader sees the old file or the new one, never half of it
 
     def write(self, record: dict) -> None:
         if self.path is not None:

@@ -201,6 +201,8 @@ class Trainer:
                     self.mp.load_state_dict(meta["loss_scale"])
                 if self.fp8 is not None:
                     self.fp8.restore(meta.get("fp8_moved", []))
+        # a new run's file starts empty; a resumed one drops the steps it trains again (MetricsFile)
+        self.metrics.start(self.step_index if self.resumed_from is not None else None)
         if self.fp8 is not None:
             self.metrics.write(self.fp8.choice_record())
             if self.is_logger:
