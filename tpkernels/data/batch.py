@@ -61,6 +61,27 @@ class TokenBatch:
         per = self.rows // dp
         return self.map(lambda t: t[dp_rank * per:(dp_rank + 1) * per])
 
+    def padded(self, rows: int) -> "TokenBatch":
+        """The batch with rows appended up to ``rows``, each a filler document with no target (``loss_mask``
+        False, id 0, ``pair_index``/``pair_sample`` -1): a short last batch of a validation pass, which a
+        token-mean loss counts nothing of."""
+        extra = rows - self.rows
+        if extra <= 0:
+            return self
+        seq = self.ids.shape[1]
+        fill = {"ids": torch.zeros(extra, seq, dtype=self.ids.dtype),
+                "position_ids": torch.arange(seq).expand(extra, seq),
+                "loss_mask": torch.zeros(extra, seq, dtype=torch.bool),
+                "pair_index": torch.full((extra, seq), -1, dtype=torch.long),
+                "chosen": torch.zeros(extra, seq, dtype=torch.bool),
+                "pair_sample": torch.full((extra, seq), -1, dtype=torch.long)}
+        have = self.fields()
+        if have["position_ids"] is None:
+            have["position_ids"] = torch.arange(seq).expand(self.rows, seq)
+        if have["loss_mask"] is None:
+            have["loss_mask"] = torch.ones(self.rows, seq, dtype=torch.bool)
+        return TokenBatch(**{k: None if v is None else torch.cat([v, fill[k].to(v.dtype)]) for k, v in have.items()})
+
     def targets(self, ignore_index: int = IGNORE_INDEX, *, masked: bool = True) -> torch.Tensor:
         """(rows, seq) next-token targets: ``ids[:, t + 1]`` at t, ``ignore_index`` at each row's and each
         document's last token and, with ``masked`` and a ``loss_mask``, wherever the label token

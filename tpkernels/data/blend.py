@@ -147,13 +147,25 @@ class Blend:
                                  f"gets its first row at stream position {first}, after the run's {run_rows} rows "
                                  "(training.steps × the global batch): raise the weight or drop the source")
 
+        # one pass over the blend's rows (validation): each source's rows once, the sources one after another
+        self.first = np.cumsum([0] + [getattr(src, "rows", 0) for src in sources])
+        self.rows = int(self.first[-1])
+
     def batch(self, step: int, rows: int) -> TokenBatch:
         return self.rows_at(step_positions(step, rows))
+
+    def pass_at(self, positions: torch.Tensor) -> TokenBatch:
+        """Rows of one pass over the sources' rows, weights aside (``positions`` < ``rows``; validation)."""
+        j = np.searchsorted(self.first, positions.numpy(), side="right") - 1
+        return self._gather(j, positions.numpy() - self.first[j])
 
     def rows_at(self, positions: torch.Tensor) -> TokenBatch:
         period, slot = np.divmod(positions.numpy().astype(np.int64), self.period)
         src, row = schedule(self.W, slot)
-        nth = period * self.W[src] + row
+        return self._gather(src, period * self.W[src] + row)
+
+    def _gather(self, src: np.ndarray, nth: np.ndarray) -> TokenBatch:
+        """Row ``nth[i]`` of source ``src[i]``'s stream, for each i, in that order."""
         parts, order = [], []
         for j, s in enumerate(self.sources):
             at = np.nonzero(src == j)[0]

@@ -4,6 +4,7 @@
                       fmt="auto", loss_on="all_assistant", overflow="error", task=None)
     data.format, data.task          # "messages", "sft"
     batch = data.batch(step, rows)  # TokenBatch: ids, position_ids, loss_mask (+ pair_index, chosen)
+    data.rows                       # the packed rows: stream positions 0 … rows - 1 read each once
 
 ``text`` records are pre-training documents: tokenized, each closed by the end-of-document id,
 concatenated and cut into rows as text files are (:class:`~tpkernels.train.data.PackedText`).
@@ -68,6 +69,7 @@ class RecordData:
             names.append(where)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         self.packed = PackedSamples(items, seq, seed, pad, overflow=overflow, names=names, source=source)
+        self.rows = self.packed.rows
 
     def _text(self, ds, source, seq, seed, vocab_size, tokenizer) -> None:
         encode, eod, needed = text_encoder(tokenizer)

@@ -2,6 +2,7 @@
 
     data = make_data(source, seq, seed, vocab_size, tokenizer)   # see SOURCES below
     batch = data.batch(step, global_batch)     # TokenBatch: ids, position_ids, loss_mask, … (rows, seq)
+    for b in held_out(data, batches, global_batch): ...   # validation: each row once, the last batch padded
     mine = batch.rows_of_dp_rank(dp_rank, dp)  # this DP replica's rows
     target = batch.targets()                   # next-token targets, IGNORE_INDEX where not supervised
 
@@ -100,6 +101,22 @@ def check_source(cfg, vocab_size: int) -> None:
             IndexedTokens(src, cfg.data.seq_length, cfg.training.seed, vocab_size)
 
 
+def held_out(data, batches: int, global_batch: int):
+    """The global batches of one validation over ``data``: its rows in one pass, each once (a source's
+    stream positions 0 … rows - 1, its first epoch; a blend's sources one after another, weights aside),
+    at most ``batches`` × ``global_batch`` of them, the last batch padded with rows that hold no target
+    (the loss is the token mean: they count nothing). The same rows at every layout. An endless synthetic
+    source: its first ``batches`` batches."""
+    n = getattr(data, "rows", None)
+    if n is None:
+        for b in range(batches):
+            yield data.batch(b, global_batch)
+        return
+    for start in range(0, min(n, batches * global_batch), global_batch):
+        positions = torch.arange(start, min(start + global_batch, n))
+        yield (data.pass_at(positions) if isinstance(data, Blend) else data.rows_at(positions)).padded(global_batch)
+
+
 def rows_of_dp_rank(t: torch.Tensor | None, dp_rank: int, dp: int) -> torch.Tensor | None:
     """This DP replica's contiguous share of the global batch."""
     if t is None:
@@ -109,5 +126,5 @@ def rows_of_dp_rank(t: torch.Tensor | None, dp_rank: int, dp: int) -> torch.Tens
 
 
 __all__ = ["BYTE_VOCAB", "EOD", "IGNORE_INDEX", "PackedText", "RandomDocuments", "RandomTokens", "SYNTHETIC", "TASKS",
-           "TokenBatch", "check_source", "data_of", "load_tokenizer", "make_data", "restart_per_document",
-           "rows_of_dp_rank", "text_source"]
+           "TokenBatch", "check_source", "data_of", "held_out", "load_tokenizer", "make_data",
+           "restart_per_document", "rows_of_dp_rank", "text_source"]
