@@ -35,7 +35,7 @@ from tpkernels.train.config import TrainConfig
 from tpkernels.functional.context_parallel import zigzag_split
 from tpkernels.options import flatten
 from tpkernels.train.output_paths import check_output_paths
-from tpkernels.train.data import IGNORE_INDEX, data_of, make_data
+from tpkernels.train.data import IGNORE_INDEX, data_of, held_out, make_data
 from tpkernels.train.failures import (
     RankLostError,
     abort_process_groups,
@@ -152,7 +152,7 @@ class Trainer:
         self.dp_reduce = DataParallelGradReduce(list(self.model.parameters()), self.state.dp_cp_group,
                                                 self.pc.bucket_mb, overlap=self.pc.overlap_dp) \
             if self.pc.dp * self.pc.cp > 1 else None
-        self.data = data_of(cfg, self.mc.vocab_size)
+        self.data = data_of(cfg, self.mc.vocab_size, self.pc.global_batch_size)
         self.task = cfg.training.task if cfg.training.task != "auto" else getattr(self.data, "task", None) or "pretrain"
         if self.task == "dpo" and cfg.dpo.reference == "adapters" and not cfg.model.adapters:  # implied dpo
             raise ValueError(f"dpo.reference (adapters) needs model.finetune lora or qlora (now "
@@ -364,14 +364,14 @@ class Trainer:
         return norm, False
 
     def validate(self) -> dict[str, float]:
-        """``eval.batches`` global batches of ``eval.source``, forwards only, at the run's layout and
-        schedule (no gradients, no recompute): the token-mean loss and its perplexity (dpo: the mean
-        pair loss and TRL's metrics), the same on every rank (collective)."""
+        """``eval.source``'s rows, each once (at most ``eval.batches`` global batches; see ``held_out``),
+        forwards only, at the run's layout and schedule (no gradients, no recompute): the token-mean loss
+        and its perplexity (dpo: the mean pair loss and TRL's metrics), the same on every rank (collective)."""
         ev, st = self.cfg.eval, self.state
         total = weight = 0.0
         sums = None
-        for b in range(ev.batches):
-            batch = self.shard_batch(self.eval_data.batch(b, self.pc.global_batch_size))
+        for rows in held_out(self.eval_data, ev.batches, self.pc.global_batch_size):
+            batch = self.shard_batch(rows)
             self._begin_pairs(batch, self.eval_reference)
             loss = self.model.evaluate(batch.input_ids if st.is_first_stage else None, batch.target,
                                        batch.position_ids, num_targets=batch.num_targets,
