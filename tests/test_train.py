@@ -341,6 +341,29 @@ def test_metrics_file_holds_each_step_of_the_run_once(tmp_path):
     assert logged() == [(h["step"], h["loss"], h["step_s"]) for h in first[:2] + again]
 
 
+def _fill_warning_worker(rank, world):
+    import contextlib
+    import io
+
+    import tpkernels.train.trainer as trainer_mod
+
+    trainer_mod._SAID.clear()  # what a fresh process has said: the pool's ranks live across tests
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):  # print and warnings.showwarning
+        for _ in range(2):  # two trainers at one layout in one run, as autotune's trial and then its winner
+            Trainer(small(pp=2, num_microbatches=1, steps=1, **{"optimizer.warmup_steps": 0})).train()
+    return out.getvalue()
+
+
+def test_a_pipeline_that_cannot_fill_is_said_once_in_one_line(rank_pool):
+    """Every rank's schedule warns (PipelineFillWarning): the run says it once, by the logging rank, in one
+    line of its own voice (not Python's "runtime.py:90: PipelineFillWarning: ..." and its source line)."""
+    outs = rank_pool(2).run(_fill_warning_worker, timeout=300)
+    said = [line for text in outs for line in text.splitlines() if "pipeline cannot fill" in line
+            or "PipelineFillWarning" in line or "make_schedule(" in line]
+    assert said == ["warning: pipeline cannot fill: num_microbatches (1) < pp (2); bubble is 50% of the step"], outs
+
+
 def test_one_process_saves_loads_and_exports_say_nothing_of_dcp(tmp_path):
     """Without a process group DCP warns "torch.distributed is disabled ..." at every save and load: one
     process is what we mean there, so no such warning reaches a user of a one-process run or export-hf."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from tpkernels.models.grad_sync import DataParallelGradReduce
 from tpkernels.models.lora import apply_lora
 from tpkernels.parallel import control
 from tpkernels.parallel.state import ParallelState
+from tpkernels.pipeline.schedules import PipelineFillWarning
 from tpkernels.train import checkpoint, dpo
 from tpkernels.train.config import TrainConfig
 from tpkernels.functional.context_parallel import zigzag_split
@@ -61,6 +63,9 @@ from tpkernels.train.precision import DTYPES, FULL, MixedPrecision
 
 
 RANK0_ONLY_KEYS = ("logging.metrics_file", "logging.progress")
+# The layout warnings (ParallelConfig.warnings) this process has printed: each is said once, by the logging
+# rank, even when a run builds several trainers at one layout (autotune's trial, then its winner).
+_SAID: set[str] = set()
 
 
 @dataclasses.dataclass
@@ -159,8 +164,14 @@ class Trainer:
                              f"{cfg.model.finetune!r}: there are no adapters to turn off); use dpo.reference cached or "
                              "model")
         self.objective = dpo.make_objective(self) if self.task == "dpo" else None
-        self.runtime = self.model.pipeline(self.pc.pipeline_schedule, self.pc.num_microbatches,
-                                           seq_length=seq, loss_fn=self.objective)
+        with warnings.catch_warnings():  # every rank's schedule warns: the logging rank says it, once (below)
+            warnings.simplefilter("ignore", PipelineFillWarning)
+            self.runtime = self.model.pipeline(self.pc.pipeline_schedule, self.pc.num_microbatches,
+                                               seq_length=seq, loss_fn=self.objective)
+        for msg in self.pc.warnings() if self.is_logger else ():
+            if msg not in _SAID:
+                _SAID.add(msg)
+                print(f"warning: {msg}", flush=True)
         # the reference is the initial model's: computed before a checkpoint's weights are loaded
         self.reference = dpo.ReferenceLogps(self) if self.task == "dpo" else None
         if self.reference is not None:
