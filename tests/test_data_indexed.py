@@ -1,9 +1,11 @@
 """Megatron's indexed format: write/read round trip, the trainer's memory-mapped rows equal text
 packing's, a sentence-split corpus (several sequences per document) restarts positions per document
-only, `tpkernels prepare-data` with several processes and resume, corrupted .idx named."""
+only, `tpkernels prepare-data` with several processes and resume (a resume with other settings or inputs
+refused, a malformed JSON line named), corrupted .idx named."""
 
 from __future__ import annotations
 
+import os
 import struct
 
 import numpy as np
@@ -12,6 +14,7 @@ import torch
 
 from tpkernels.cli import main
 from tpkernels.data.indexed import IndexedFile, IndexedTokens, IndexedWriter
+from tpkernels.data.prepare import prepare_data
 from tpkernels.train.data import make_data
 
 DOCS = ["hello world", "ab", "x" * 40, "the quick brown fox", "jumps", "over the lazy dog " * 3]
@@ -107,6 +110,46 @@ def test_prepare_data_matches_text_packing_and_resumes(tmp_path, capsys):
     assert main(["prepare-data", str(tmp_path / "in"), str(out), "--tokenizer", str(tmp_path / "nope"),
                  "--no-progress"]) == 2
     assert "data.tokenizer" in capsys.readouterr().err
+
+
+def test_prepare_data_refuses_a_resume_that_differs(tmp_path):
+    """The first run's settings and inputs are recorded; a resume with another --shard-docs, --text-key or
+    changed inputs would keep the finished shards and cut the rest differently (documents dropped or
+    repeated): refused, naming what changed. Unchanged, it resumes."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("\n\n".join(DOCS[:3]))
+    (tmp_path / "in" / "b.jsonl").write_text("".join(f'{{"text": "{d}", "body": "x"}}\n' for d in DOCS[3:]))
+    out = tmp_path / "tokens"
+    first = prepare_data([str(tmp_path / "in")], out, shard_docs=2, progress=False)
+    (out / "shard_00001.idx").unlink()  # interrupted
+    for kw, said in ((dict(shard_docs=3), "--shard-docs 2 then, 3 now"),
+                     (dict(shard_docs=2, text_key="body"), "--text-key 'text' then, 'body' now")):
+        with pytest.raises(ValueError, match=f"holds shards made with other settings or inputs \\({said}\\): a "
+                                             "resume must repeat"):
+            prepare_data([str(tmp_path / "in")], out, progress=False, **kw)
+    with pytest.raises(ValueError, match=r"input .*a.txt removed"):
+        prepare_data([str(tmp_path / "in" / "b.jsonl")], out, shard_docs=2, progress=False)
+    (tmp_path / "in" / "c.txt").write_text("one more")
+    with pytest.raises(ValueError, match=r"input .*c.txt added"):
+        prepare_data([str(tmp_path / "in")], out, shard_docs=2, progress=False)
+    (tmp_path / "in" / "c.txt").unlink()
+    a, was = tmp_path / "in" / "a.txt", (tmp_path / "in" / "a.txt").stat()
+    a.write_text("\n\n".join(["new"] + DOCS[:3]))
+    with pytest.raises(ValueError, match=r"input .*a.txt changed \(size or modification time\)"):
+        prepare_data([str(tmp_path / "in")], out, shard_docs=2, progress=False)
+    a.write_text("\n\n".join(DOCS[:3]))
+    os.utime(a, ns=(was.st_atime_ns, was.st_mtime_ns))  # the first run's file again
+    again = prepare_data([str(tmp_path / "in")], out, shard_docs=2, progress=False)
+    assert (first["shards"], again["written"], again["skipped"]) == (3, 1, 2)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "c.jsonl").write_text('{"text": "a"}\n\n{"text": "b"\n')
+    with pytest.raises(ValueError, match=r"prepare-data: '.*c.jsonl' line 3 is not JSON \(Expecting ',' delimiter"):
+        prepare_data([str(tmp_path / "bad")], tmp_path / "o2", progress=False)
+    (tmp_path / "bad" / "c.jsonl").write_text('{"text": "a"}\n[1]\n')
+    with pytest.raises(ValueError, match=r"'.*c.jsonl' line 2 is a JSON list, not an object"):
+        prepare_data([str(tmp_path / "bad")], tmp_path / "o3", progress=False)
+    with pytest.raises(ValueError, match=r"data.source: '.*c.jsonl' line 2 is a JSON list, not an object"):
+        make_data(str(tmp_path / "bad" / "c.jsonl"), 8, 0, 300)
 
 
 def test_corrupted_index_is_a_named_error(tmp_path):

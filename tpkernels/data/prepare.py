@@ -8,8 +8,12 @@ Inputs: .txt files (documents separated by blank lines), JSON lines (.jsonl/.jso
 ``shard_docs`` in input order; shard i is ``out/shard_{i:05d}.bin/.idx``, each document tokenized
 and closed by the end-of-document id. The ``.idx`` of a shard is written last (renamed into place),
 so a shard with one is complete and a rerun skips it: an interrupted run resumes. ``out`` also holds
-``tpkernels_data.json`` (tokenizer, vocabulary size, end-of-document id): a rerun with another
-tokenizer is refused, and the trainer checks the model's vocabulary against it. Several processes
+``tpkernels_data.json``: the tokenizer (path, vocabulary size, end-of-document id, its files' sizes and
+modification times), ``--shard-docs``, ``--text-key`` and every input file (path, size, modification
+time). A rerun that differs in any of them is refused, naming what changed (its shards would cut the
+corpus differently from the finished ones: documents dropped or repeated); the trainer checks the
+model's vocabulary against it. A JSON line that is not an object with a ``--text-key`` string is an
+error naming the file and the line. Several processes
 tokenize the shards (``workers``); a tqdm bar counts them. The trainer reads ``out`` memory-mapped
 (``data.source: tokens/``).
 """
@@ -21,7 +25,7 @@ import os
 from pathlib import Path
 
 from tpkernels.data.indexed import META, IndexedWriter
-from tpkernels.data.sources import check_utf8
+from tpkernels.data.sources import json_lines
 from tpkernels.data.text import documents
 from tpkernels.data.tokenizer import text_encoder
 
@@ -47,22 +51,46 @@ def corpus_documents(files: list[Path], text_key: str = "text"):
     """The documents of the input files, in order."""
     for f in files:
         if f.suffix in (".jsonl", ".json"):
-            check_utf8(f)
-            with open(f, encoding="utf-8") as fh:
-                for n, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line)[text_key]
-                    except (json.JSONDecodeError, KeyError, TypeError) as e:
-                        raise ValueError(f"prepare-data: {str(f)!r} line {n} is not a JSON object with a "
-                                         f"{text_key!r} string ({type(e).__name__}: {e})") from None
-                    if not isinstance(text, str):
-                        raise ValueError(f"prepare-data: {str(f)!r} line {n}: {text_key!r} must be a string")
-                    if text.strip():
-                        yield text
+            for n, record in json_lines(f, "prepare-data"):
+                text = record.get(text_key)
+                if not isinstance(text, str):
+                    raise ValueError(f"prepare-data: {str(f)!r} line {n}: --text-key {text_key!r} must name a string "
+                                     f"field (the line's keys: {sorted(record)[:10]})")
+                if text.strip():
+                    yield text
         else:
             yield from documents([f])
+
+
+def fingerprint(paths: list[Path]) -> list[list]:
+    """[path, bytes, mtime in ns] of each file (a folder: of each file in it): what a resume must find unchanged
+    (a file edited, added, removed or renamed changes it)."""
+    out = []
+    for p in paths:
+        for f in sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]:
+            st = f.stat()
+            out.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    """What a resume changes, in the user's words."""
+    flags = {"shard_docs": "--shard-docs", "text_key": "--text-key", "tokenizer": "--tokenizer"}
+    out = []
+    for key in new:
+        if old.get(key) == new[key]:
+            continue
+        if key not in old:
+            out.append(f"{key} not recorded (an older prepare-data)")
+        elif key in ("inputs", "tokenizer_files"):
+            was, now = {f[0]: f[1:] for f in old[key]}, {f[0]: f[1:] for f in new[key]}
+            what = "input" if key == "inputs" else "tokenizer file"
+            out += [f"{what} {f} added" for f in now if f not in was][:3]
+            out += [f"{what} {f} removed" for f in was if f not in now][:3]
+            out += [f"{what} {f} changed (size or modification time)" for f in now if f in was and now[f] != was[f]][:3]
+        else:
+            out.append(f"{flags.get(key, key)} {old[key]!r} then, {new[key]!r} now")
+    return out
 
 
 def _init(tokenizer: str | None) -> None:
@@ -105,12 +133,16 @@ def prepare_data(inputs: list[str], out: str | Path, tokenizer: str | None = Non
     _, eod, vocab = text_encoder(tokenizer)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"tokenizer": str(Path(tokenizer).resolve()) if tokenizer else None, "vocab_size": vocab, "eod": eod}
+    meta = {"tokenizer": str(Path(tokenizer).resolve()) if tokenizer else None, "vocab_size": vocab, "eod": eod,
+            "tokenizer_files": fingerprint([Path(tokenizer)]) if tokenizer else [], "shard_docs": shard_docs,
+            "text_key": text_key, "inputs": fingerprint(files)}
     if (out / META).is_file():
         old = json.loads((out / META).read_text())
-        if old != meta:
-            raise ValueError(f"prepare-data: {str(out)!r} holds shards of another tokenizer ({old}); give a new "
-                             "output folder")
+        diffs = _differences(old, meta)
+        if diffs:
+            raise ValueError(f"prepare-data: {str(out)!r} holds shards made with other settings or inputs ("
+                             + "; ".join(diffs) + "): a resume must repeat the first run's exactly, or its shards "
+                             "would mix two cuts of the corpus; give a new output folder (or empty this one)")
     else:
         (out / META).write_text(json.dumps(meta))
     jobs, skipped, shards = [], 0, 0

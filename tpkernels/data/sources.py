@@ -8,12 +8,14 @@
   folder: its ``train`` split) are records. ``datasets`` is imported only here, only when such a
   source is opened: text files and the indexed format work without it.
 * A path that does not exist is a named error (never a hub lookup for a typo); a JSON/text file
-  that is not UTF-8 is a named error naming the file and the byte offset.
+  that is not UTF-8 is a named error naming the file and the byte offset; a JSON-lines line that is
+  not a JSON object, one naming the file and the line.
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 from pathlib import Path
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
@@ -34,8 +36,8 @@ def source_kind(source: str) -> str:
     return "text"
 
 
-def check_utf8(path: str | Path, chunk: int = 1 << 20) -> None:
-    """Raise a ValueError naming ``path`` and the byte offset of its first byte that is not UTF-8."""
+def check_utf8(path: str | Path, chunk: int = 1 << 20, what: str = "data.source") -> None:
+    """Raise a ValueError naming ``what``, ``path`` and the byte offset of its first byte that is not UTF-8."""
     dec, offset = codecs.getincrementaldecoder("utf-8")(), 0
     with open(path, "rb") as f:
         while True:
@@ -43,7 +45,7 @@ def check_utf8(path: str | Path, chunk: int = 1 << 20) -> None:
             try:
                 dec.decode(block, final=not block)
             except UnicodeDecodeError as e:
-                raise ValueError(f"data.source: {str(path)!r} is not UTF-8 text (byte {offset + e.start}: "
+                raise ValueError(f"{what}: {str(path)!r} is not UTF-8 text (byte {offset + e.start}: "
                                  f"{e.reason}); re-encode it as UTF-8") from None
             if not block:
                 return
@@ -54,6 +56,25 @@ def read_utf8(path: str | Path) -> str:
     """The text of ``path``, strictly UTF-8 (a named error otherwise)."""
     check_utf8(path)
     return Path(path).read_text(encoding="utf-8")
+
+
+def json_lines(path: str | Path, what: str = "data.source"):
+    """(line number, object) of each non-blank line of a JSON-lines file; a line that is not a JSON object
+    is a ValueError naming ``what``, the file and the line."""
+    check_utf8(path, what=what)
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{what}: {str(path)!r} line {n} is not JSON ({e.msg} at column {e.colno}): "
+                                 "JSON lines hold one JSON object per line") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{what}: {str(path)!r} line {n} is a JSON {type(obj).__name__}, not an object: "
+                                 "JSON lines hold one JSON object per line")
+            yield n, obj
 
 
 def open_records(source: str | Path):
@@ -77,7 +98,10 @@ def open_records(source: str | Path):
         check_utf8(p)
         try:
             return datasets.Dataset.from_json(str(p), keep_in_memory=True)
-        except Exception as e:  # a line that is not JSON: datasets' own error is deep in pyarrow
+        except Exception as e:  # a line that is not JSON: datasets' own error is deep in pyarrow, without the line
+            if p.suffix == ".jsonl":
+                for _ in json_lines(p):
+                    pass
             raise ValueError(f"data.source ({str(source)!r}) is not JSON lines (one JSON object per line): "
                              f"{type(e).__name__}: {str(e)[:300]}") from e
     if p.suffix == ".parquet":
