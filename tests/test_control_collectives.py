@@ -46,11 +46,9 @@ DATA_PLANE = {
     "tpkernels/functional/context_parallel_algos.py": {"_exchange", "_direct", "_all_to_all"},
     "tpkernels/models/grad_sync.py": {"coalesced_all_reduce", "_launch"},
     "tpkernels/pipeline/p2p.py": {"*"},  # the pipeline's P2P engine: activations and gradients
-    # the quantised and FP8 linears: input-gradient partial sums, and the amaxes of device tensors (the
+    # the TP agreement of FP8 amaxes: device tensors, in the middle of a linear's forward or backward (the
     # FP8 scales stay on the device)
-    "tpkernels/functional/quantized_tp_linear.py": {"backward"},
-    "tpkernels/functional/fp8_linear.py": {"_rowcast", "forward", "backward"},
-    "tpkernels/quant/fp8.py": {"_amax"},
+    "tpkernels/quant/fp8_state.py": {"_agree_amax"},
     # the planner times the collectives themselves, on tensors of the control device
     "tpkernels/planner/measure.py": {"_allreduce_worker", "_allreduce_worker.exchange",
                                      "_contended_worker.per_iteration"},

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tpkernels.conventions import rows
 from tpkernels import backends
 from tpkernels._extension import extension
 from tpkernels.kernels import reference
@@ -54,13 +55,6 @@ def _check(x: Tensor, bias: Tensor, approximate: str) -> None:
     if x.device != bias.device:
         raise ValueError(f"bias device ({bias.device}) must equal x device ({x.device})")
 
-
-def _rows(t: Tensor, cols: int) -> Tensor:
-    """(..., cols) -> (rows, cols) with last-dim stride 1; a view whenever possible."""
-    t2 = t.reshape(-1, cols)
-    if cols > 1 and t2.stride(1) != 1:
-        t2 = t2.contiguous()
-    return t2
 
 
 def _launchers(backend: str):
@@ -101,7 +95,7 @@ def bias_gelu_fwd(x: Tensor, bias: Tensor, approximate: str = "none", *, backend
     if x.numel() == 0:  # no rows or no features: nothing to launch (and (-1, 0) cannot be reshaped)
         return torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     out2 = None if out is None else out.view(-1, n)
-    return fwd(_rows(x, n), bias.contiguous(), approximate, out2).view(x.shape)
+    return fwd(rows(x), bias.contiguous(), approximate, out2).view(x.shape)
 
 
 def bias_gelu_bwd(grad: Tensor, x: Tensor, bias: Tensor, approximate: str = "none", *,
@@ -119,7 +113,7 @@ def bias_gelu_bwd(grad: Tensor, x: Tensor, bias: Tensor, approximate: str = "non
         db = torch.zeros_like(bias) if grad_bias_out is None else grad_bias_out.zero_()
         return dx, db
     dx_out2 = None if grad_x_out is None else grad_x_out.view(-1, n)
-    dx, db = bwd(_rows(grad, n), _rows(x, n), bias.contiguous(), approximate, dx_out2, grad_bias_out)
+    dx, db = bwd(rows(grad), rows(x), bias.contiguous(), approximate, dx_out2, grad_bias_out)
     return dx.view(x.shape), db
 
 

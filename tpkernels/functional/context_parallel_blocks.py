@@ -98,7 +98,7 @@ def _unpack_add_(acc: Tensor, packed: Tensor, runs) -> None:
         at += e - s
 
 
-def _rows(t: Tensor, rows: slice) -> Tensor:
+def _take_rows(t: Tensor, rows: slice) -> Tensor:
     """(b·m, ...) of rows ``rows`` of (b, s, ...): a view for one batch row, a copy otherwise."""
     return t[:, rows].reshape(-1, *t.shape[2:])
 
@@ -119,7 +119,7 @@ def run_forward(out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, calls
                                    softcap=o.softcap)
         else:
             vl = c.varlen
-            ob, lb = attention_fwd(_rows(q, c.q_rows), _pack(k, vl.k_runs), _pack(v, vl.k_runs), o.scale, False,
+            ob, lb = attention_fwd(_take_rows(q, c.q_rows), _pack(k, vl.k_runs), _pack(v, vl.k_runs), o.scale, False,
                                    vl.cu_q, vl.cu_k, vl.max_q, vl.max_k, window=c.window, softcap=o.softcap)
             ob, lb = ob.view(b, m, h, d), lb.view(h, b, m).transpose(0, 1)
         merge_(out[:, c.q_rows], lse[:, :, c.q_rows], ob.to(out.dtype), lb.to(out.dtype))
@@ -140,8 +140,8 @@ def run_backward(dq: Tensor, dk: Tensor, dv: Tensor, do: Tensor, q: Tensor, k: T
             dq[:, c.q_rows] += g[0].to(dq.dtype)
             continue
         vl = c.varlen
-        g = attention_bwd(_rows(do, c.q_rows).contiguous(), _rows(q, c.q_rows), _pack(k, vl.k_runs),
-                          _pack(v, vl.k_runs), _rows(out, c.q_rows).contiguous(), _lse_rows(lse, c.q_rows).contiguous(),
+        g = attention_bwd(_take_rows(do, c.q_rows).contiguous(), _take_rows(q, c.q_rows), _pack(k, vl.k_runs),
+                          _pack(v, vl.k_runs), _take_rows(out, c.q_rows).contiguous(), _lse_rows(lse, c.q_rows).contiguous(),
                           o.scale, False, vl.cu_q, vl.cu_k, vl.max_q, vl.max_k, window=c.window, softcap=o.softcap)
         dq[:, c.q_rows] += g[0].view(b, m, h, d).to(dq.dtype)
         _unpack_add_(dk, g[1], vl.k_runs)

@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import torch
 
+from tpkernels.conventions import rows
 from tpkernels.quant.fp8 import fp8_gemm
 from tpkernels.quant.fp8_state import Fp8Slot
 
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
 
 
 class Fp8Operand:
@@ -51,7 +49,7 @@ class Fp8Operand:
 
     def matmul(self, a: torch.Tensor, out: torch.Tensor | None = None, wide: bool = False) -> torch.Tensor:
         a8 = a.view(self.a_dtype)
-        y = fp8_gemm(_rows(a8), self.a_scale, self.b8, self.b_scale, torch.float32 if wide else self.out_dtype)
+        y = fp8_gemm(rows(a8), self.a_scale, self.b8, self.b_scale, torch.float32 if wide else self.out_dtype)
         y = y.view(*a.shape[:-1], self.b8.shape[0])
         return y if out is None else out.copy_(y)
 
@@ -126,7 +124,7 @@ class Fp8Ops:
     def wgrad(self, g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """dW = gᵀ·a in fp32 over these rows (tensorwise: the FP8 bytes transposed; rowwise: gᵀ and aᵀ
         re-quantised along their rows, which are whole on this rank)."""
-        g2, a2 = _rows(g), _rows(a)
+        g2, a2 = rows(g), rows(a)
         if self.rowwise:
             g8, sg = self.slot.cast("dy", g2.t().contiguous())
             a8, sa = self.slot.cast("x", a2.t().contiguous())

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from tpkernels.conventions import rows
 from tpkernels import backends
 from tpkernels._extension import extension
 from tpkernels.kernels import reference
@@ -88,10 +89,6 @@ def _select(t: Tensor, k: int, backend: str | None) -> str:
     return backends.select(OP, t.device, backend, dtype=t.dtype, k=k)
 
 
-def _rows(t: Tensor) -> Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
-
 
 def nf4_linear_fwd(x: Tensor, packed: Tensor, absmax_q: Tensor, absmax_scale: Tensor, absmax_offset: Tensor, n: int,
                    *, backend: str | None = None) -> Tensor:
@@ -99,7 +96,7 @@ def nf4_linear_fwd(x: Tensor, packed: Tensor, absmax_q: Tensor, absmax_scale: Te
     k = x.shape[-1]
     # detached: the kernels' worker threads do not inherit the caller's no-grad mode, and ATen's out=
     # GEMMs refuse an input that requires grad there (launchers are below autograd by contract)
-    x2 = _rows(x.detach())
+    x2 = rows(x.detach())
     name = _select(x, k, backend)
     if name == "triton":
         from tpkernels.kernels.triton import nf4_linear as tk  # noqa: PLC0415  (triton import is slow)
@@ -117,7 +114,7 @@ def nf4_linear_fwd(x: Tensor, packed: Tensor, absmax_q: Tensor, absmax_scale: Te
 def nf4_linear_bwd(dy: Tensor, packed: Tensor, absmax_q: Tensor, absmax_scale: Tensor, absmax_offset: Tensor, k: int,
                    *, backend: str | None = None) -> Tensor:
     """Input-gradient launcher: dy (..., N) -> dx (..., k) = dy · W, dy's dtype."""
-    dy2 = _rows(dy.detach())
+    dy2 = rows(dy.detach())
     name = _select(dy, k, backend)
     if name == "triton":
         from tpkernels.kernels.triton import nf4_linear as tk  # noqa: PLC0415

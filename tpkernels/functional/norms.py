@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from tpkernels.conventions import rows
 from tpkernels import backends
 from tpkernels._extension import extension
 from tpkernels.kernels import reference
@@ -83,11 +84,6 @@ def _check(x: Tensor, eps: float, residual: Tensor | None, **params: Tensor) -> 
             raise ValueError(f"residual ({got}) must be a tensor like x ({x.dtype} {tuple(x.shape)} on {x.device})")
 
 
-def _rows(t: Tensor) -> Tensor:
-    """(..., n) -> (rows, n) with last-dim stride 1; a view whenever possible."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
-
 
 def _select(x: Tensor, backend: str | None, op: str = OP) -> str:
     return backends.select(op, x.device, backend, dtype=x.dtype, n=x.shape[-1])
@@ -98,7 +94,7 @@ def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None 
     """Forward launcher (no autograd). x, residual: (..., n); weight (n,) -> (y like x, h like x or
     None, rstd (rows,) fp32 (fp64 for fp64))."""
     shape, n = x.shape, x.shape[-1]
-    x2, r2 = _rows(x), None if residual is None else _rows(residual)
+    x2, r2 = rows(x), None if residual is None else rows(residual)
     name = _select(x, backend)
     if name == "triton":
         from tpkernels.kernels.triton import rms_norm as tk  # noqa: PLC0415  (triton import is slow)
@@ -117,7 +113,7 @@ def rms_norm_bwd(dy: Tensor, h: Tensor, weight: Tensor, rstd: Tensor, dh: Tensor
     shape = h.shape
     if h.numel() == 0:  # no rows: autograd's dy may be a zero-stride view the kernels refuse
         return torch.zeros_like(h), torch.zeros_like(weight)
-    args = (_rows(dy), _rows(h), weight.contiguous(), rstd.contiguous(), None if dh is None else _rows(dh))
+    args = (rows(dy), rows(h), weight.contiguous(), rstd.contiguous(), None if dh is None else rows(dh))
     name = _select(h, backend)
     if name == "triton":
         from tpkernels.kernels.triton import rms_norm as tk  # noqa: PLC0415
@@ -218,7 +214,7 @@ def layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: f
     """Forward launcher (no autograd). x, residual: (..., n); weight, bias (n,) or None -> (y like x,
     h like x or None, mean (rows,), rstd (rows,)), the statistics fp32 (fp64 for fp64)."""
     shape = x.shape
-    x2, r2 = _rows(x), None if residual is None else _rows(residual)
+    x2, r2 = rows(x), None if residual is None else rows(residual)
     w, b = _ones_if_none(weight, x), None if bias is None else bias.contiguous()
     name = _select(x, backend, LN_OP)
     if name == "triton":
@@ -240,7 +236,7 @@ def layer_norm_bwd(dy: Tensor, h: Tensor, weight: Tensor | None, mean: Tensor, r
     w = _ones_if_none(weight, h)
     if h.numel() == 0:  # no rows: autograd's dy may be a zero-stride view the kernels refuse
         return torch.zeros_like(h), torch.zeros_like(w), torch.zeros_like(w)
-    args = (_rows(dy), _rows(h), w, mean.contiguous(), rstd.contiguous(), None if dh is None else _rows(dh))
+    args = (rows(dy), rows(h), w, mean.contiguous(), rstd.contiguous(), None if dh is None else rows(dh))
     name = _select(h, backend, LN_OP)
     if name == "triton":
         from tpkernels.kernels.triton import layer_norm as tk  # noqa: PLC0415

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from tpkernels.conventions import rows
 from tpkernels import backends
 from tpkernels._extension import extension
 from tpkernels.kernels import reference
@@ -53,18 +54,14 @@ def _check(gate: Tensor, up: Tensor | None) -> None:
                          f"({gate.dtype} {tuple(gate.shape)} on {gate.device})")
 
 
-def _rows(t: Tensor) -> Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 or t2.shape[-1] <= 1 else t2.contiguous()
-
 
 def _halves(gate: Tensor, up: Tensor | None) -> tuple[Tensor, Tensor]:
     """(gate, up) as (rows, f) views; the fused [gate | up] is split in place."""
     if up is None:
-        gu = _rows(gate)
+        gu = rows(gate)
         f = gu.shape[-1] // 2
         return gu[:, :f], gu[:, f:]
-    return _rows(gate), _rows(up)
+    return rows(gate), rows(up)
 
 
 def _kernels(name: str):
@@ -102,7 +99,7 @@ def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor | None = None, *, backend: s
     if gate.numel() == 0:  # no rows: autograd's dy may be a zero-stride view the kernels refuse
         return torch.zeros_like(gate), None if up is None else torch.zeros_like(up)
     g, u = _halves(gate, up)
-    dy2 = _rows(dy)
+    dy2 = rows(dy)
     _, bwd = _kernels(backends.select(OP, gate.device, backend, dtype=gate.dtype))
     if up is None:
         dgu = torch.empty((g.shape[0], 2 * g.shape[1]), dtype=gate.dtype, device=gate.device)

@@ -38,12 +38,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tpkernels.dtypes import widen
+from tpkernels.conventions import rows as _rows
 from tpkernels.functional.gemm_comm import (all_gather_matmul, check_algo, choose_algo, matmul_all_reduce,
                                             matmul_reduce_scatter)
 from tpkernels.functional.quantized_weight import QuantizedWeight, matmul as _mm
 from tpkernels.functional.weight_format import DENSE, QuantizedFormat
-from tpkernels.functional.weight_grad import WeightGrad, graph_anchor, rows as _rows, weight_for_graph
+from tpkernels.functional.weight_grad import WeightGrad, graph_anchor, weight_for_graph
 from tpkernels.parallel.groups import group_rank_size
 from tpkernels.parallel.mappings import all_gather_dim, all_reduce
 

@@ -33,15 +33,11 @@ import threading
 
 import torch
 
+from tpkernels.conventions import rows
 from tpkernels._state import setting
 from tpkernels.dtypes import accumulation_dtype
 
 _STATE = threading.local()
-
-
-def rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (..., K) as a 2-D (rows, K) view."""
-    return t.reshape(-1, t.shape[-1])
 
 
 class WeightGradStore:
