@@ -1,15 +1,20 @@
 """DPO in the trainer: the objective against a logits oracle, every layout against the one-process run,
-the cached reference against the online one, and bad input named.
+the cached reference against the online one, its key (a QLoRA run never reads a LoRA run's reference),
+two runs filling one cache at once, and bad input named.
 
 Preference pairs (prompt/chosen/rejected, conversational) go through the tiny chat tokenizer of
 tests/data_checks.py and are packed pairs-per-row; the model is test_train's small Llama in fp64."""
 
 from __future__ import annotations
 
+import math
+import threading
+import time
+
 import pytest
 import torch
 
-from data_checks import MARKED, from_hf_keys, make_tokenizer, save_hf_llama, write_jsonl
+from data_checks import MARKED, PLAIN, from_hf_keys, make_tokenizer, save_hf_llama, write_jsonl
 from test_train import small
 from tpkernels.functional.preference import preference_loss
 from tpkernels.models import ParallelTransformer
@@ -17,8 +22,9 @@ from tpkernels.models.preference import PreferenceObjective
 from tpkernels.parallel import ParallelConfig
 from tpkernels.parallel.state import ParallelState
 from tpkernels.train import Trainer
+from tpkernels.train import reference_cache as rc
 from tpkernels.train.data import data_of
-from tpkernels.train.dpo import PairInfo
+from tpkernels.train.dpo import PairInfo, cache_key
 
 SEQ = 40
 PROMPTS = [("what is two plus three", "five", "four"), ("why is the sky blue", "because", "no"),
@@ -147,10 +153,15 @@ def test_cached_reference_equals_a_frozen_model(tmp_path):
 
 def cached_equals_adapters_off(tmp_path, finetune: str) -> dict:
     """Train with the cached reference and with the adapters-off one: the same run, step by step (metrics
-    to 1e-9); returns the config both used."""
+    to 1e-9); returns the config both used. The cache folder holds the other kind's reference first (a
+    one-step run of QLoRA for LoRA, of LoRA for QLoRA): a key without model.finetune and model.quant read
+    the 16-bit base's reference in a QLoRA run (step 0: 0.6926, not log 2), and the NF4 base's in LoRA."""
     kw = {"model.finetune": finetune, "model.lora_rank": 4, "micro_batch_size": 2, "num_microbatches": 1,
           "log_every": 1}
+    other = {"lora": "qlora", "qlora": "lora"}[finetune]
+    _train(tmp_path, {**kw, "model.finetune": other, "steps": 1, "optimizer.warmup_steps": 0})
     cached = _train(tmp_path, {**kw, "dpo.reference": "cached"})
+    assert cached["loss"][0] == pytest.approx(math.log(2), rel=1e-12)  # policy = its own reference
     online = _train(tmp_path, {**kw, "dpo.reference": "adapters"})
     assert_same_run(online, cached, rtol=1e-9)
     assert cached["loss"][-1] != cached["loss"][0]
@@ -162,10 +173,10 @@ def test_cached_reference_equals_adapters_off_with_lora(tmp_path):
     step with the adapters turned off give the same run; the cache is re-used by the next run."""
     lora = cached_equals_adapters_off(tmp_path, "lora")
     folders = list((tmp_path / "ref").iterdir())
-    assert len(folders) == 1 and (folders[0] / "key.json").is_file()
-    stamp = {p.name: p.stat().st_mtime_ns for p in folders[0].iterdir()}
+    assert len(folders) == 2 and all((f / "key.json").is_file() for f in folders)  # QLoRA's and LoRA's
+    stamp = {p: p.stat().st_mtime_ns for f in folders for p in f.iterdir()}
     _train(tmp_path, {**lora, "dpo.reference": "cached"})  # a second run reads, never rewrites
-    assert {p.name: p.stat().st_mtime_ns for p in folders[0].iterdir()} == stamp
+    assert {p: p.stat().st_mtime_ns for f in folders for p in f.iterdir()} == stamp
 
 
 @pytest.mark.parametrize("kw,message", [
@@ -251,3 +262,98 @@ def test_implied_dpo_refuses_adapters_without_lora_and_eval_errors_name_eval_sou
         Trainer(_cfg(tmp_path, **{"dpo.reference": "adapters"}))  # training.task auto: the pairs imply dpo
     with pytest.raises(ValueError, match=r"eval.source \('.*nope.jsonl'\) does not exist"):
         Trainer(_cfg(tmp_path, **{"eval.source": str(tmp_path / "nope.jsonl"), "eval.every": 1}))
+
+
+def test_cache_key_holds_what_changes_the_reference_and_nothing_else(tmp_path):
+    """cache_key: the fine-tuning kind, the base's quantisation (and its TP size, which changes the NF4
+    bytes), the dtype, FP8's linears, the seed, the data settings and the chat template change it; β, the
+    loss type, the LoRA rank, the layout of a 16-bit base do not."""
+    def key(tp=1, fp8_linears=None, **kw):
+        cfg = _cfg(tmp_path, **kw)
+        return cache_key(cfg, cfg.model_config(), data_of(cfg, cfg.model_config().vocab_size).packed, tp=tp,
+                         fp8_linears=fp8_linears).digest
+
+    base = key()
+    lora = key(**{"model.finetune": "lora"})
+    nf4 = key(**{"model.finetune": "qlora"})
+    same = [key(**{"dpo.beta": 0.5, "dpo.loss_type": "ipo"}), key(tp=2, **{"dpo.reference": "cached"})]
+    assert same == [base, base]
+    assert key(tp=2, **{"model.finetune": "lora", "model.lora_rank": 8}) == lora
+    differ = [base, lora, nf4, key(tp=2, **{"model.finetune": "qlora"}),
+              key(**{"model.finetune": "qlora", "model.quant": "int8"}), key(**{"training.precision": "fp32"}),
+              key(**{"training.precision": "fp8"}), key(fp8_linears=["qkv"], **{"training.precision": "fp8"}),
+              key(**{"training.seed": 1}), key(**{"data.overflow": "truncate"}), key(**{"seq_length": SEQ + 1})]
+    make_tokenizer(tmp_path / "tok", PLAIN)  # the same vocabulary, another chat template
+    differ.append(key())
+    assert len(set(differ)) == len(differ)
+
+
+def _hold_after_deciding(rank: int, world: int, tmp_path, kw: dict):
+    """A run whose rank 0, right after reading which pairs the cache lacks, waits until another run has
+    completed the cache; its other ranks wait for that before their first look at the folder (where
+    they make one): so they see the folder the other run left, rank 0's view is out of date."""
+    done = tmp_path / "b-done"
+
+    def wait():
+        deadline = time.monotonic() + 120
+        while not done.exists():
+            assert time.monotonic() < deadline, "the other run never finished"
+            time.sleep(0.02)
+
+    missing, complete = rc.ReferenceCache.missing, rc.ReferenceCache.complete
+
+    def missing_then_wait(self, n):
+        out = missing(self, n)
+        (tmp_path / "a-decided").touch()
+        wait()
+        return out
+
+    def wait_then_complete(self):
+        wait()
+        return complete.fget(self)
+
+    if rank == 0:
+        rc.ReferenceCache.missing = missing_then_wait
+    else:
+        rc.ReferenceCache.complete = property(wait_then_complete)
+    try:
+        return _train(tmp_path, kw)
+    finally:
+        rc.ReferenceCache.missing, rc.ReferenceCache.complete = missing, complete
+
+
+def test_two_runs_fill_one_cache_at_once(rank_pool, tmp_path):
+    """Run A (DP2) decides that every pair is missing; run B (one process, same key) then fills and
+    completes the cache before A goes on, and A's rank 1 sees B's complete cache. Both runs finish (A's
+    parts are dropped, its finalize is a success; its ranks act on rank 0's decision, so they never
+    disagree), and they train alike on the same reference: step 0 is log 2 on both."""
+    _cfg(tmp_path)  # the tokenizer and data, written once before the runs
+    kw = {"micro_batch_size": 1, "num_microbatches": 1, "log_every": 1, "steps": 1, "optimizer.warmup_steps": 0}
+    got = {}
+
+    def run_a():
+        try:
+            got["a"] = rank_pool(2).run(_hold_after_deciding, tmp_path, {**kw, "dp": 2}, timeout=240)
+        except Exception as e:  # noqa: BLE001  (asserted below)
+            got["a"] = e
+        finally:
+            (tmp_path / "a-ended").touch()
+
+    a = threading.Thread(target=run_a)
+    a.start()
+    deadline = time.monotonic() + 120
+    while not ((tmp_path / "a-decided").exists() or (tmp_path / "a-ended").exists()):
+        assert time.monotonic() < deadline, "run A never read the cache"
+        time.sleep(0.02)
+    try:
+        b = _train(tmp_path, {**kw, "micro_batch_size": 2})
+    finally:
+        (tmp_path / "b-done").touch()
+        a.join(300)
+    assert not isinstance(got["a"], Exception), got["a"]
+    assert b["loss"][0] == pytest.approx(math.log(2), rel=1e-12)
+    folders = list((tmp_path / "ref").iterdir())
+    assert len(folders) == 1 and not list(folders[0].glob("part-*"))
+    for a_rank in got["a"]:
+        for k in b:
+            torch.testing.assert_close(torch.tensor(a_rank[k]), torch.tensor(b[k]), rtol=1e-9, atol=1e-12, msg=k)

@@ -1,17 +1,22 @@
 """The DPO reference log-prob cache (tpkernels.train.reference_cache): a round trip through writers
 that split the samples any way (two "DP layouts" read the same values), resumption from parts,
-the key (model config/weights, data content, tokenizer, seq_length, settings; moving the data keeps
-it), a folder made for another key refused with the differing fields named, damaged files refused
-(a flipped byte, a truncated shard, key.json not JSON), and no pickle anywhere."""
+the key (model config/weights, data content, tokenizer, tokens, seq_length, settings; moving the
+data keeps it; a weight file rewritten with its size and mtime kept misses), a folder made for
+another key refused with the differing fields named, damaged files refused (a flipped byte, a
+truncated shard, key.json not JSON), no pickle anywhere, and several writers at once: a writer that
+finds the cache completed by another succeeds, and simultaneous merges both succeed with one result."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import threading
 
 import pytest
 import torch
 
+from tpkernels.train import reference_cache as rc
 from tpkernels.train.reference_cache import (
     KEY_FILE,
     ReferenceCache,
@@ -19,6 +24,7 @@ from tpkernels.train.reference_cache import (
     ReferenceCacheError,
     ReferenceCacheKeyError,
     reference_cache_key,
+    weight_file_identity,
 )
 
 
@@ -83,13 +89,14 @@ def test_round_trip_is_layout_independent(tmp_path, sources):
         assert c.dtype == torch.float64 and torch.equal(c, chosen[share]) and torch.equal(r, rejected[share])
     with pytest.raises(ReferenceCacheError, match=r"sample index 23 is out of the cache's range \[0, 23\)"):
         b.get([23])
-    with pytest.raises(ReferenceCacheError, match="complete already"):
-        b.finalize(n)
-    with pytest.raises(ReferenceCacheError, match="is complete: it takes no more samples"):
-        b.put([0], chosen[:1], rejected[:1])
-    # nothing on disk is a pickle: safetensors and JSON only
+    # a writer that finds the cache complete (another run finished it) succeeds and changes nothing
+    assert b.put([0], chosen[:1] + 1, rejected[:1]) is False and b.finalize(n) is False
+    assert torch.equal(b.get([0])[0], chosen[:1]) and not list((tmp_path / "cache").glob("part-*"))
+    with pytest.raises(ReferenceCacheError, match=r"holds 23 samples, but num_samples is 24: the same key must"):
+        b.finalize(n + 1)
+    # nothing on disk is a pickle: safetensors and JSON only (and the writers' lock file, if it stays)
     for p in (tmp_path / "cache").iterdir():
-        assert p.suffix in (".safetensors", ".json"), p
+        assert p.suffix in (".safetensors", ".json", ".lock"), p
         assert not p.read_bytes().startswith(b"\x80"), p
 
 
@@ -120,7 +127,7 @@ def test_repeated_sample_with_other_values_is_refused(tmp_path, sources):
         cache.finalize(2)
 
 
-def test_key_covers_model_data_tokenizer_and_settings(tmp_path, sources):
+def test_key_covers_model_data_tokenizer_tokens_and_settings(tmp_path, sources):
     model, data, folder = sources
     base = _key(sources).digest
     assert _key(sources).digest == base
@@ -133,23 +140,88 @@ def test_key_covers_model_data_tokenizer_and_settings(tmp_path, sources):
     assert _key(sources, seq_length=128).digest != base
     assert _key(sources, settings={"loss_on": "all", "overflow": "truncate"}).digest != base
     for path, text in ((folder / "train" / "data-00000.arrow", "arrow2"), (model / "tokenizer.json", "{}"),
+                       (model / "tokenizer_config.json", '{"chat_template": "{{ messages[0] }}"}'),
                        (model / "config.json", '{"hidden_size": 16}')):
         old = path.read_bytes()
         path.write_text(text)
         assert _key(sources).digest != base, path
         path.write_bytes(old)
-    st = (model / "model.safetensors").stat()
-    assert _key(sources).digest == base
-    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # a rewrite: stat mode misses
-    assert _key(sources).digest != base
-    content = _key(sources, weights="content").digest
-    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 5))  # content mode survives a copy
-    assert _key(sources, weights="content").digest == content
+    # the packed tokens: the same tensors keep the key, one changed mask bit or a cast do not
+    ids = torch.randint(0, 50, (3, 17))
+    mask = torch.rand(3, 17) < 0.5
+    tokens = _key(sources, tokens={"ids": ids, "mask": mask}).digest
+    assert tokens != base and _key(sources, tokens={"mask": mask.clone(), "ids": ids.clone()}).digest == tokens
+    flipped = mask.clone()
+    flipped[2, 16] ^= True
+    assert _key(sources, tokens={"ids": ids, "mask": flipped}).digest != tokens
+    assert _key(sources, tokens={"ids": ids.int(), "mask": mask}).digest != tokens
     with pytest.raises(ReferenceCacheError, match="settings must be JSON"):
         _key(sources, settings={"dtype": torch.float32})
+    with pytest.raises(ReferenceCacheError, match=r"tokens\['ids'\] must be a tensor, got list"):
+        _key(sources, tokens={"ids": [1, 2]})
+    with pytest.raises(ReferenceCacheError, match=r"weights \('stat'\) must be one of fingerprint, content"):
+        _key(sources, weights="stat")
     with pytest.raises(ReferenceCacheError, match="has no weight file"):
         (model / "model.safetensors").unlink()
         _key(sources)
+
+
+def _rewrite_keeping_size_and_mtime(path, at: int) -> None:
+    """One byte changed in place, the file's size and mtime as they were (cp -p, rsync -t, or a rewrite
+    within one mtime tick leave a file so)."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+def test_weights_rewritten_with_size_and_mtime_kept_miss(tmp_path, sources, monkeypatch, fresh_seed):
+    """The base weights' identity: a weight file whose bytes changed while its size and mtime were
+    kept misses the cache, small (hashed whole) or large (stat with ctime and inode, the safetensors
+    header and sampled blocks); a copy of a small file keeps the key, content mode keeps it for any."""
+    model, _, _ = sources
+    weights = model / "model.safetensors"
+    g = torch.Generator().manual_seed(fresh_seed)
+    size = 5000 + int(torch.randint(0, 3000, (1,), generator=g))
+    header = b'{"w":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}}'
+    weights.write_bytes(len(header).to_bytes(8, "little") + header + bytes(torch.randint(0, 256, (size,),
+                                                                                      generator=g).tolist()))
+    base = _key(sources).digest
+    _rewrite_keeping_size_and_mtime(weights, int(torch.randint(0, weights.stat().st_size, (1,), generator=g)))
+    assert _key(sources).digest != base  # a small file: its SHA-256
+    # a copy (new mtime, new inode) of a small file keeps the key: its content is the identity
+    small = _key(sources).digest
+    shutil.copyfile(weights, tmp_path / "copy")
+    os.replace(tmp_path / "copy", weights)
+    assert _key(sources).digest == small
+
+    # a large file (the threshold lowered): identity from stat (ctime, inode) and sampled bytes
+    monkeypatch.setattr(rc, "SMALL_FILE", 1024)
+    monkeypatch.setattr(rc, "SAMPLE_BYTES", 16)
+    large = weight_file_identity(weights)
+    assert set(large) == {"bytes", "mtime_ns", "ctime_ns", "inode", "sampled_sha256"}
+    content = _key(sources, weights="content").digest
+    before = _key(sources).digest
+    _rewrite_keeping_size_and_mtime(weights, weights.stat().st_size // 2)
+    assert _key(sources).digest != before
+    assert _key(sources, weights="content").digest != content
+    # the sampled bytes alone (what sees a rewrite within one ctime tick): a byte of the header, of the
+    # second, of a middle and of the last sampled block
+    n = weights.stat().st_size
+    last = n - rc.SAMPLE_BYTES
+    for at in (9, last // (rc.SAMPLE_BLOCKS - 1) + 3, 17 * last // (rc.SAMPLE_BLOCKS - 1) + 3, n - 1):
+        was = weight_file_identity(weights)["sampled_sha256"]
+        _rewrite_keeping_size_and_mtime(weights, at)
+        assert weight_file_identity(weights)["sampled_sha256"] != was, at
+    # content mode survives a copy of a large file too
+    content = _key(sources, weights="content").digest
+    shutil.copyfile(weights, tmp_path / "copy")
+    os.replace(tmp_path / "copy", weights)
+    assert _key(sources, weights="content").digest == content
 
 
 def test_key_mismatch_is_a_named_error(tmp_path, sources):
@@ -232,3 +304,64 @@ def _flip(path, at):
 def _truncate(path):
     data = path.read_bytes()
     path.write_bytes(data[:len(data) // 2])
+
+
+def test_a_writer_overtaken_by_another_succeeds(tmp_path, sources, monkeypatch):
+    """Two runs of one key fill one folder: B decided what was missing, then A put everything and
+    merged before B stored anything; a part of B's lands while A merges. B's puts and finalize succeed
+    (nothing to add), no part file stays, and both read A's values."""
+    n = 9
+    chosen, rejected = _values(n, 2)
+    a, b = ReferenceCache(tmp_path / "c", _key(sources)), ReferenceCache(tmp_path / "c", _key(sources))
+    assert torch.equal(b.missing(n), torch.arange(n))  # B's decision: compute everything
+    a.put(torch.arange(n), chosen, rejected)
+    read = ReferenceCache._read_parts
+
+    def b_writes_during_the_merge(self):
+        out = read(self)
+        assert b.put([3, 4], chosen[3:5], rejected[3:5]) is True  # lands after A listed the parts
+        return out
+
+    monkeypatch.setattr(ReferenceCache, "_read_parts", b_writes_during_the_merge)
+    assert a.finalize(n) is True
+    monkeypatch.setattr(ReferenceCache, "_read_parts", read)
+    assert b.put(torch.arange(n), chosen, rejected) is False  # complete: B's values are not needed
+    assert b.finalize(n) is False
+    assert not list((tmp_path / "c").glob("part-*"))
+    for cache in (a, b, ReferenceCache(tmp_path / "c", _key(sources))):  # a third run opens it complete
+        c, r = cache.get(torch.arange(n))
+        assert torch.equal(c, chosen) and torch.equal(r, rejected)
+
+
+def test_simultaneous_writers_all_succeed_with_one_result(tmp_path, sources):
+    """Three writers (threads: each its own cache object, lock and files) open one new folder at the same
+    moment, put overlapping shares (the values of fp32 runs at other layouts: equal to 1e-7) and merge at
+    the same moment: every call succeeds, exactly one merges, all read the same values. Several rounds."""
+    n, writers = 11, 3
+    chosen, rejected = _values(n, 3)
+    for round_ in range(4):
+        folder, start, results = tmp_path / f"r{round_}", threading.Barrier(writers), {}
+
+        def writer(w):
+            try:
+                start.wait()
+                cache = ReferenceCache(folder, _key(sources))
+                share = torch.arange(w, n + w * 3) % n  # overlapping shares, together every sample
+                cache.put(share.unique(), chosen[share.unique()] * (1 + 1e-8 * w), rejected[share.unique()])
+                start.wait()
+                results[w] = (cache.finalize(n), *cache.get(torch.arange(n)))
+            except Exception as e:  # noqa: BLE001  (reported by the test below)
+                results[w] = e
+
+        threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(not isinstance(r, Exception) for r in results.values()), results
+        assert len(results) == writers and sorted(r[0] for r in results.values()) == [False] * (writers - 1) + [True]
+        first = results[0]
+        for merged, c, r in results.values():
+            assert torch.equal(c, first[1]) and torch.equal(r, first[2])
+        torch.testing.assert_close(first[1], chosen, rtol=1e-7, atol=0)
+        assert not list(folder.glob("part-*"))

@@ -9,11 +9,14 @@ The objective itself is :class:`tpkernels.models.preference.PreferenceObjective`
 
 The reference (``dpo.reference``):
 - ``cached`` (default): before the first step, one forward-only pass of the initial weights over every
-  pair of the packed dataset (the layout's own pipeline, any TP/PP/CP/DP), each pair's log-probs
-  stored under its stable index (``TokenBatch.pair_sample``) in a :class:`ReferenceCache` keyed by
-  the model (checkpoint files, or the random init's seed and shape), the data and tokenizer files,
-  the sequence length and the mask / packing settings; a later run with the same key reads it, at
-  any layout. A step then costs one policy forward/backward, as SFT does.
+  pair of the packed dataset (the layout's own pipeline, any TP/PP/CP/DP; LoRA and QLoRA with their
+  adapters off, so the pass is the reference those runs would compute online), each pair's
+  log-probs stored under its stable index (``TokenBatch.pair_sample``) in a :class:`ReferenceCache`
+  keyed by everything that changes them (:func:`cache_key`); a later run with the same key reads it,
+  at any layout. A step then costs one policy forward/backward, as SFT does. Rank 0 alone reads the
+  cache's state (complete? which pairs are missing?) and opens, keys and finalises it; every rank acts
+  on what it broadcasts: another run filling the same folder may complete it at any moment, and
+  ranks that read the disk each for itself could disagree and wait in different collectives.
 - ``adapters`` (LoRA): every step, a forward-only pass with the adapters turned off (scale 0: the
   base weights exactly), then the training pass: no second copy of the weights.
 - ``model``: a frozen copy of the initial weights beside the policy (twice the weights' memory),
@@ -35,9 +38,14 @@ from tpkernels.functional.preference import METRIC_NAMES, REFERENCE_FREE
 from tpkernels.models.lora import LoRA
 from tpkernels.models.preference import PreferenceObjective, SequenceLogps
 from tpkernels.parallel import control
+from tpkernels.parallel.raise_together import raise_together
 from tpkernels.train import reference_cache as rc
 
 IGNORE_INDEX = -100
+# how far two runs' values of one pair may differ in the cache (other layouts round otherwise): fp32 and fp64
+# sums differ by reduction order (~1e-7 relative), 16-bit and FP8 activations by their rounding (~1e-2)
+REFERENCE_RTOL = {"fp64": 1e-6, "fp32": 1e-6, "bf16": 5e-2, "fp16": 5e-2, "fp8": 5e-2}
+_CACHE_ERRORS = (rc.ReferenceCacheError, rc.ReferenceCacheKeyError, rc.ReferenceCacheCorruptError)
 
 
 @dataclasses.dataclass
@@ -118,19 +126,49 @@ def _cache_root(trainer) -> Path:
     return Path(base) / "tpkernels" / "dpo_reference"
 
 
-def cache_key(cfg, mc, source: str | None = None) -> rc.CacheKey:
-    """What the reference log-probs of ``source`` (default: data.source) depend on (and nothing else:
-    not the layout)."""
+def cache_key(cfg, mc, packed, source: str | None = None, *, tp: int = 1,
+              fp8_linears: list[str] | None = None) -> rc.CacheKey:
+    """What the reference log-probs of ``source`` (default: data.source; ``packed``: its packed pairs,
+    :class:`~tpkernels.data.packing.PackedSamples`) depend on, and nothing else:
+    - the base weights: ``model.init_from``'s files (:func:`~tpkernels.train.reference_cache.model_identity`),
+      or the random init's seed and shape; ``model.finetune`` and the base's quantisation
+      (``model.quant``), and for a quantised base ``tp``: its bytes depend on the TP size (each rank
+      quantises its own pieces; the double quantisation's statistics are per piece);
+    - the tokens: the data and tokenizer files (the chat template with them), and the packed
+      dataset's own tensors (the encoding, truncation, packing and the pairs' numbering); the
+      sequence length, the data settings, the seed (it orders the packing);
+    - the compute dtype (``training.precision``) and, in FP8, the recipe (the ``fp8`` section's
+      scaling keys) and ``fp8_linears``: the kinds of linear that run FP8 (the run's choice, which
+      ``fp8.layers auto`` makes per machine).
+    Not the layout (beyond a quantised base's TP size), not the preference loss, β, the LoRA rank or
+    alpha (the reference runs with the adapters off): runs that differ only there share a cache."""
     d = cfg.data
     if not d.tokenizer:
         raise ValueError("dpo.reference cached: preference data needs data.tokenizer (its chat template and "
                          "vocabulary are part of the cache key)")
-    model = cfg.model.init_from or {"random_init": {"seed": cfg.training.seed,
-                                                     "config": dataclasses.asdict(mc)}}
+    ms = cfg.model
+    model = ms.init_from or {"random_init": {"seed": cfg.training.seed, "config": dataclasses.asdict(mc)}}
+    quant = ms.base_quant
     settings = {"format": d.format, "loss_on": d.loss_on, "overflow": d.overflow, "seed": cfg.training.seed,
-                "precision": cfg.training.precision, "model_config": dataclasses.asdict(mc)}
+                "precision": cfg.training.precision, "model_config": dataclasses.asdict(mc),
+                "finetune": ms.finetune, "quant": quant, "quant_tp": tp if quant else None,
+                "fp8": None if cfg.training.precision != "fp8" else {
+                    "recipe": cfg.fp8.recipe, "history": cfg.fp8.history, "amax_reduction": cfg.fp8.amax_reduction,
+                    "margin": cfg.fp8.margin, "linears": None if fp8_linears is None else list(fp8_linears)}}
+    tokens = {"ids": packed.ids, "position_ids": packed.pos, "loss_mask": packed.mask, "chosen": packed.chosen,
+              "pair_sample": packed.sample}
     return rc.reference_cache_key(model=model, data=[source or d.source], tokenizer=d.tokenizer,
-                                  seq_length=d.seq_length, settings=settings)
+                                  seq_length=d.seq_length, settings=settings, tokens=tokens)
+
+
+def _on_rank0(trainer, what: str, fn):
+    """``fn()`` on rank 0 alone, its result on every rank (an error there raised on every rank): one
+    process reads and changes the cache folder, and all act on its answer."""
+    out = None
+    with raise_together(what, types=_CACHE_ERRORS):
+        if trainer.state.rank == 0:
+            out = fn()
+    return control.broadcast_object(out)
 
 
 class ReferenceLogps:
@@ -149,8 +187,17 @@ class ReferenceLogps:
             if packed is None or not getattr(packed, "pairs", False):
                 raise ValueError(f"dpo.reference cached needs one preference source (not a blend): "
                                  f"{source!r}; use dpo.reference model (or adapters with LoRA)")
-            key = cache_key(cfg, trainer.mc, source)
-            self.cache = rc.ReferenceCache(_cache_root(trainer) / key.digest[:16], key)
+            root, rtol = _cache_root(trainer), REFERENCE_RTOL[cfg.training.precision]
+            opened = {}
+
+            def open_cache() -> dict:  # rank 0: hash the inputs, create or check the folder
+                key = cache_key(cfg, trainer.mc, packed, source, tp=trainer.pc.tp,
+                                fp8_linears=trainer.fp8.kinds if trainer.fp8 is not None else None)
+                opened["cache"] = rc.ReferenceCache(root / key.digest[:16], key, rtol=rtol)
+                return key.fields
+
+            key = rc.CacheKey(_on_rank0(trainer, "opening the DPO reference cache", open_cache))
+            self.cache = opened.get("cache") or rc.ReferenceCache(root / key.digest[:16], key, rtol=rtol, create=False)
             self.packed = packed
 
     def table(self, trainer, batch) -> torch.Tensor | None:
@@ -166,39 +213,53 @@ class ReferenceLogps:
         return torch.stack([chosen, rejected], dim=1)
 
     def fill(self, trainer) -> int:
-        """Cached mode: compute the pairs the cache lacks (collective), finalise it; the count computed."""
-        if self.mode != "cached" or self.cache.complete:
+        """Cached mode: compute the pairs the cache lacks (collective), finalise it; the count computed.
+        Another run may fill the same folder meanwhile: what it completes first is taken as is (same key,
+        same values), and this run's late parts are dropped."""
+        if self.mode != "cached":
             return 0
         packed, st, pc = self.packed, trainer.state, trainer.pc
         total = packed.num_pairs
-        missing = self.cache.missing(total)
+
+        def todo_list():  # rank 0's view of the folder, the one every rank acts on
+            return None if self.cache.complete else self.cache.missing(total).tolist()
+
+        todo = _on_rank0(trainer, "reading the DPO reference cache", todo_list)
+        if todo is None:
+            return 0
+        missing = torch.tensor(todo, dtype=torch.long)
         row_of = torch.full((total,), -1, dtype=torch.long)
         where = packed.sample >= 0
         row_of[packed.sample[where]] = torch.nonzero(where)[:, 0]
         rows = torch.unique(row_of[missing]) if missing.numel() else torch.zeros(0, dtype=torch.long)
         g = pc.global_batch_size
         writer = trainer.model.head is not None and st.tp_rank == 0 and st.cp_rank == 0
-        todo = set(missing.tolist())
-        for start in range(0, rows.numel(), g):
-            idx = rows[start:start + g]
-            if idx.numel() < g:  # a full global batch for the layout's micro-batching: repeat rows
-                idx = torch.cat([idx, rows[torch.arange(g - idx.numel()) % rows.numel()]])
-            batch = trainer.shard_batch(packed.packed_rows(idx))
-            values = reference_pass(trainer, batch)
-            if writer:  # this replica's pairs still missing, each once (a padded batch repeats rows)
-                keep = []
-                for p in torch.unique(batch.pairs.doc[batch.pairs.doc >= 0] // 2).tolist():
-                    sample = int(batch.pairs.samples[p])
-                    if sample in todo:
-                        todo.discard(sample)
-                        keep.append(p)
-                if keep:
-                    k = torch.tensor(keep)
-                    self.cache.put(batch.pairs.samples[k], values[k, 0], values[k, 1])
-        control.barrier()
-        if st.rank == 0:
-            self.cache.finalize(total)
-        control.barrier()
+        todo, failure = set(todo), None
+        # the reference of LoRA and QLoRA is the base alone: adapters off (at init they add exactly 0 anyway)
+        with adapters_off(trainer.model):
+            for start in range(0, rows.numel(), g):
+                idx = rows[start:start + g]
+                if idx.numel() < g:  # a full global batch for the layout's micro-batching: repeat rows
+                    idx = torch.cat([idx, rows[torch.arange(g - idx.numel()) % rows.numel()]])
+                batch = trainer.shard_batch(packed.packed_rows(idx))
+                values = reference_pass(trainer, batch)
+                if writer:  # this replica's pairs still missing, each once (a padded batch repeats rows)
+                    keep = []
+                    for p in torch.unique(batch.pairs.doc[batch.pairs.doc >= 0] // 2).tolist():
+                        sample = int(batch.pairs.samples[p])
+                        if sample in todo:
+                            todo.discard(sample)
+                            keep.append(p)
+                    if keep and failure is None:
+                        k = torch.tensor(keep)
+                        try:
+                            self.cache.put(batch.pairs.samples[k], values[k, 0], values[k, 1])
+                        except (rc.ReferenceCacheError, OSError) as e:  # raised on every rank below
+                            failure = e
+        with raise_together("writing the DPO reference cache", types=_CACHE_ERRORS):  # and every part is on disk
+            if failure is not None:
+                raise failure
+        _on_rank0(trainer, "finalising the DPO reference cache", lambda: self.cache.finalize(total))
         return int(missing.numel())
 
 
