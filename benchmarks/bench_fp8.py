@@ -30,9 +30,9 @@ CUDA (``--device cuda``, for gpu_check.sh; < 60 s):
   GEMMs: at Llama-3-8B's per-rank shapes at TP1 and Llama-3-70B's at TP8 (M = 8192 tokens; k, n per rank
   from the planner's ``fp8_layer_choices``): bf16 ``torch.matmul`` vs ``fp8_gemm`` (``torch._scaled_mm``,
   per-tensor scales, bf16 out) on operands cast beforehand; the forward again with the casts included
-  (``ScaleState("current", "e4m3").cast`` of x and W: amax, scale, clamp, convert), without and with the
+  (``Fp8State.cast`` of x and W, current recipe: amax, scale, clamp, convert), without and with the
   guardrail's counting (two more passes; on in training by default); and the backward GEMMs (dX = dY·W,
-  dW = dYᵀ·X in fp32 out, as fp8_linear.py runs them, on the FP8 transposes). CUDA events around each
+  dW = dYᵀ·X in fp32 out, as the FP8 weight format runs them, on the FP8 transposes). CUDA events around each
   call, the median of ``--reps``. Printed: TFLOP/s, the measured gains, the planner's predicted gain
   (H200 preset, no SP: the GEMMs alone, and with its cast model) and the target, FP8 forward GEMM ≥ 1.5×
   bf16 on these GEMM-bound shapes (≥ ~800 FLOP per bf16 byte moved, the least being 70B's out projection,
@@ -140,8 +140,8 @@ def column_shapes() -> dict[str, tuple[int, int]]:
 def _gather_worker(rank: int, world: int) -> dict:
     """All-gather bytes of one forward and one backward of a ColumnParallelLinear (SP) per linear and run."""
     os.environ["TPKERNELS_BACKEND"] = FORCE_COLLECTIVE
-    from tpkernels.functional.fp8_linear import Fp8Options
     from tpkernels.nn import ColumnParallelLinear
+    from tpkernels.quant.fp8_state import Fp8Recipe
     from tpkernels.parallel.trace import CommTrace
 
     rows, seq = CPU_DATA["parallel.micro_batch_size"], CPU_DATA["data.seq_length"]
@@ -152,7 +152,7 @@ def _gather_worker(rank: int, world: int) -> dict:
             layer = ColumnParallelLinear(k, n, False, None, sequence_parallel=True, sequence_dim=1,
                                          dtype=torch.bfloat16)
             if run != "bf16":
-                layer.enable_fp8(Fp8Options(run.split()[1]))
+                layer.enable_fp8(Fp8Recipe(run.split()[1]))
             x = torch.randn(rows, seq // world, k, dtype=torch.bfloat16, requires_grad=True)
             with CommTrace() as fwd:
                 y = layer(x)
@@ -334,30 +334,31 @@ def timer(device: torch.device, reps: int):
 def time_linear(m: int, k: int, n: int, device: torch.device, ms_of) -> tuple[dict[str, float], float]:
     """ms of each GEMM of one linear (x: m × k, W: n × k, dY: m × n) in bf16 and FP8, and the FP8 forward's
     relative error against bf16's."""
-    from tpkernels.quant.fp8 import ScaleState, fp8_gemm
+    from tpkernels.quant.fp8 import fp8_gemm
+    from tpkernels.quant.fp8_state import Fp8Guard, Fp8Recipe, Fp8State
 
     bf16 = torch.bfloat16
     torch.manual_seed(0)
     x = torch.randn(m, k, device=device, dtype=bf16)
     w = (0.02 * torch.randn(n, k, device=device)).to(bf16)
     dy = (1e-3 * torch.randn(m, n, device=device)).to(bf16)
-    st, counted, g = ScaleState("current", "e4m3"), ScaleState("current", "e4m3"), ScaleState("current", "e5m2")
-    st.counting = g.counting = False  # counted: the guardrail's saturation / underflow counts on (training's default)
-    x8, sx = st.cast(x)
-    w8, sw = st.cast(w)
-    dy8, sdy = g.cast(dy)
+    # counted: the guardrail's saturation / underflow counts on (training's default)
+    plain, counted = (Fp8State(Fp8Recipe(), ["linear"], device, guard=Fp8Guard(steps=s)) for s in (0, 3))
+    x8, sx = plain.cast(0, "x", x)
+    w8, sw = plain.cast(0, "w", w)
+    dy8, sdy = plain.cast(0, "dy", dy)
     wt8, dyt8, xt8 = w8.t().contiguous(), dy8.t().contiguous(), x8.t().contiguous()  # the backward's operands
     ref = torch.matmul(x, w.t()).float()
     err = float((fp8_gemm(x8, sx, w8, sw, bf16).float() - ref).norm() / ref.norm())
     t = {
         "bf16 fwd": ms_of(lambda: torch.matmul(x, w.t())),
         "fp8 fwd": ms_of(lambda: fp8_gemm(x8, sx, w8, sw, bf16)),
-        "fp8 fwd+casts": ms_of(lambda: fp8_gemm(*st.cast(x), *st.cast(w), bf16)),
-        "fp8 fwd+casts+counts": ms_of(lambda: fp8_gemm(*counted.cast(x), *counted.cast(w), bf16)),
+        "fp8 fwd+casts": ms_of(lambda: fp8_gemm(*plain.cast(0, "x", x), *plain.cast(0, "w", w), bf16)),
+        "fp8 fwd+casts+counts": ms_of(lambda: fp8_gemm(*counted.cast(0, "x", x), *counted.cast(0, "w", w), bf16)),
         "bf16 dgrad": ms_of(lambda: torch.matmul(dy, w)),
         "fp8 dgrad": ms_of(lambda: fp8_gemm(dy8, sdy, wt8, sw, bf16)),
         "bf16 wgrad": ms_of(lambda: torch.matmul(dy.t(), x)),
-        "fp8 wgrad": ms_of(lambda: fp8_gemm(dyt8, sdy, xt8, sx, torch.float32)),  # fp32 out, as fp8_linear.py
+        "fp8 wgrad": ms_of(lambda: fp8_gemm(dyt8, sdy, xt8, sx, torch.float32)),  # fp32 out, as the FP8 weight format
     }
     return t, err
 
