@@ -19,7 +19,7 @@ from tpkernels.train import Trainer
 # the guardrail, so some linears move back to bf16 during the run (in both of its halves)
 BASE = {**TEXT, "tp": 2, "sequence_parallel": True, "num_microbatches": 2, "micro_batch_size": 1,
         "data.seq_length": 16, "steps": 8, "precision": "fp8", "fp8.layers": "all", "fp8.recipe": "delayed",
-        "fp8.history": 3, "fp8.learn": False, "fp8.guard_steps": 2, "fp8.max_saturation": 0.0, "optimizer.lr": 3e-2}
+        "fp8.history": 3, "fp8.learn": False, "fp8.guard_steps": 2, "fp8.max_saturation": 0.02, "optimizer.lr": 3e-2}
 
 
 def _state(t: Trainer) -> dict:
