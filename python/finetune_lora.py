@@ -5,9 +5,9 @@
 Only the adapters train (the base weights stay frozen and outside the optimizer); A and B are
 sharded with their tensor-parallel base layers. ``--quant nf4`` is QLoRA: each rank quantises its
 shards of the base as it reads them (4-bit NormalFloat with double quantisation, ~0.52 bytes a
-weight) and the GEMMs dequantise on the fly. The merged weights (W + alpha/r · B·A, W the
-dequantised base for QLoRA) are exported as a Hugging Face folder, and the program checks that
-transformers' logits for it equal the adapted model's. Without CHECKPOINT_DIR: a random tiny Llama
+weight) and the GEMMs dequantise on the fly. The merged weights (W + alpha/r · B·A; for QLoRA W is
+the base as the TP2 ranks dequantised their own shards) are exported as a Hugging Face folder, and
+the program checks that transformers' logits for it equal the adapted model's. Without CHECKPOINT_DIR: a random tiny Llama
 (vocab 512) is written first.
 """
 
@@ -69,14 +69,19 @@ def main() -> None:
     print(f"{what} r={args.rank} at TP2 SP, {args.steps} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
 
     from tpkernels.models import ParallelTransformer
+    from tpkernels.models.hf_io import dequantize_as_trained_at_
     from tpkernels.models.lora import apply_lora
     from tpkernels.train.checkpoint import export_hf, latest, load
 
     out = export_hf(work / "ckpt", work / "merged")
-    # the base as export_hf quantises it: one process, each Hugging Face tensor whole
-    adapted = ParallelTransformer.from_hf(args.checkpoint, quant=None if args.quant == "none" else args.quant)
+    # the adapted model as the run computed with it: the checkpoint's weights and adapters; a QLoRA base holds
+    # what each TP2 rank's quantised shards held (NF4 blocks never span two ranks), not one process's quantisation
+    quant = None if args.quant == "none" else args.quant
+    adapted = ParallelTransformer(cfg.model_config(), None, init=None, quant=quant)
     apply_lora(adapted, args.rank)
     load(latest(work / "ckpt"), adapted)
+    if quant is not None:  # the checkpoint holds no quantised base
+        dequantize_as_trained_at_(adapted, args.checkpoint, cfg.parallel.tp)
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     ids = torch.randint(0, adapted.config.vocab_size, (2, 32))
     with torch.no_grad():

@@ -271,3 +271,46 @@ def test_every_rank_refuses_the_same_damaged_checkpoint(rank_pool, saved, tmp_pa
     got = rank_pool(2).run(_resume_worker, str(ck), True, timeout=120)
     assert [g[0] for g in got] == [2, 2]
     assert len(got[0][1]) == 1 and got[1][1] == [], "rank 0 warns once"
+
+
+def test_adapters_resume_only_as_they_were_trained(tmp_path):
+    """A LoRA checkpoint resumed with another rank loaded its adapters and AdamW moments truncated (or failed
+    on a missing rectangle), with another alpha it changed the model without a word, into a full fine-tune
+    it dropped them: every change of the adapters' shape or meaning is refused naming the setting, the
+    checkpoint's value and this run's. The same values (an explicit alpha equal to the default) resume."""
+    from tpkernels.models import ParallelTransformer
+    from tpkernels.models.lora import apply_lora
+    from tpkernels.train.checkpoint_files import seal
+
+    two = {"model.layers": 2}
+    lora, full = {**two, "model.finetune": "lora", "model.lora_rank": 4}, tmp_path / "full"
+    Trainer(small(steps=4, stop_at_step=2, save_dir=str(tmp_path / "lora"), **lora)).train()
+    Trainer(small(steps=4, stop_at_step=2, save_dir=str(full), **two)).train()
+    for change, says in (({"model.lora_rank": 2}, r"model.lora_rank \(4 in the checkpoint, 2 here\)"),
+                         ({"model.lora_rank": 8}, r"model.lora_rank \(4 in the checkpoint, 8 here\)"),
+                         ({"model.lora_alpha": 4.0}, r"model.lora_alpha \(8.0 in the checkpoint, 4.0 here\)"),
+                         ({"model.finetune": "full"}, r"saved with model.finetune lora \(LoRA adapters\); this run has "
+                                                      r"model.finetune full \(no adapters\)")):
+        with pytest.raises(ValueError, match=says):
+            Trainer(small(steps=4, save_dir=str(tmp_path / "lora"), **{**lora, **change}))
+    with pytest.raises(ValueError, match=r"saved with model.finetune full \(no adapters\); this run has model.finetune "
+                                         r"lora \(LoRA adapters\)"):
+        Trainer(small(steps=4, save_dir=str(full), **lora))
+    path = checkpoint.latest(tmp_path / "lora")
+    other = ParallelTransformer(small(**two).model_config(), None)
+    apply_lora(other, 4, targets=("qkv", "out"))
+    with pytest.raises(ValueError, match=r"the adapted layers \(\['qkv', 'out', 'gate_up', 'up', 'down'\] in the "
+                                         r"checkpoint, \['qkv', 'out'\] here\)"):
+        checkpoint.load(path, other)
+    other = ParallelTransformer(small(**two).model_config(), None)
+    apply_lora(other, 4)
+    other.lora_spec = dataclasses.replace(other.lora_spec, scaling="alpha/sqrt(rank)")  # rsLoRA's rule
+    with pytest.raises(ValueError, match=r"the LoRA scaling \('alpha/rank' in the checkpoint, 'alpha/sqrt\(rank\)' here"):
+        checkpoint.load(path, other)
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps(seal({**meta, "adapters": {"rank": "4"}})))  # crafted, resealed
+    with pytest.raises(CheckpointError, match=r"meta.json: 'adapters' \(\{'rank': '4'\}\) must be null or a mapping"):
+        checkpoint.load(path, other)
+    (path / "meta.json").write_text(json.dumps(seal(meta)))
+    same = Trainer(small(steps=4, save_dir=str(tmp_path / "lora"), **{**lora, "model.lora_alpha": 8.0}))
+    assert same.resumed_from == path and [h["step"] for h in same.train()] == [2, 3]

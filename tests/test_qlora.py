@@ -238,39 +238,68 @@ def test_base_memory_per_rank_is_at_most_0_6_bytes_per_parameter(tmp_path):
     assert peaks[1] - peaks[0] < 2 * grown_params / 2
 
 
-def test_export_merged_and_peft_give_the_adapted_logits(rank_pool, tmp_path, tiny_llama):
-    """Trained at TP2, exported: the merged Hugging Face folder (dequantised base + adapters) and the PEFT
-    adapters on the base as one process quantises it give our one-process QLoRA model's logits."""
-    import peft
+def _export_worker(rank, world, folder, kw):
+    """The run's A before any step (whole, every rank's), then its eval/loss after the last step."""
+    t = Trainer(_cfg(folder, **kw))
+    a = {k: v for k, v in _adapters(t.model, "data").items() if k.startswith("lora_A")}
+    return a, t.train()[-1]["eval/loss"]
+
+
+EXPORT_CASES = {  # hidden 128, MLP 128: at TP2 every shard's in_features is 64; at TP4 32 (blocks span two rows)
+    "tp2-sp": (2, dict(tp=2, sequence_parallel=True)),
+    "tp4-32-columns": (4, dict(tp=4)),  # and KV heads replicated (2 < 4)
+}
+
+
+@pytest.mark.parametrize("case", list(EXPORT_CASES))
+def test_export_is_the_model_the_tp_run_trained(rank_pool, tmp_path, fresh_seed, case):
+    """Trained at TP2 / TP4, exported by export-hf: each rank's shards of the base quantised and dequantised as
+    that rank did (the one-process quantisation is another model: its loss was 1.5e-4 away), plus the merged
+    adapters, so the export's held-out loss equals the run's eval/loss to the fp32 rounding of the export.
+    The adapters' A started as one process draws them from training.seed (never from seed 0). TP2 also
+    writes the adapters alone (export-peft): PEFT on the base as one process quantises it gives our
+    one-process QLoRA model's logits."""
     import transformers
 
+    from model_checks import save_tiny_model
     from tpkernels.models import ParallelTransformer
     from tpkernels.models.lora import apply_lora
     from tpkernels.train.checkpoint import export_hf, export_peft, latest, load
 
-    ck = tmp_path / "ck"
-    rank_pool(2).run(_resume_worker, tiny_llama, dict(tp=2, sequence_parallel=True, num_microbatches=2, steps=2,
-                                                      save_dir=str(ck), precision="fp32"), timeout=300)
-    export_hf(ck, tmp_path / "export-hf")  # what the export-hf / export-peft commands call (their CLI: test_train)
+    world, layout = EXPORT_CASES[case]
+    seed = fresh_seed % 1000 + 1
+    folder = save_tiny_model("llama", tmp_path / "base", seed, layers=2, hidden=128, ffn=128)
+    ck, out = tmp_path / "ck", tmp_path / "export-hf"
+    held_out = {"eval.source": "random-documents", "eval.every": 2, "eval.batches": 1, "training.seed": seed}
+    kw = dict(num_microbatches=2, steps=2, save_dir=str(ck), **held_out)
+    a, eval_loss = rank_pool(world).run(_export_worker, folder, {**layout, **kw}, timeout=300)[0]
+    for s, same in ((seed, True), (0, False)):
+        one = ParallelTransformer.from_hf(folder, dtype=torch.float64)
+        apply_lora(one, 4, seed=s)
+        drawn = {k: v for k, v in _adapters(one, "data").items() if k.startswith("lora_A")}
+        assert drawn.keys() == a.keys() and all(torch.equal(a[k], drawn[k]) == same for k in a), (s, same)
+    export_hf(ck, out)  # what the export-hf command calls (its CLI: test_train)
+    evaluation = Trainer(TrainConfig.from_values({**BASE, "model.name": str(out), "model.init_from": str(out),
+                                                  "training.precision": "fp64", ALIASES["num_microbatches"]: 2, **held_out}))
+    assert evaluation.validate()["eval/loss"] == pytest.approx(eval_loss, rel=1e-7, abs=0)
+    if world != 2:
+        return
+    import peft
+
     export_peft(ck, tmp_path / "export-peft")
-    ours = ParallelTransformer.from_hf(tiny_llama, quant="nf4")
+    ours = ParallelTransformer.from_hf(folder, quant="nf4")
     apply_lora(ours, 4)
     load(latest(ck), ours)
     assert any(float(m.lora.B.detach().abs().sum()) > 0 for m in ours.modules() if hasattr(m, "lora"))
     ids = torch.randint(0, 97, (2, 13))
     with torch.no_grad():
-        want = ours(ids)
-        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export-hf"),
-                                                                   attn_implementation="eager")
-        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
         # PEFT on the base whose linears hold the dequantised NF4 values (what bitsandbytes' Linear4bit computes with)
-        base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="eager")
-        deq = ours.to_hf_state_dict()
-        base.load_state_dict({k: v for k, v in deq.items()}, strict=False)
+        base = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+        base.load_state_dict(ours.to_hf_state_dict(), strict=False)
         adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "export-peft")).eval()
-        torch.testing.assert_close(adapted(ids).logits, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(adapted(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
         config = json.loads((tmp_path / "export-peft" / "adapter_config.json").read_text())
-        assert config["r"] == 4 and config["base_model_name_or_path"] == tiny_llama
+        assert config["r"] == 4 and config["base_model_name_or_path"] == folder
 
 
 # ---- bad input ----
@@ -298,6 +327,9 @@ def test_bad_inputs_are_named_on_every_rank(rank_pool, tmp_path, tiny_llama):
     for other, says in (({"model.quant": "int8"}, "builds a int8 base"), ({"finetune": "lora"}, "full-precision base")):
         errors = rank_pool(2).run(_refused_worker, tiny_llama, {**layout, "steps": 3, **other}, timeout=300)
         assert all("was saved with model.finetune qlora with model.quant nf4" in e and says in e for e in errors), errors
+    # adapters of another rank: refused by name on every rank (it loaded them and their moments truncated)
+    errors = rank_pool(2).run(_refused_worker, tiny_llama, {**layout, "steps": 3, "model.lora_rank": 2}, timeout=300)
+    assert all("model.lora_rank (4 in the checkpoint, 2 here)" in e for e in errors) and len(errors) == 2, errors
 
 
 def _refused_worker(rank, world, folder, kw):

@@ -91,10 +91,11 @@ class SelfAttention(nn.Module):
         return o.reshape(b, s, self.nq * self.hd)
 
     # ---- Hugging Face layout ----
-    def _qkv_parts(self, tp_rank: int, param: str) -> list[Part]:
+    def _qkv_parts(self, tp_rank: int, param: str, tp_size: int) -> list[Part]:
         mc, ctx, hd, i = self.ctx.mc, self.ctx, self.hd, self.layer
-        q0, nq = tp_rank * self.nq, self.nq
-        kv0, nkv = kv_layout(mc.kv_heads, ctx.tp_size, tp_rank)
+        nq = mc.num_attention_heads // tp_size
+        q0 = tp_rank * nq
+        kv0, nkv = kv_layout(mc.kv_heads, tp_size, tp_rank)
         t = ctx.transposed and param == "weight"
         spans = [(q0 * hd, (q0 + nq) * hd), (kv0 * hd, (kv0 + nkv) * hd), (kv0 * hd, (kv0 + nkv) * hd)]
         if "qkv" in ctx.names:  # GPT-2: one fused c_attn, columns [q | k | v]
@@ -103,13 +104,17 @@ class SelfAttention(nn.Module):
             return [Part(name, rows=(a + o, b + o), transpose=t) for (a, b), o in zip(spans, offsets)]
         return [Part(ctx.hf(role, i, param), rows=span, transpose=t) for role, span in zip("qkv", spans)]
 
-    def hf_parts(self, tp_rank: int) -> dict[str, list[Part]]:
+    def hf_parts(self, tp_rank: int, tp_size: int | None = None) -> dict[str, list[Part]]:
+        """Rank ``tp_rank``'s parts at TP size ``tp_size`` (default the model's: another serves an export that
+        rebuilds each rank's shards in one process)."""
         ctx, i, hd = self.ctx, self.layer, self.hd
-        cols = (tp_rank * self.nq * hd, (tp_rank + 1) * self.nq * hd)
-        parts = {"qkv.weight": self._qkv_parts(tp_rank, "weight"),
+        tp = tp_size or ctx.tp_size
+        nq = ctx.mc.num_attention_heads // tp
+        cols = (tp_rank * nq * hd, (tp_rank + 1) * nq * hd)
+        parts = {"qkv.weight": self._qkv_parts(tp_rank, "weight", tp),
                  "out.weight": [Part(ctx.hf("out", i), cols=cols, transpose=ctx.transposed)]}
         if self.qkv.bias is not None:
-            parts["qkv.bias"] = self._qkv_parts(tp_rank, "bias")
+            parts["qkv.bias"] = self._qkv_parts(tp_rank, "bias", tp)
         if self.out.bias is not None:
             parts["out.bias"] = [Part(ctx.hf("out", i, "bias"))]
         return parts

@@ -17,10 +17,11 @@ from tpkernels.nn.vocab_parallel import VocabParallelEmbedding
 from tpkernels.parallel.param_tags import retag
 
 
-def vocab_rows(ctx: LayerContext, role: str, tp_rank: int) -> list[Part]:
-    """Rank ``tp_rank``'s rows of a padded (vocab, hidden) table stored as HF tensor ``role``."""
-    mc = ctx.mc
-    per = mc.padded_vocab(ctx.tp_size) // ctx.tp_size
+def vocab_rows(ctx: LayerContext, role: str, tp_rank: int, tp_size: int | None = None) -> list[Part]:
+    """Rank ``tp_rank``'s rows of a padded (vocab, hidden) table stored as HF tensor ``role`` (at TP size
+    ``tp_size``, default the model's)."""
+    mc, tp = ctx.mc, tp_size or ctx.tp_size
+    per = mc.padded_vocab(tp) // tp
     lo, hi = tp_rank * per, (tp_rank + 1) * per
     real = max(0, min(hi, mc.vocab_size) - lo)
     parts = [Part(ctx.hf(role), rows=(lo, lo + real))] if real else []
@@ -56,8 +57,8 @@ class Embedding(nn.Module):
             x = x + self.positions(position_ids)
         return x
 
-    def hf_parts(self, tp_rank: int) -> dict[str, list[Part]]:
-        parts = {"tokens.weight": vocab_rows(self.ctx, "embed", tp_rank)}
+    def hf_parts(self, tp_rank: int, tp_size: int | None = None) -> dict[str, list[Part]]:
+        parts = {"tokens.weight": vocab_rows(self.ctx, "embed", tp_rank, tp_size)}
         if self.positions is not None:
             parts["positions.weight"] = [Part(self.ctx.hf("positions"))]
         return parts

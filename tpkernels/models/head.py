@@ -101,10 +101,11 @@ class LMHead(nn.Module):
             z = gather_from_tensor_parallel(z, self.ctx.tp_group)
         return z[..., :self.ctx.mc.vocab_size]
 
-    def hf_parts(self, tp_rank: int) -> dict[str, list[Part]]:
-        parts = {f"norm.{k}": v for k, v in self.norm.hf_parts(tp_rank).items()}
+    def hf_parts(self, tp_rank: int, tp_size: int | None = None) -> dict[str, list[Part]]:
+        parts = {f"norm.{k}": v for k, v in self.norm.hf_parts(tp_rank, tp_size).items()}
         if not self.shares_embedding:
-            parts["weight"] = vocab_rows(self.ctx, "embed" if self.ctx.mc.tied_embeddings else "head", tp_rank)
+            parts["weight"] = vocab_rows(self.ctx, "embed" if self.ctx.mc.tied_embeddings else "head", tp_rank,
+                                         tp_size)
         return parts
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -5,6 +5,7 @@ slices (the layers of its pipeline stage, the TP shard of each), through the ``P
     model = from_hf(ParallelTransformer, "path/to/hf_checkpoint", state)   # = ParallelTransformer.from_hf
     load_hf_(model, source)          # folder, state dict, module or TensorSource
     init_weights_(model, seed)       # the same model at every layout from one seed
+    dequantize_as_trained_at_(model, source, 4)   # a quantised base as a TP4 run computed with it (export)
     to_hf_state_dict(model)          # this stage's HF tensors, gathered over TP, on the CPU
     save_hf(model, "out/")           # what transformers.AutoModelForCausalLM.from_pretrained loads
 
@@ -20,7 +21,8 @@ import torch
 from torch import nn
 
 from tpkernels.description import ModelConfig
-from tpkernels.models.hf_checkpoint import Part, RandomInit, TensorSource, assemble, open_source
+from tpkernels.functional.quantized_weight import QuantizedWeight
+from tpkernels.models.hf_checkpoint import Part, RandomInit, StateDictSource, TensorSource, assemble, open_source
 from tpkernels.parallel import control
 from tpkernels.parallel.mappings import all_gather_dim
 from tpkernels.parallel.param_tags import tag_of
@@ -39,10 +41,12 @@ def from_hf(cls, source, state=None, *, config: ModelConfig | None = None, drop_
     return model
 
 
-def param_parts(model, tp_rank: int | None = None) -> dict[str, list[Part]]:
-    """Our parameter name → the HF parts it is made of, for TP rank ``tp_rank`` (default: this rank)."""
+def param_parts(model, tp_rank: int | None = None, tp_size: int | None = None) -> dict[str, list[Part]]:
+    """Our parameter name → the HF parts it is made of, for TP rank ``tp_rank`` (default: this rank) of a
+    layout of TP size ``tp_size`` (default: the model's; another describes that layout's shards, e.g. for
+    an export that rebuilds them in one process)."""
     r = model.ctx.tp_rank if tp_rank is None else tp_rank
-    return {f"chunks.{c}.{k}": v for c, chunk in enumerate(model.chunks) for k, v in chunk.parts(r).items()}
+    return {f"chunks.{c}.{k}": v for c, chunk in enumerate(model.chunks) for k, v in chunk.parts(r, tp_size).items()}
 
 
 def _shapes(model) -> dict[str, tuple[int, ...]]:
@@ -54,14 +58,12 @@ def load_hf_(model, source):
     """Copy this rank's slices of ``source`` (folder, state dict, module or TensorSource) into ``model``."""
     # every rank checks and reads its own tensors; a rank that finds a bad one stops them all
     with raise_together("loading Hugging Face weights", active=model.state.config.world_size > 1):
-        src = source if isinstance(source, TensorSource) else open_source(source)
+        src = _checked_source(model, source)
         parts = param_parts(model)
         params = dict(model.named_parameters())
         missing = sorted(set(params) - set(parts))
         if missing:
             raise RuntimeError(f"no Hugging Face mapping for {missing[:4]}")
-        transposed = {part.name for ps in parts.values() for part in ps if part.transpose}
-        src.check(_shapes(model), transposed)
         for name, p in params.items():
             p.copy_(_read(src, name, parts[name], p)[0])
         # a quantised base: each tensor read in full precision, quantised, and dropped before the next
@@ -69,6 +71,40 @@ def load_hf_(model, source):
             value, rows = _read(src, name, parts[name], m.weight)
             m.load_quantized_(value, rows)
             del value
+    return model
+
+
+def _checked_source(model, source) -> TensorSource:
+    """``source`` as a TensorSource whose tensors have the shapes ``model`` needs (checked before any read)."""
+    src = source if isinstance(source, TensorSource) else open_source(source)
+    transposed = {part.name for ps in param_parts(model).values() for part in ps if part.transpose}
+    src.check(_shapes(model), transposed)
+    return src
+
+
+@torch.no_grad()
+def dequantize_as_trained_at_(model, source, tp_size: int, dtype: torch.dtype | None = None):
+    """Hold each quantised layer of ``model`` (QLoRA's base, not loaded yet) as the full-precision values a
+    run at TP size ``tp_size`` computed with: that run's shards of ``source``'s tensors, each rank's
+    quantised as that rank quantised it (its own pieces: NF4 blocks of 64 and the double quantisation's
+    statistics, int8's row absmax, depend on the TP size), dequantised, put back together into this
+    model's shard (``dequantize_``). ``dtype``: the run's (it read its shards in that dtype before
+    quantising; default the layer's). Other parameters are left alone (an export loads them from the
+    checkpoint). One layer at a time; an export calls it on a one-process model."""
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size ({tp_size!r}) must be a positive integer")
+    src = _checked_source(model, source)
+    parts = param_parts(model)
+    shards = [param_parts(model, r, tp_size) for r in range(tp_size)]
+    for name, m in quantized_layers(model).items():
+        pieces = []
+        for rank_parts in (s[name] for s in shards):
+            values = [src.read(part, dtype or m.weight.dtype) for part in rank_parts]
+            rows = [v.shape[0] for v in values]
+            shard = torch.cat(values)
+            qw = QuantizedWeight(m.quant, tuple(shard.shape), shard.dtype).load_(shard, rows)
+            pieces += zip(rank_parts, qw.dequantize().split(rows))  # replicated KV heads: equal copies
+        m.dequantize_(_read(StateDictSource(assemble(pieces)), name, parts[name], m.weight)[0])
     return model
 
 
@@ -90,10 +126,15 @@ def quantized_layers(model) -> dict[str, nn.Module]:
 def init_weights_(model, seed: int):
     """Seeded initialisation, identical at every layout (each tensor made whole from (seed, name), then
     sliced)."""
+    return load_hf_(model, random_init(model, seed))
+
+
+def random_init(model, seed: int) -> RandomInit:
+    """The seeded source of ``model``'s initial weights (:func:`init_weights_` loads it)."""
     shapes = _shapes(model)
     cfg = model.config
     scaled = {n for n in shapes if cfg.family == "gpt2" and n.endswith("c_proj.weight")}
-    return load_hf_(model, RandomInit(shapes, seed, cfg.initializer_range, scaled, cfg.num_layers))
+    return RandomInit(shapes, seed, cfg.initializer_range, scaled, cfg.num_layers)
 
 
 @torch.no_grad()
@@ -153,4 +194,5 @@ def save_hf(model, folder: str | Path, dtype: torch.dtype | None = None) -> Path
     return folder
 
 
-__all__ = ["from_hf", "init_weights_", "load_hf_", "param_parts", "quantized_layers", "save_hf", "to_hf_state_dict"]
+__all__ = ["dequantize_as_trained_at_", "from_hf", "init_weights_", "load_hf_", "param_parts", "quantized_layers",
+           "random_init", "save_hf", "to_hf_state_dict"]

@@ -17,7 +17,8 @@ turn: under SP the replicated factor (A of a column layer, B of a row layer) see
 tokens only, so its gradient is tagged TP-partial and summed over TP by ``finish_grad_sync``,
 like the norms; B of a column layer inherits the base's replicated KV rows. Checkpoints store the
 adapters under the base tensor's Hugging Face rows and columns ("lora_A.…", "lora_B.…"), so
-they reshard with it.
+they reshard with it. What the adapters are (rank, alpha, targets, the scaling rule: :class:`LoRASpec`)
+is kept on the model and in the checkpoint's meta; a checkpoint resumes only into the same.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import math
 import types
 import zlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,6 +42,28 @@ from tpkernels.parallel.mappings import (
 )
 
 TARGETS = ("qkv", "out", "gate_up", "up", "down")
+SCALING = "alpha/rank"  # the update is (alpha / rank)·B·A (not rsLoRA's alpha / sqrt(rank)): part of what adapters mean
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """Everything that gives a model's adapters their shape or meaning; a checkpoint's adapters resume only
+    into a model of the same spec (tpkernels.train.checkpoint.check_same_adapters). ``alpha`` is resolved
+    (its default 2 · rank written out), so an explicit alpha equal to the default is the same spec."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = TARGETS
+    scaling: str = SCALING
+
+    @classmethod
+    def of(cls, rank: int, alpha: float | None = None, targets=TARGETS) -> "LoRASpec":
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise ValueError(f"lora_rank ({rank!r}) must be a positive integer")
+        return cls(rank, float(alpha if alpha is not None else 2 * rank), tuple(targets))
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "scaling": self.scaling}
 
 
 class LoRA(nn.Module):
@@ -86,11 +110,10 @@ def _forward_with_lora(self, x):
 
 def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=TARGETS, seed: int = 0) -> list[str]:
     """Freeze every parameter of ``model`` and add adapters to the named TP linears of its layers
-    (B = 0; A drawn whole from (seed, tensor name) and sliced, so every layout starts alike).
-    Returns the adapted layers' names."""
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"lora_rank ({rank!r}) must be a positive integer")
-    alpha = float(alpha if alpha is not None else 2 * rank)
+    (B = 0; A drawn whole from (``seed``: the run's training.seed, tensor name) and sliced, so every
+    layout starts alike). ``model.lora_spec`` records what they are. Returns the adapted layers' names."""
+    spec = LoRASpec.of(rank, alpha, targets)
+    rank, alpha = spec.rank, spec.alpha
     for p in model.parameters():
         p.requires_grad_(False)
     done = []
@@ -102,8 +125,14 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
             done.append(name)
     if not done:
         raise ValueError(f"no layer of the model matches lora targets {list(targets)}")
+    model.lora_spec = spec
     _init_a(model, seed)
     return done
+
+
+def lora_spec(model: nn.Module) -> LoRASpec | None:
+    """What ``model``'s adapters are (:func:`apply_lora` recorded it), or None without adapters."""
+    return getattr(model, "lora_spec", None)
 
 
 @torch.no_grad()
@@ -180,4 +209,5 @@ def lora_shapes(model) -> dict[str, tuple[int, int]]:
     return full
 
 
-__all__ = ["LoRA", "TARGETS", "apply_lora", "lora_parts", "lora_shapes", "merge_lora_"]
+__all__ = ["LoRA", "LoRASpec", "SCALING", "TARGETS", "apply_lora", "lora_parts", "lora_shapes", "lora_spec",
+           "merge_lora_"]

@@ -44,8 +44,10 @@ class MLP(nn.Module):
         y = bias_gelu(y, self.up_bias, approximate) if self.up_bias is not None else F.gelu(y, approximate=approximate)
         return self.down(y)
 
-    def hf_parts(self, tp_rank: int) -> dict[str, list[Part]]:
-        ctx, i, f = self.ctx, self.layer, self.f
+    def hf_parts(self, tp_rank: int, tp_size: int | None = None) -> dict[str, list[Part]]:
+        """Rank ``tp_rank``'s parts at TP size ``tp_size`` (default the model's)."""
+        ctx, i = self.ctx, self.layer
+        f = ctx.mc.ffn_hidden_size // (tp_size or ctx.tp_size)
         t = ctx.transposed
         rows, cols = (tp_rank * f, (tp_rank + 1) * f), (tp_rank * f, (tp_rank + 1) * f)
         parts = {"down.weight": [Part(ctx.hf("down", i), cols=cols, transpose=t)]}

@@ -41,7 +41,7 @@ class ResidualNorm(nn.Module):
             return layer_norm(x, self.weight, self.bias, self.eps), x
         return layer_norm(x, self.weight, self.bias, self.eps, residual=residual)
 
-    def hf_parts(self, tp_rank: int) -> dict[str, list[Part]]:
+    def hf_parts(self, tp_rank: int, tp_size: int | None = None) -> dict[str, list[Part]]:  # replicated: whole
         parts = {"weight": [Part(self._names["weight"])]}
         if self.bias is not None:
             parts["bias"] = [Part(self._names["bias"])]

@@ -83,15 +83,15 @@ class TransformerChunk(nn.Module):
             return self.head(delta, residual)
         return StageInput((delta, residual), inp.position_ids, info.documents).astuple()
 
-    def parts(self, tp_rank: int) -> dict[str, list[Part]]:
+    def parts(self, tp_rank: int, tp_size: int | None = None) -> dict[str, list[Part]]:
         out = {}
         if self.embedding is not None:
-            out.update({f"embedding.{k}": v for k, v in self.embedding.hf_parts(tp_rank).items()})
+            out.update({f"embedding.{k}": v for k, v in self.embedding.hf_parts(tp_rank, tp_size).items()})
         for j, block in enumerate(self.layers):
             for child, mod in block.children_with_parts().items():
-                out.update({f"layers.{j}.{child}.{k}": v for k, v in mod.hf_parts(tp_rank).items()})
+                out.update({f"layers.{j}.{child}.{k}": v for k, v in mod.hf_parts(tp_rank, tp_size).items()})
         if self.head is not None:
-            out.update({f"head.{k}": v for k, v in self.head.hf_parts(tp_rank).items()})
+            out.update({f"head.{k}": v for k, v in self.head.hf_parts(tp_rank, tp_size).items()})
         return out
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -164,9 +164,10 @@ class ParallelTransformer(nn.Module):
     def head(self) -> LMHead | None:
         return self.chunks[-1].head
 
-    def param_parts(self, tp_rank: int | None = None) -> dict[str, list[Part]]:
-        """Our parameter name → the HF parts it is made of, for TP rank ``tp_rank`` (default: this rank)."""
-        return hf_io.param_parts(self, tp_rank)
+    def param_parts(self, tp_rank: int | None = None, tp_size: int | None = None) -> dict[str, list[Part]]:
+        """Our parameter name → the HF parts it is made of, for TP rank ``tp_rank`` (default: this rank) of a
+        layout of TP size ``tp_size`` (default: this model's)."""
+        return hf_io.param_parts(self, tp_rank, tp_size)
 
     def load_hf_(self, source) -> "ParallelTransformer":
         """Copy this rank's slices of ``source`` (folder, state dict, module or TensorSource) into the model."""

@@ -41,7 +41,8 @@ import torch.distributed.checkpoint as dcp
 
 from tpkernels.description import ModelConfig
 from tpkernels.models import ParallelTransformer
-from tpkernels.models.lora import apply_lora, lora_parts, lora_shapes, merge_lora_
+from tpkernels.models.hf_io import dequantize_as_trained_at_, random_init
+from tpkernels.models.lora import LoRASpec, apply_lora, lora_parts, lora_shapes, lora_spec, merge_lora_
 from tpkernels.parallel import control
 from tpkernels.parallel.param_tags import tag_of
 from tpkernels.parallel.raise_together import raise_together
@@ -49,6 +50,7 @@ from tpkernels.train.checkpoint_files import (CheckpointError, SafeLoadPlanner, 
                                                 read_dcp_metadata, seal, verify)
 from tpkernels.train.config import TrainConfig
 from tpkernels.train.output_paths import path_problem
+from tpkernels.train.precision import DTYPES
 
 KINDS = ("model", "exp_avg", "exp_avg_sq")
 _SEP = "::"
@@ -200,7 +202,8 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of:
     # ranks agree on the count first (every owner holds the same one), so any copy kept is the right one.
     opt_step = control.all_reduce_values([opt_step], "max")[0]
     sd["optim::step"] = torch.tensor(opt_step, dtype=torch.float64)
-    meta = {**meta, "step": step}
+    spec = lora_spec(model)  # what the adapters are: a resume refuses any other (check_same_adapters)
+    meta = {**meta, "step": step, "adapters": spec.to_dict() if spec is not None else None}
     if asynchronous:
         sd = {k: v.detach().clone().cpu() for k, v in sd.items()}  # the training step may now change the originals
         return PendingSave(dcp.async_save(sd, checkpoint_id=str(tmp), process_group=async_group), tmp, final, meta,
@@ -279,6 +282,7 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
     verify(path, meta)  # every file against its digest, before any weight is touched
     check_same_model(path, meta, model.config)
     check_same_base(path, meta, model)
+    check_same_adapters(path, meta, model)
     md = read_dcp_metadata(path)
     stored: dict[tuple[str, str], list] = {}
     for key, tmd in md.state_dict_metadata.items():
@@ -358,8 +362,8 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
 
 
 def _export_source(path: str | Path, out: str | Path):
-    """(the checkpoint folder, its TrainConfig) for an export of ``path`` (a checkpoint, or a save_dir:
-    its latest complete one) to the folder ``out``; a bad path is a named error."""
+    """(the checkpoint folder, its meta, its TrainConfig) for an export of ``path`` (a checkpoint, or a
+    save_dir: its latest complete one) to the folder ``out``; a bad path is a named error."""
     problem = path_problem("out", out, "folder")
     if problem:
         raise ValueError(problem)
@@ -371,38 +375,34 @@ def _export_source(path: str | Path, out: str | Path):
         if found is None:
             raise ValueError(f"{str(path)!r} is neither a checkpoint nor a folder of complete checkpoints")
         path = found
-    return path, config_of(read_meta(path))
+    meta = read_meta(path)
+    return path, meta, config_of(meta)
 
 
 def export_hf(path: str | Path, out: str | Path) -> Path:
     """Write the weights of checkpoint ``path`` as a Hugging Face folder (config.json + safetensors)
-    that ``transformers`` loads; in one process, on the CPU."""
-    path, cfg = _export_source(path, out)
-    model = _export_model(cfg)
+    that ``transformers`` loads: the model the run trained (adapters merged); in one process, on the CPU."""
+    path, meta, cfg = _export_source(path, out)
+    model = _export_model(cfg, saved_adapters(path, meta))
     load(path, model)
-    if cfg.model.adapters:
-        for m in model.modules():  # QLoRA: the base as the run computed with it (dequantised)
-            if getattr(m, "qweight", None) is not None:
-                m.dequantize_()
+    ms = cfg.model
+    if ms.base_quant is not None:  # QLoRA: the checkpoint holds no base; rebuilt as the run computed with it
+        source = ms.init_from or random_init(model, cfg.training.seed)
+        dequantize_as_trained_at_(model, source, cfg.parallel.tp, DTYPES[cfg.training.precision])
+    if lora_spec(model) is not None:
         merge_lora_(model)  # the merged weights: base + alpha/r · B·A
     return model.save_hf(out)
 
 
-def _export_model(cfg: TrainConfig, with_base: bool = True):
-    """The one-process model a checkpoint of ``cfg`` loads into, adapters included. A QLoRA checkpoint
-    holds no base: it is read from ``model.init_from`` (or the seed's) and quantised here, one
-    process: each Hugging Face tensor whole, the bytes bitsandbytes gives it (a run at TP > 1
-    quantised its shards: their dequantised values differ by at most one 8-bit absmax step)."""
-    ms = cfg.model
-    quant = ms.base_quant
-    if quant is None or not with_base:  # with_base False: only the checkpoint's tensors are wanted (PEFT)
-        model = ParallelTransformer(cfg.model_config(), None, init=None, quant=quant)
-    elif ms.init_from:
-        model = ParallelTransformer.from_hf(ms.init_from, None, config=cfg.model_config(), quant=quant)
-    else:
-        model = ParallelTransformer(cfg.model_config(), None, seed=cfg.training.seed, quant=quant)
-    if ms.adapters:
-        apply_lora(model, ms.lora_rank, ms.lora_alpha)
+def _export_model(cfg: TrainConfig, adapters: LoRASpec | None):
+    """The one-process model a checkpoint of ``cfg`` loads into, with its ``adapters``. A QLoRA base is
+    left unloaded: the checkpoint does not hold it. Its export reads it from ``model.init_from`` (or the
+    seed's weights) as the run computed with it at its TP size: each rank's shard quantised as that rank
+    quantised it, dequantised, put back together (``dequantize_as_trained_at_``: NF4 blocks never span
+    two ranks, so the values depend on the TP size)."""
+    model = ParallelTransformer(cfg.model_config(), None, init=None, quant=cfg.model.base_quant)
+    if adapters is not None:
+        apply_lora(model, adapters.rank, adapters.alpha, adapters.targets)
     return model
 
 
@@ -412,15 +412,14 @@ def export_peft(path: str | Path, out: str | Path) -> Path:
     base (``model.init_from``); in one process, on the CPU (tpkernels.models.peft_export)."""
     from tpkernels.models.peft_export import write_peft  # noqa: PLC0415
 
-    path, cfg = _export_source(path, out)
-    ms = cfg.model
-    if not ms.adapters:
+    path, meta, cfg = _export_source(path, out)
+    ms, spec = cfg.model, saved_adapters(path, meta)
+    if spec is None:
         raise ValueError(f"export-peft: checkpoint {str(path)!r} was trained with model.finetune {ms.finetune!r}: it "
                          "holds no adapters (export-hf writes its weights)")
-    model = _export_model(cfg, with_base=False)
+    model = _export_model(cfg, spec)
     load(path, model)
-    alpha = float(ms.lora_alpha if ms.lora_alpha is not None else 2 * ms.lora_rank)
-    return write_peft(model, out, base_model=ms.init_from, rank=ms.lora_rank, alpha=alpha)
+    return write_peft(model, out, base_model=ms.init_from, rank=spec.rank, alpha=spec.alpha)
 
 
 # What may differ between the model a checkpoint holds and the one it resumes into: names, and what only
@@ -475,12 +474,57 @@ def check_same_base(path: str | Path, meta: dict, model) -> None:
                          "save_dir")
 
 
+def saved_adapters(path: str | Path, meta: dict) -> LoRASpec | None:
+    """What the adapters of checkpoint ``path`` are (its meta; older checkpoints: their config's
+    model.finetune, lora_rank and lora_alpha), or None when it holds none."""
+    if "adapters" not in meta:
+        ms = config_of(meta).model
+        return LoRASpec.of(ms.lora_rank, ms.lora_alpha) if ms.adapters else None
+    d = meta["adapters"]
+    if d is None:
+        return None
+    try:
+        spec = LoRASpec(d["rank"], float(d["alpha"]), tuple(d["targets"]), d["scaling"])
+        if not (isinstance(spec.rank, int) and all(isinstance(t, str) for t in spec.targets)
+                and isinstance(spec.scaling, str)):
+            raise TypeError
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"checkpoint metadata {Path(path) / 'meta.json'}: 'adapters' ({d!r}) must be null or a "
+                              "mapping of rank (an integer), alpha (a number), targets (names) and scaling") from None
+    return spec
+
+
+def check_same_adapters(path: str | Path, meta: dict, model) -> None:
+    """Refuse to resume adapters of another shape or meaning: another rank's overlapping rectangles would
+    load truncated (adapters and moments) without a word, another alpha or scaling would change the model
+    silently, other targets or none at all would drop or invent adapters. Every rank decides alike (the
+    same meta, the same config), before any tensor is read."""
+    was, now = saved_adapters(path, meta), lora_spec(model)
+    if was == now:
+        return
+    saved = config_of(meta).model.finetune
+    if was is None or now is None:
+        here = "full" if now is None else ("qlora" if model.ctx.quant else "lora")
+        raise ValueError(f"checkpoint {path} was saved with model.finetune {saved} ({'no' if was is None else 'LoRA'} "
+                         f"adapters); this run has model.finetune {here} ({'no' if now is None else 'LoRA'} adapters). "
+                         f"Adapters resume as they were trained: resume with model.finetune {saved}, or start a new "
+                         "save_dir (export-hf writes a checkpoint's merged model to fine-tune from)")
+    diffs = [f"{key} ({a!r} in the checkpoint, {b!r} here)" for key, a, b in (
+        ("model.lora_rank", was.rank, now.rank), ("model.lora_alpha", was.alpha, now.alpha),
+        ("the adapted layers", list(was.targets), list(now.targets)), ("the LoRA scaling", was.scaling, now.scaling))
+        if a != b]
+    raise ValueError(f"checkpoint {path} holds other adapters: {'; '.join(diffs)}. Adapters resume as they were "
+                     "trained (a resume changes the layout, never their shape or meaning): resume with the "
+                     "checkpoint's values, or start a new save_dir")
+
+
 def config_of(meta: dict) -> TrainConfig:
     """The TrainConfig a checkpoint was saved with (its meta.json; older checkpoints stored it flat)."""
     values = {k: v for k, v in meta["config"].items() if k != "predicted"}
     return TrainConfig.from_values(values)
 
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "check_same_base", "check_same_model", "complete", "config_of", "export_hf",
+__all__ = ["CheckpointError", "CheckpointSaveError", "RunState", "check_same_adapters", "check_same_base", "check_same_model",
+           "complete", "config_of", "export_hf",
            "latest", "load", "resume", "local_optimizer", "model_mismatches",
-           "read_meta", "rectangles", "save", "saved_model"]
+           "read_meta", "rectangles", "save", "saved_adapters", "saved_model"]

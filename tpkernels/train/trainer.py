@@ -144,7 +144,8 @@ class Trainer:
         dtype = DTYPES[cfg.training.precision]
         self.model = self.build_model()
         ms, opt = cfg.model, cfg.optimizer
-        self.lora_layers = apply_lora(self.model, ms.lora_rank, ms.lora_alpha) if ms.adapters else []
+        self.lora_layers = apply_lora(self.model, ms.lora_rank, ms.lora_alpha, seed=cfg.training.seed) \
+            if ms.adapters else []
         self.fp8 = Fp8Policy(self) if cfg.training.precision == "fp8" else None
         self.mp = MixedPrecision(self.model, dtype, init_scale=cfg.training.initial_loss_scale) \
             if dtype not in FULL else None
