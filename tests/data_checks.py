@@ -45,6 +45,10 @@ CODE_MARKED = ("<s>{% if messages[0]['role'] != 'system' %}<|system|>be brief<|e
                "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}"
                "{{ m['content'] }}<|end|>{% endgeneration %}\n{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n"
                "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+# a space between header and content, as PLAIN has: a reply opening with indentation merges it into its first token
+CODE_SPACED = ("<s>{% if messages[0]['role'] != 'system' %}<|system|>be brief<|end|>\n{% endif %}"
+               "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|assistant|> {% endif %}")
 CODE = ["def add(a, b):\n    if a:\n        return a + b\n    return b\n",
         "    return x  # indented\n\n\tdone",
         "for i in range(3):\n    print(i)\n"]

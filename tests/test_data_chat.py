@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from data_checks import (CHATS, CODE_CHATS, CODE_MARKED, CODE_PLAIN, MARKED, NOT_MONOTONE, PLAIN, SPECIAL,
-                         make_bytelevel_tokenizer, make_tokenizer, reference_mask)
+from data_checks import (CHATS, CODE_CHATS, CODE_MARKED, CODE_PLAIN, CODE_SPACED, MARKED, NOT_MONOTONE, PLAIN,
+                         SPECIAL, make_bytelevel_tokenizer, make_tokenizer, reference_mask)
 from tpkernels.data.chat import SampleEncoder, load_hf_tokenizer
 
 
@@ -19,7 +19,7 @@ def toks(tmp_path_factory):
     toks = {name: load_hf_tokenizer(str(make_tokenizer(root / name, tpl)), "test")
             for name, tpl in (("plain", PLAIN), ("marked", MARKED), ("not_monotone", NOT_MONOTONE),
                               ("none", None))}
-    for name, tpl in (("code_plain", CODE_PLAIN), ("code_marked", CODE_MARKED),
+    for name, tpl in (("code_plain", CODE_PLAIN), ("code_marked", CODE_MARKED), ("code_spaced", CODE_SPACED),
                       ("code_twice", CODE_PLAIN + "{% for m in messages %}{{ m['content'] }}{% endfor %}")):
         toks[name] = load_hf_tokenizer(str(make_bytelevel_tokenizer(root / name, tpl)), "test")
     return toks
@@ -37,12 +37,13 @@ def test_assistant_mask_equals_the_simple_rule(toks, template, loss_on):
         assert doc.mask[len(doc.ids) - 1 - doc.ids[::-1].index(end)]  # the closing end-of-turn is supervised
 
 
-@pytest.mark.parametrize("template", ["code_plain", "code_marked"])
+@pytest.mark.parametrize("template", ["code_plain", "code_marked", "code_spaced"])
 @pytest.mark.parametrize("loss_on", ["all_assistant", "last_assistant"])
 def test_code_mask_keeps_whitespace_tokens_and_skips_the_preamble(toks, template, loss_on):
     """Byte-level BPE, offsets trimmed: indentation tokens (empty offsets) are supervised like the rest of the
     reply; a conversation opening with an assistant turn supervises neither the preamble (<s>) nor the system
-    prompt the template injects."""
+    prompt the template injects. code_spaced: the space after the header is prompt when it is a token of its
+    own, and a token merging it with the reply's first characters (indentation) is the reply's."""
     tok = toks[template]
     enc = SampleEncoder(tok, "messages", loss_on)
     spaces = 0
@@ -51,7 +52,12 @@ def test_code_mask_keeps_whitespace_tokens_and_skips_the_preamble(toks, template
         rendered = tok(tok.apply_chat_template(chat["messages"], tokenize=False), add_special_tokens=False,
                        return_offsets_mapping=True)
         assert doc.ids == rendered["input_ids"]  # the rendering, tokenized
-        assert doc.mask == reference_mask(doc.ids, last_only=loss_on == "last_assistant", tok=tok), k
+        want = reference_mask(doc.ids, last_only=loss_on == "last_assistant", tok=tok)
+        header = tok.convert_tokens_to_ids("<|assistant|>")
+        for t in range(len(doc.ids) - 1):
+            if doc.ids[t] == header and tok.decode(doc.ids[t + 1:t + 2]) == " ":  # the template's own space
+                want[t + 1] = False
+        assert doc.mask == want, k
         offsets = rendered["offset_mapping"]
         blank = [m for i, m, (a, b) in zip(doc.ids, doc.mask, offsets) if tok.decode([i]).isspace() and a == b]
         spaces += sum(blank)

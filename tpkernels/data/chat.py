@@ -171,8 +171,10 @@ class SampleEncoder:
 
         def count(c: int, end: bool) -> int:  # tokens before character c; at an end, a merged edge token is in
             pre = self.text_ids(full[:c])
-            n = next((k for k, (x, y) in enumerate(zip(pre, ids)) if x != y), min(len(pre), len(ids)))
-            return min(n + (end and n < len(pre)), len(ids))
+            if ids[:len(pre)] == pre:  # the usual case: the edge is a token boundary
+                return len(pre)
+            n = next((k for k, (x, y) in enumerate(zip(pre, ids)) if x != y), len(ids))  # the first one it changed
+            return min(n + end, len(ids))
 
         mask = [False] * len(ids)
         for a, b in spans:
