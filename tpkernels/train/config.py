@@ -133,7 +133,8 @@ class EvalSection:
     source: str | None = opt(None, "held-out data, read as data.source is (same format, tokenizer, task and "
                                    "seq_length); none: no validation")
     every: int = opt(0, "steps between validations (and after the last step); 0: off")
-    batches: int = opt(4, "global batches per validation (the run's global batch size)")
+    batches: int = opt(4, "at most this many global batches per validation: each held-out row once, the "
+                          "first ones when eval.source holds more")
 
 
 @dataclass(frozen=True)
