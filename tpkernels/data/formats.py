@@ -21,7 +21,7 @@ FORMATS = ("auto", "text", "messages", "prompt_completion", "preference")
 COLUMNS = {"text": ("text",), "messages": ("messages",), "prompt_completion": ("prompt", "completion"),
            "preference": ("prompt", "chosen", "rejected")}
 CHAT_FORMATS = ("messages", "prompt_completion")  # training.task sft
-ROLES = ("system", "user", "assistant")  # a message's role; any other (a typo, "robot") is refused, not trained as prompt
+ROLES = ("system", "user", "assistant")  # any other role (a typo, "robot") is refused, not trained as prompt
 
 
 def detect_format(columns: list[str], given: str = "auto", source: str = "") -> str:
