@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -166,15 +167,15 @@ def test_key_covers_model_data_tokenizer_tokens_and_settings(tmp_path, sources):
         _key(sources)
 
 
-def _rewrite_keeping_size_and_mtime(path, at: int) -> None:
-    """One byte changed in place, the file's size and mtime as they were (cp -p, rsync -t, or a rewrite
-    within one mtime tick leave a file so)."""
+def _rewrite_keeping_size_and_mtime(path, at: int, value: int | None = None) -> None:
+    """Byte ``at`` changed in place (to ``value``; default: flipped), the file's size and mtime as they
+    were (cp -p, rsync -t, or a rewrite within one mtime tick leave a file so)."""
     st = path.stat()
     with open(path, "r+b") as f:
         f.seek(at)
         byte = f.read(1)
         f.seek(at)
-        f.write(bytes([byte[0] ^ 0x5A]))
+        f.write(bytes([byte[0] ^ 0x5A if value is None else value]))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
 
@@ -204,15 +205,21 @@ def test_weights_rewritten_with_size_and_mtime_kept_miss(tmp_path, sources, monk
     monkeypatch.setattr(rc, "SAMPLE_BYTES", 16)
     large = weight_file_identity(weights)
     assert set(large) == {"bytes", "mtime_ns", "ctime_ns", "inode", "sampled_sha256"}
-    content = _key(sources, weights="content").digest
-    before = _key(sources).digest
-    _rewrite_keeping_size_and_mtime(weights, weights.stat().st_size // 2)
+    content, before = _key(sources, weights="content").digest, _key(sources).digest
+    n = weights.stat().st_size
+    last = n - rc.SAMPLE_BYTES
+    gap = last // (rc.SAMPLE_BLOCKS - 1) + rc.SAMPLE_BYTES  # the first byte after the second sampled block
+    # a byte between the samples rewritten once the timestamp tick has passed: ctime sees it
+    value, deadline = weights.read_bytes()[gap] ^ 0x5A, time.monotonic() + 5
+    while weights.stat().st_ctime_ns == large["ctime_ns"]:
+        assert time.monotonic() < deadline, "the file system's ctime never moved"
+        time.sleep(0.01)
+        _rewrite_keeping_size_and_mtime(weights, gap, value)
+    assert weight_file_identity(weights)["sampled_sha256"] == large["sampled_sha256"]  # unsampled: ctime's work
     assert _key(sources).digest != before
     assert _key(sources, weights="content").digest != content
     # the sampled bytes alone (what sees a rewrite within one ctime tick): a byte of the header, of the
     # second, of a middle and of the last sampled block
-    n = weights.stat().st_size
-    last = n - rc.SAMPLE_BYTES
     for at in (9, last // (rc.SAMPLE_BLOCKS - 1) + 3, 17 * last // (rc.SAMPLE_BLOCKS - 1) + 3, n - 1):
         was = weight_file_identity(weights)["sampled_sha256"]
         _rewrite_keeping_size_and_mtime(weights, at)
