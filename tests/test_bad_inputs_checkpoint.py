@@ -311,6 +311,9 @@ def test_adapters_resume_only_as_they_were_trained(tmp_path):
     (path / "meta.json").write_text(json.dumps(seal({**meta, "adapters": {"rank": "4"}})))  # crafted, resealed
     with pytest.raises(CheckpointError, match=r"meta.json: 'adapters' \(\{'rank': '4'\}\) must be null or a mapping"):
         checkpoint.load(path, other)
-    (path / "meta.json").write_text(json.dumps(seal(meta)))
+    # a checkpoint written before the adapters were recorded: its config says what they are
+    (path / "meta.json").write_text(json.dumps(seal({k: v for k, v in meta.items() if k != "adapters"})))
+    with pytest.raises(ValueError, match=r"model.lora_rank \(4 in the checkpoint, 2 here\)"):
+        Trainer(small(steps=4, save_dir=str(tmp_path / "lora"), **{**lora, "model.lora_rank": 2}))
     same = Trainer(small(steps=4, save_dir=str(tmp_path / "lora"), **{**lora, "model.lora_alpha": 8.0}))
     assert same.resumed_from == path and [h["step"] for h in same.train()] == [2, 3]
