@@ -7,8 +7,8 @@ sharded with their tensor-parallel base layers. ``--quant nf4`` is QLoRA: each r
 shards of the base as it reads them (4-bit NormalFloat with double quantisation, ~0.52 bytes a
 weight) and the GEMMs dequantise on the fly. The merged weights (W + alpha/r · B·A; for QLoRA W is
 the base as the TP2 ranks dequantised their own shards) are exported as a Hugging Face folder, and
-the program checks that transformers' logits for it equal the adapted model's. Without CHECKPOINT_DIR: a random tiny Llama
-(vocab 512) is written first.
+the program checks that transformers' logits for it equal the adapted model's. Without
+CHECKPOINT_DIR: a random tiny Llama (vocab 512) is written first.
 """
 
 from __future__ import annotations

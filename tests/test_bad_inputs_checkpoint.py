@@ -305,7 +305,8 @@ def test_adapters_resume_only_as_they_were_trained(tmp_path):
     other = ParallelTransformer(small(**two).model_config(), None)
     apply_lora(other, 4)
     other.lora_spec = dataclasses.replace(other.lora_spec, scaling="alpha/sqrt(rank)")  # rsLoRA's rule
-    with pytest.raises(ValueError, match=r"the LoRA scaling \('alpha/rank' in the checkpoint, 'alpha/sqrt\(rank\)' here"):
+    with pytest.raises(ValueError, match=r"the LoRA scaling \('alpha/rank' in the checkpoint, 'alpha/sqrt\(rank\)' "
+                                         r"here"):
         checkpoint.load(path, other)
     meta = json.loads((path / "meta.json").read_text())
     (path / "meta.json").write_text(json.dumps(seal({**meta, "adapters": {"rank": "4"}})))  # crafted, resealed

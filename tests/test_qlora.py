@@ -239,10 +239,13 @@ def test_base_memory_per_rank_is_at_most_0_6_bytes_per_parameter(tmp_path):
 
 
 def _export_worker(rank, world, folder, kw):
-    """The run's A before any step (whole, every rank's), then its eval/loss after the last step."""
+    """The run's A before any step (whole, every rank's), its dequantised base and its eval/loss after the
+    last step."""
+    from model_checks import all_stages
+
     t = Trainer(_cfg(folder, **kw))
     a = {k: v for k, v in _adapters(t.model, "data").items() if k.startswith("lora_A")}
-    return a, t.train()[-1]["eval/loss"]
+    return a, all_stages(t.model.to_hf_state_dict()), t.train()[-1]["eval/loss"]
 
 
 EXPORT_CASES = {  # hidden 128, MLP 128: at TP2 every shard's in_features is 64; at TP4 32 (blocks span two rows)
@@ -254,8 +257,9 @@ EXPORT_CASES = {  # hidden 128, MLP 128: at TP2 every shard's in_features is 64;
 @pytest.mark.parametrize("case", list(EXPORT_CASES))
 def test_export_is_the_model_the_tp_run_trained(rank_pool, tmp_path, fresh_seed, case):
     """Trained at TP2 / TP4, exported by export-hf: each rank's shards of the base quantised and dequantised as
-    that rank did (the one-process quantisation is another model: its loss was 1.5e-4 away), plus the merged
-    adapters, so the export's held-out loss equals the run's eval/loss to the fp32 rounding of the export.
+    that rank did, bit for bit (the one-process quantisation is another model: 1.5e-5 and 2.8e-3 away in
+    relative loss), plus the merged adapters, so the export's held-out loss equals the run's eval/loss to
+    the fp32 rounding of the export (~1e-9).
     The adapters' A started as one process draws them from training.seed (never from seed 0). TP2 also
     writes the adapters alone (export-peft): PEFT on the base as one process quantises it gives our
     one-process QLoRA model's logits."""
@@ -263,6 +267,7 @@ def test_export_is_the_model_the_tp_run_trained(rank_pool, tmp_path, fresh_seed,
 
     from model_checks import save_tiny_model
     from tpkernels.models import ParallelTransformer
+    from tpkernels.models.hf_io import dequantize_as_trained_at_
     from tpkernels.models.lora import apply_lora
     from tpkernels.train.checkpoint import export_hf, export_peft, latest, load
 
@@ -272,7 +277,12 @@ def test_export_is_the_model_the_tp_run_trained(rank_pool, tmp_path, fresh_seed,
     ck, out = tmp_path / "ck", tmp_path / "export-hf"
     held_out = {"eval.source": "random-documents", "eval.every": 2, "eval.batches": 1, "training.seed": seed}
     kw = dict(num_microbatches=2, steps=2, save_dir=str(ck), **held_out)
-    a, eval_loss = rank_pool(world).run(_export_worker, folder, {**layout, **kw}, timeout=300)[0]
+    a, base, eval_loss = rank_pool(world).run(_export_worker, folder, {**layout, **kw}, timeout=300)[0]
+    # the base the export rebuilds in one process is the run's, bit for bit
+    one = ParallelTransformer(_cfg(folder).model_config(), None, init=None, quant="nf4", dtype=torch.float64)
+    quantised = [k for k in base if k.endswith("proj.weight")]
+    got = dequantize_as_trained_at_(one, folder, world).to_hf_state_dict()
+    assert len(quantised) == 2 * 7 and all(torch.equal(got[k], base[k]) for k in quantised), case
     for s, same in ((seed, True), (0, False)):
         one = ParallelTransformer.from_hf(folder, dtype=torch.float64)
         apply_lora(one, 4, seed=s)
@@ -280,7 +290,8 @@ def test_export_is_the_model_the_tp_run_trained(rank_pool, tmp_path, fresh_seed,
         assert drawn.keys() == a.keys() and all(torch.equal(a[k], drawn[k]) == same for k in a), (s, same)
     export_hf(ck, out)  # what the export-hf command calls (its CLI: test_train)
     evaluation = Trainer(TrainConfig.from_values({**BASE, "model.name": str(out), "model.init_from": str(out),
-                                                  "training.precision": "fp64", ALIASES["num_microbatches"]: 2, **held_out}))
+                                                  "training.precision": "fp64", ALIASES["num_microbatches"]: 2,
+                                                  **held_out}))
     assert evaluation.validate()["eval/loss"] == pytest.approx(eval_loss, rel=1e-7, abs=0)
     if world != 2:
         return

@@ -42,7 +42,7 @@ from tpkernels.parallel.mappings import (
 )
 
 TARGETS = ("qkv", "out", "gate_up", "up", "down")
-SCALING = "alpha/rank"  # the update is (alpha / rank)·B·A (not rsLoRA's alpha / sqrt(rank)): part of what adapters mean
+SCALING = "alpha/rank"  # the update is (alpha / rank)·B·A, not rsLoRA's alpha / sqrt(rank): part of their meaning
 
 
 @dataclass(frozen=True)
