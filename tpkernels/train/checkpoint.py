@@ -114,6 +114,30 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+class RunState:
+    """The run's state owners (FP8 scales and histories, ...) as one checkpoint entry: each owner has
+    ``state_tensors()`` (name -> tensor, keys of its own and the same on every rank that holds them, so
+    they reshard like the weights) and ``load_state_tensors(found)`` (the stored tensors of the keys the
+    checkpoint holds; an owner fits another shape, and starts fresh for what is missing)."""
+
+    def __init__(self, owners=()):
+        self.owners = [o for o in owners if o is not None]
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for owner in self.owners:
+            mine = owner.state_tensors()
+            clash = sorted(set(mine) & set(out))
+            if clash:
+                raise ValueError(f"run state owners share checkpoint keys {clash[:3]}: each owner keeps keys of its own")
+            out.update(mine)
+        return out
+
+    def load_state_tensors(self, found: dict[str, torch.Tensor]) -> None:
+        for owner in self.owners:
+            owner.load_state_tensors({k: v for k, v in found.items() if k in owner.state_tensors()})
+
+
 class PendingSave:
     """An asynchronous save in flight: ``finish()`` (collective) waits for it and makes it complete."""
 
@@ -165,12 +189,13 @@ def _failed_save(tmp: Path, sd: dict, e: BaseException) -> CheckpointSaveError:
 
 
 def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of: dict | None = None, *,
-         async_group=None, asynchronous: bool = False):
+         async_group=None, asynchronous: bool = False, run_state=None):
     """Write the checkpoint of ``step`` under ``folder`` (collective); returns its path. ``master_of``
     (id(param) -> fp32 master, mixed precision) saves the masters the optimizer steps instead.
     ``asynchronous``: the tensors are copied now and written in the background (``dcp.async_save``
     over ``async_group``, a process group of its own so that training collectives do not mix with
-    it); returns a :class:`PendingSave` to ``finish()`` later."""
+    it); returns a :class:`PendingSave` to ``finish()`` later. ``run_state``: the run's state owners
+    (:class:`RunState`), whose tensors are stored under their own layout-independent keys."""
     master_of = master_of or {}
     folder = Path(folder)
     final = folder / f"step_{step:08d}"
@@ -202,6 +227,8 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of:
     # ranks agree on the count first (every owner holds the same one), so any copy kept is the right one.
     opt_step = control.all_reduce_values([opt_step], "max")[0]
     sd["optim::step"] = torch.tensor(opt_step, dtype=torch.float64)
+    if run_state is not None:
+        sd.update({k: v.detach() for k, v in run_state.state_tensors().items()})
     spec = lora_spec(model)  # what the adapters are: a resume refuses any other (check_same_adapters)
     meta = {**meta, "step": step, "adapters": spec.to_dict() if spec is not None else None}
     if asynchronous:
@@ -253,14 +280,15 @@ def complete(folder: str | Path) -> list[Path]:
     return sorted(done, key=lambda d: d.name, reverse=True)
 
 
-def resume(folder: str | Path, model, optimizer=None, master_of: dict | None = None) -> tuple[Path, dict] | None:
+def resume(folder: str | Path, model, optimizer=None, master_of: dict | None = None,
+           run_state=None) -> tuple[Path, dict] | None:
     """Load the newest checkpoint under ``folder`` that verifies (collective): (its path, its meta), or
     None when there is none. A damaged one is skipped with a warning naming the file, and the one
     before it is tried; when every one is damaged, CheckpointError lists them."""
     refused = []
     for path in complete(folder):
         try:
-            return path, load(path, model, optimizer, master_of)
+            return path, load(path, model, optimizer, master_of, run_state)
         except CheckpointError as e:
             refused.append(str(e))
             if _rank() == 0:
@@ -271,10 +299,11 @@ def resume(folder: str | Path, model, optimizer=None, master_of: dict | None = N
     return None
 
 
-def load(path: str | Path, model, optimizer=None, master_of: dict | None = None) -> dict:
+def load(path: str | Path, model, optimizer=None, master_of: dict | None = None, run_state=None) -> dict:
     """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``, if given; with ``master_of``,
     into the fp32 masters, the 16-bit weights following) at their current layout (collective);
-    returns its meta (step, config, layout). A checkpoint of another model is refused
+    returns its meta (step, config, layout). ``run_state`` (a :class:`RunState`) gets the stored tensors
+    of its keys that the checkpoint holds. A checkpoint of another model is refused
     (:func:`check_same_model`): the layout may change on load, the model may not."""
     master_of = master_of or {}
     path = Path(path)
@@ -290,6 +319,11 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
             kind, name, r, c = _parse(key)
             stored.setdefault((kind, name), []).append((r, c, key, tuple(tmd.size)))
     want: dict[str, torch.Tensor] = {"optim::step": torch.zeros((), dtype=torch.float64)}
+    state_keys = [k for k in (run_state.state_tensors() if run_state is not None else {})
+                  if k in md.state_dict_metadata]
+    for key in state_keys:  # the stored shape and dtype: the owner fits them to its own (RunState)
+        tmd = md.state_dict_metadata[key]
+        want[key] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
     optimizer = local_optimizer(optimizer)
     owned = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer is not None else set()
     jobs = []
@@ -348,6 +382,8 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None)
         for p in model.parameters():
             if id(p) in master_of:
                 p.copy_(master_of[id(p)])
+    if run_state is not None:
+        run_state.load_state_tensors({k: want[k] for k in state_keys})
     step = float(want["optim::step"])
     if has_moments:
         for group in optimizer.param_groups:

@@ -17,6 +17,7 @@ norm or the clipping (Megatron's per-token loss; torchtitan's global token norma
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -203,7 +204,7 @@ class Trainer:
         source = resume_dir or (ck.save_dir if ck.resume else None)
         self.saved_step: int | None = None  # the step of the newest checkpoint in save_dir of this run
         if source:
-            found = checkpoint.resume(source, self.model, self.optimizer, self.master_of)
+            found = checkpoint.resume(source, self.model, self.optimizer, self.master_of, self.run_state)
             if found is not None:
                 path, meta = found
                 self.step_index, self.resumed_from = int(meta["step"]), path
@@ -211,8 +212,9 @@ class Trainer:
                     self.saved_step = self.step_index
                 if self.mp is not None and "loss_scale" in meta:
                     self.mp.load_state_dict(meta["loss_scale"])
-                if self.fp8 is not None:
-                    self.fp8.restore(meta.get("fp8_moved", []))
+                said = self.fp8.resumed(meta.get("fp8_moved")) if self.fp8 is not None else None
+                if said and self.is_logger:
+                    print(said, flush=True)
         # a new run's file starts empty; a resumed one drops the steps it trains again (MetricsFile)
         self.metrics.start(self.step_index if self.resumed_from is not None else None)
         if self.fp8 is not None:
@@ -240,16 +242,15 @@ class Trainer:
                 "model_config": dataclasses.asdict(self.mc)}
         if self.mp is not None:
             meta["loss_scale"] = self.mp.state_dict()
-        if self.fp8 is not None:
-            meta["fp8_moved"] = self.fp8.moved
         if self.cfg.checkpoint.async_save:
             if self._ckpt_group is None and dist.is_initialized():
                 self._ckpt_group = dist.new_group(backend="gloo")
             self._pending = checkpoint.save(self.cfg.checkpoint.save_dir, self.model, self.optimizer, self.step_index,
-                                            meta, self.master_of, asynchronous=True, async_group=self._ckpt_group)
+                                            meta, self.master_of, asynchronous=True, async_group=self._ckpt_group,
+                                            run_state=self.run_state)
             return self._pending.final
         return checkpoint.save(self.cfg.checkpoint.save_dir, self.model, self.optimizer, self.step_index, meta,
-                               self.master_of)
+                               self.master_of, run_state=self.run_state)
 
     def finish_saving(self) -> Path | None:
         """Complete an asynchronous save in flight (collective); its path, or None."""
@@ -340,11 +341,21 @@ class Trainer:
             self.dp_reduce.start(self.pc.num_microbatches)
         t0 = time.perf_counter()
         self._begin_pairs(batch, self.reference)
-        with CommTrace() as tr:
+        with CommTrace() as tr, self._training_step():
             loss = self.model.step(batch.input_ids if st.is_first_stage else None, batch.target,
                                    position_ids=batch.position_ids, runtime=self.runtime,
                                    num_targets=batch.num_targets, loss_scale=mp.scale if mp is not None else 1.0)
         return loss, tr, time.perf_counter() - t0
+
+    def _training_step(self):
+        """The block of a training step's forward and backward: where run state records (FP8 amaxes and
+        counts); every other pass (references, validation, timing) leaves it as it is."""
+        return self.fp8.state.training_step() if self.fp8 is not None else contextlib.nullcontext()
+
+    @property
+    def run_state(self) -> checkpoint.RunState:
+        """The run's state owners, saved and restored with every checkpoint."""
+        return checkpoint.RunState([self.fp8.state if self.fp8 is not None else None])
 
     def reduce_gradients(self) -> float:
         """DP (and CP) average, then the TP-side sums; seconds spent waiting for them."""
@@ -433,10 +444,10 @@ class Trainer:
         self._warn_comm(rec)
         out = rec.as_dict()
         if self.fp8 is not None:
-            fp8_rec, moved = self.fp8.after_step(step)
+            fp8_rec, moved, records = self.fp8.after_step(step)
             out.update(fp8_rec)
-            if moved:
-                self.metrics.write({"fp8_guard": self.fp8.moved[-len(moved):], "layout": self.pc.short()})
+            if records:
+                self.metrics.write({"fp8_guard": records, "layout": self.pc.short()})
             for text in moved if self.is_logger else ():
                 print(text, flush=True)
         self.metrics.write({**out, "layout": self.pc.short(), "mfu_vs": self.peak_label})
