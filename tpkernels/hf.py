@@ -32,6 +32,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from tpkernels.conventions import IGNORE_INDEX
 from tpkernels.functional.attention import flash_attn_func, flash_attn_varlen_func
 from tpkernels.functional.bias_gelu import bias_gelu
 from tpkernels.functional.linear_cross_entropy import linear_cross_entropy
@@ -147,7 +148,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: PLC0415
 
     num_items = kwargs.pop("num_items_in_batch", None)
-    ignore_index = kwargs.pop("ignore_index", -100)
+    ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
     outputs = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                               **kwargs)

@@ -30,7 +30,7 @@ import dataclasses
 
 import torch
 
-IGNORE_INDEX = -100
+from tpkernels.conventions import IGNORE_INDEX
 
 
 @dataclasses.dataclass

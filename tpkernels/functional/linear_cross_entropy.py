@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from tpkernels.conventions import IGNORE_INDEX
 from tpkernels import backends
 from tpkernels.dtypes import widen
 from tpkernels.functional.vocab_parallel import check_loss_args, out_of_range_targets, target_range_error
@@ -217,7 +218,7 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, tp_group=None,
-                         chunk_size: int | None = None, ignore_index: int = -100, label_smoothing: float = 0.0,
+                         chunk_size: int | None = None, ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0,
                          reduction: str = "mean", z_loss: float = 0.0, vocab_size: int | None = None,
                          reduce_input_grad: bool = True, backend: str | None = None,
                          check_targets: bool = True) -> Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tpkernels.conventions import IGNORE_INDEX
 from tpkernels.dtypes import widen
 from tpkernels.parallel import consistency
 from tpkernels.parallel.groups import group_rank_size
@@ -110,7 +111,7 @@ def check_loss_args(target: torch.Tensor, rows_shape, label_smoothing: float, re
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, tp_group=None,
-                                 label_smoothing: float = 0.0, ignore_index: int = -100,
+                                 label_smoothing: float = 0.0, ignore_index: int = IGNORE_INDEX,
                                  reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of vocabulary-sharded logits.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tpkernels.conventions import IGNORE_INDEX
 from tpkernels.functional.linear_cross_entropy import linear_cross_entropy
 from tpkernels.models.context import LayerContext
 from tpkernels.models.embedding import vocab_rows
@@ -54,7 +55,7 @@ class LMHead(nn.Module):
     def _sp(self) -> bool:
         return self.ctx.sequence_parallel and self.ctx.tp_size > 1
 
-    def loss(self, y: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+    def loss(self, y: torch.Tensor, target: torch.Tensor, ignore_index: int = IGNORE_INDEX,
              reduction: str = "mean") -> torch.Tensor:
         """Cross-entropy over the tokens whose target is not ``ignore_index``; target (batch, seq).
         ``reduction="sum"``: the sum of the token losses (a training step divides the sum over all its
@@ -77,7 +78,7 @@ class LMHead(nn.Module):
         control.all_reduce_(count, "sum", self.ctx.cp_group)
         return loss * (cp / count.clamp(min=1)).to(loss.dtype)
 
-    def token_logps(self, y: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    def token_logps(self, y: torch.Tensor, target: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
         """log p(target) per position, (batch, seq) fp32 (fp64 for fp64), 0 where target is
         ``ignore_index``: −cross-entropy per token, still without the logits, differentiable (the
         backward redoes the chunk loop with the upstream per-token weights). Every TP rank returns

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tpkernels.conventions import IGNORE_INDEX
 from tpkernels.functional.context_parallel import zigzag_indices, zigzag_merge
 from tpkernels.functional.vocab_parallel import out_of_range_targets, target_range_error
 from tpkernels.models.sequence import default_positions, positions_from_cu_seqlens
@@ -138,7 +139,7 @@ def stage_batch(model, input_ids: Tensor, position_ids=None, cu_seqlens=None) ->
                       .contiguous(), documents).astuple()
 
 
-def stage_target(model, target: Tensor, ignore_index: int = -100) -> Tensor:
+def stage_target(model, target: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """The last stage's targets of a step, checked once (ids in the vocabulary or ignore_index) where
     they are, and moved to the model's device."""
     agree_tp(model, "target", target)

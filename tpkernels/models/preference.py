@@ -30,11 +30,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tpkernels.conventions import IGNORE_INDEX
 from tpkernels.functional.preference import (DEFAULT_SIMPO_GAMMA, LOSS_TYPES, METRIC_NAMES, REFERENCE_FREE,
                                              all_reduce_sequence_sums, preference_loss, sequence_logps,
                                              sequence_token_counts)
 
-IGNORE_INDEX = -100
 
 
 def _sequence_sums(head, state, y: Tensor, t: dict, num_docs: int) -> tuple[Tensor, Tensor, Tensor]:

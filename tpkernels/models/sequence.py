@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpkernels.conventions import IGNORE_INDEX
 from tpkernels.functional.attention import trust_cu_seqlens
 
 
@@ -99,7 +100,7 @@ def default_positions(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def next_token_targets(input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                       ignore_index: int = -100) -> torch.Tensor:
+                       ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """target[:, t] = input_ids[:, t + 1], ``ignore_index`` at each row's end and, for packed rows,
     at each document's last token (a document does not predict the next one's first token)."""
     target = torch.full_like(input_ids, ignore_index)

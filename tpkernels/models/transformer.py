@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tpkernels.conventions import IGNORE_INDEX
 from tpkernels.functional.rotary import rotary_cache
 from tpkernels.models import hf_io, inputs
 from tpkernels.models.attention import kv_replica_groups
@@ -193,7 +194,7 @@ class ParallelTransformer(nn.Module):
         """The first stage's checked input of a step (tpkernels.models.inputs.stage_batch)."""
         return inputs.stage_batch(self, input_ids, position_ids, cu_seqlens)
 
-    def _target(self, target: torch.Tensor | dict, ignore_index: int = -100) -> torch.Tensor | dict:
+    def _target(self, target: torch.Tensor | dict, ignore_index: int = IGNORE_INDEX) -> torch.Tensor | dict:
         """The last stage's checked targets of a step (tpkernels.models.inputs.stage_target). A dict
         (a loss with per-position side inputs, e.g. the preference objective's ``doc``) has its
         ``"target"`` checked and every tensor moved to the device."""
@@ -281,7 +282,7 @@ class ParallelTransformer(nn.Module):
             return mine
         return control.all_reduce_values([mine], "sum", st.dp_cp_group)[0]
 
-    def _count_targets(self, target: torch.Tensor, ignore_index: int = -100) -> int:
+    def _count_targets(self, target: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
         """Targets that are not ``ignore_index`` over this rank's DP×CP group (the last stage's ranks)."""
         mine = int((target != ignore_index).sum())
         if self.state.dp_size * self.state.cp_size == 1:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from tpkernels.data.batch import IGNORE_INDEX, TokenBatch
+from tpkernels.conventions import IGNORE_INDEX
+from tpkernels.data.batch import TokenBatch
 from tpkernels.data.blend import Blend, parse_blend
 from tpkernels.data.sources import source_kind
 from tpkernels.data.synthetic import SYNTHETIC, RandomDocuments, RandomTokens

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from tpkernels.conventions import IGNORE_INDEX
 from tpkernels.functional.preference import METRIC_NAMES, REFERENCE_FREE
 from tpkernels.models.lora import LoRA
 from tpkernels.models.preference import PreferenceObjective, SequenceLogps
@@ -41,7 +42,6 @@ from tpkernels.parallel import control
 from tpkernels.parallel.raise_together import raise_together
 from tpkernels.train import reference_cache as rc
 
-IGNORE_INDEX = -100
 # how far two runs' values of one pair may differ in the cache (other layouts round otherwise): fp32 and fp64
 # sums differ by reduction order (~1e-7 relative), 16-bit and FP8 activations by their rounding (~1e-2)
 REFERENCE_RTOL = {"fp64": 1e-6, "fp32": 1e-6, "bf16": 5e-2, "fp16": 5e-2, "fp8": 5e-2}
