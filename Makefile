@@ -8,7 +8,7 @@ BUILT  := $(VENV)/.tpkernels-built
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h') setup.py pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench aot-check compat clean
+.PHONY: install test seed-sweep demo bench aot-check compat clean
 
 $(DEPS): requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ install: $(BUILT)
 
 test: install
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+# the randomised kernel and multi-rank tests under N fresh seeds each; lists failing (test, seed) and how to replay
+N ?= 20
+seed-sweep: install
+	$(BIN)/python benchmarks/seed_sweep.py -n $(N) $(PYTEST_ARGS)
 
 demo: install
 	$(BIN)/tpkernels train --config python/configs/demo_llama_tp2_pp2.yaml --nproc 4 --layout auto --autotune 3 --verify-step0

@@ -9,7 +9,11 @@
 * The planner's fitted corrections go to a temporary cache folder (TPKERNELS_CACHE_DIR), never the
   user's: an autotune test must not change another test's plan.
 * Every test gets fresh random inputs: the global seed comes from os.urandom and is printed
-  when the test fails, so a failure can be replayed with TPK_SEED=<seed>.
+  when the test fails, so a failure can be replayed with TPK_SEED=<seed>. The ranks of a
+  ``rank_pool`` are seeded with it too before each call, so a replay replays what they draw.
+* ``--seeds N`` (the seed sweep, benchmarks/seed_sweep.py) runs every collected test under N seeds
+  of its own from os.urandom, in one session (the rank pools are reused); the item's id ends in
+  ``seed<N>``. Without it nothing changes.
 """
 
 from __future__ import annotations
@@ -29,6 +33,18 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--seeds", type=int, default=0, metavar="N",
+                     help="run every test under N fresh seeds (a seed sweep: benchmarks/seed_sweep.py)")
+
+
+def pytest_generate_tests(metafunc):
+    n = metafunc.config.getoption("seeds")
+    if n > 0 and "fresh_seed" in metafunc.fixturenames:  # autouse: every test
+        seeds = sorted({int.from_bytes(os.urandom(4), "little") for _ in range(n)})
+        metafunc.parametrize("fresh_seed", seeds, indirect=True, ids=[f"seed{s}" for s in seeds])
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
@@ -38,12 +54,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_SEED: list[int | None] = [None]  # the running test's, for the rank pools
+
+
 @pytest.fixture(autouse=True)
 def fresh_seed(request):
-    seed = int(os.environ.get("TPK_SEED", int.from_bytes(os.urandom(4), "little")))
+    seed = getattr(request, "param", None)  # the sweep's (--seeds)
+    if seed is None:
+        seed = int(os.environ.get("TPK_SEED", int.from_bytes(os.urandom(4), "little")))
     torch.manual_seed(seed)
     request.node.user_properties.append(("seed", seed))
+    _SEED[0] = seed
     yield seed
+    _SEED[0] = None
 
 
 def pytest_runtest_makereport(item, call):
@@ -65,6 +88,7 @@ def rank_pool():
         pool = _POOLS.get(world_size)
         if pool is None:
             pool = _POOLS[world_size] = RankPool(world_size, timeout=timeout)
+        pool.seed = _SEED[0]  # every call seeds the ranks with the test's seed
         return pool.start()
 
     yield get

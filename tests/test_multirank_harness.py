@@ -52,6 +52,21 @@ def test_results_come_back_by_rank(world_size, rank_pool):
     assert out == [(r, world_size, r, world_size, total) for r in range(world_size)]
 
 
+def _draw(rank, world_size, n):
+    return torch.rand(n)
+
+
+def test_every_call_seeds_the_ranks_with_the_tests_seed(rank_pool, fresh_seed):
+    """TPK_SEED replays a multi-rank test whole: before each call every rank seeds torch with the test's
+    seed, whatever earlier calls drew on the long-lived workers."""
+    pool = rank_pool(2)
+    torch.manual_seed(fresh_seed)
+    want = torch.rand(5)
+    for _ in range(2):  # the first call draws more than the second reads
+        got = pool.run(_draw, 7)
+        assert all(torch.equal(g[:5], want) for g in got), (got, want)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_pool_is_reused_and_handles_a_late_rank(world_size, rank_pool):
     pool = rank_pool(world_size)

@@ -104,8 +104,10 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, pg_timeout
             _release_groups(created)
             created = []
             continue
-        call_id, fn, args, kwargs = task
+        call_id, fn, args, kwargs, seed = task
         try:
+            if seed is not None:  # every rank alike, as a fresh process starts alike
+                torch.manual_seed(seed)
             before = _groups()
             out = fn(rank, world_size, *args, **kwargs)
             created = [g for g in _groups() if g not in before]
@@ -147,7 +149,11 @@ def _exit(results: mp.Queue) -> None:
 
 
 class RankPool:
-    """N worker processes joined in one torch.distributed group (gloo by default)."""
+    """N worker processes joined in one torch.distributed group (gloo by default).
+
+    ``seed``: when set, every rank seeds torch's generator with it before each call (the test suite
+    sets the test's seed, so ``TPK_SEED`` replays what the ranks draw too, whatever ran before on the
+    long-lived workers)."""
 
     def __init__(self, world_size: int, backend: str = "gloo", timeout: float = 120.0,
                  threads_per_rank: int = 1, start_timeout: float = 120.0):
@@ -160,6 +166,7 @@ class RankPool:
         self._results: mp.Queue | None = None
         self._tmpdir: str | None = None
         self._calls = 0
+        self.seed: int | None = None
 
     # -- lifecycle --
     def start(self) -> "RankPool":
@@ -229,7 +236,7 @@ class RankPool:
         self._calls += 1
         call_id = self._calls
         try:  # the queue would pickle in a background thread and the ranks would wait for the timeout
-            multiprocessing.reduction.ForkingPickler.dumps((call_id, fn, args, kwargs))
+            multiprocessing.reduction.ForkingPickler.dumps((call_id, fn, args, kwargs, self.seed))
         except Exception as e:
             raise TypeError(f"{what} and its arguments must be picklable to reach the ranks (a module-level "
                             f"function, picklable arguments): {type(e).__name__}: {e}") from None
@@ -237,7 +244,7 @@ class RankPool:
             self._kill()
             self.start()
         for q in self._tasks:
-            q.put((call_id, fn, args, kwargs))
+            q.put((call_id, fn, args, kwargs, self.seed))
         out = self._collect(lambda msg: msg[0] == call_id, what, timeout or self.timeout, set(expect_exit))
         if expect_exit:
             self._kill()
