@@ -19,21 +19,27 @@ MARKED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>
 NOT_MONOTONE = "{{ messages | length }} " + PLAIN
 
 
-def make_tokenizer(folder: Path, template: str | None = PLAIN) -> Path:
-    """A WordLevel tokenizer over WORDS (whitespace-split) with the chat specials, saved as an HF folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def _save(tok, folder, template):
+    """``tok`` as a transformers tokenizer folder with the house special tokens (and ``template``)."""
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIAL + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(SPECIAL)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="<pad>", bos_token="<s>",
                                    eos_token="<|end|>")
     if template is not None:
         fast.chat_template = template
     fast.save_pretrained(str(folder))
     return folder
+
+
+def make_tokenizer(folder: Path, template: str | None = PLAIN) -> Path:
+    """A WordLevel tokenizer over WORDS (whitespace-split) with the chat specials, saved as an HF folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(SPECIAL + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(SPECIAL)
+    return _save(tok, folder, template)
 
 
 # code-style chats: a ByteLevel BPE tokenizer (``tokenizers``' defaults, offsets trimmed) with a template that
@@ -65,7 +71,6 @@ def make_bytelevel_tokenizer(folder: Path, template: str | None = CODE_PLAIN) ->
     """A byte-level BPE trained here on the code snippets (tokenizers' ByteLevel pre-tokenizer and
     post-processor at their defaults: whitespace-only tokens get empty trimmed offsets), as an HF folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -74,12 +79,7 @@ def make_bytelevel_tokenizer(folder: Path, template: str | None = CODE_PLAIN) ->
     trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CODE * 20 + ["write add and the loop more code be brief"] * 5, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="<pad>", bos_token="<s>",
-                                   eos_token="<|end|>")
-    if template is not None:
-        fast.chat_template = template
-    fast.save_pretrained(str(folder))
-    return folder
+    return _save(tok, folder, template)
 
 
 def reference_mask(ids: list[int], last_only: bool = False, tok=None) -> list[bool]:

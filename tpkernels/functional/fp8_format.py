@@ -91,12 +91,17 @@ class Fp8Ops:
             self.w8, self.sw = slot.cast("w", weight.detach())
             self.sx = None
 
-    def input(self, x: torch.Tensor) -> torch.Tensor:
-        self.out_dtype = x.dtype
+    def _operand_a(self, role: str, t: torch.Tensor):
+        """(``t`` as the GEMM's ``a``: FP8 bytes, or 16 bits for rowwise (cast by the operand), its scale)."""
+        self.out_dtype = t.dtype
         if self.rowwise:
-            return x
-        x8, self.sx = self.slot.cast("x", x)
-        return x8.view(torch.uint8)
+            return t, None
+        q, scale = self.slot.cast(role, t)
+        return q.view(torch.uint8), scale
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        a, self.sx = self._operand_a("x", x)
+        return a
 
     def forward_b(self):
         if self.rowwise:  # x's rows are whole in the column layer, split over TP in the row layer
@@ -108,11 +113,8 @@ class Fp8Ops:
         return () if self.rowwise else (self.w8, self.sw, self.sx)
 
     def grad(self, dy: torch.Tensor) -> torch.Tensor:
-        self.out_dtype = dy.dtype
-        if self.rowwise:
-            return dy
-        dy8, self.sdy = self.slot.cast("dy", dy)
-        return dy8.view(torch.uint8)
+        g, self.sdy = self._operand_a("dy", dy)
+        return g
 
     def backward_b(self):
         if self.rowwise:  # Wᵀ's rows (input features) and dy's rows (tokens) span the ranks in the column layer
