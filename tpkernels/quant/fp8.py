@@ -22,6 +22,8 @@ Which amax a cast uses (the recipes, their history, the TP agreement) is run sta
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -91,7 +93,25 @@ def fp8_gemm(a8: Tensor, scale_a: Tensor, b8: Tensor, scale_b: Tensor, out_dtype
     sa, sb = (1.0 / scale_a).float(), (1.0 / scale_b).float()
     if sb.dim() == 2:  # rowwise: b's row scales become the output's column scales
         sb = sb.reshape(1, -1)
-    return torch._scaled_mm(a8.contiguous(), b8.contiguous().t(), sa, sb, out_dtype=out_dtype)
+    a8, b8 = a8.contiguous(), b8.contiguous()
+    if (sa.numel() > 1 or sb.numel() > 1) and a8.device.type == "cpu" and not _cpu_takes_row_scales():
+        # the scales factor out of every dot product: unit scales in the GEMM, undone on its fp32 output
+        one = torch.ones((), dtype=torch.float32)
+        y = torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.float32)
+        return (y * sa * sb).to(out_dtype)
+    return torch._scaled_mm(a8, b8.t(), sa, sb, out_dtype=out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_takes_row_scales() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes per-row scales (2.14 does; 2.11's oneDNN path only takes
+    per-tensor ones)."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 __all__ = ["FORMATS", "cast_counts", "cast_to_fp8", "check_finite", "dequantize_fp8", "fp8_dtype", "fp8_gemm",
