@@ -282,3 +282,49 @@ def test_the_configs_own_layout_is_a_candidate_at_the_runs_batch():
     put = with_manual(cands, 3, mine)
     assert put[2] is mine and put[:2] == cands[:2] and len(put) == len(cands) + 1
     assert with_manual(cands, 3, cands[1]) == cands  # the planner tries it already
+
+
+def test_layout_auto_keeps_the_configs_global_batch(fresh_seed):
+    """issue 44: ``layout: auto`` plans, and autotune tries every candidate (the config's own layout too), at
+    the config's global batch (mbs × microbatches × dp at its own layout), never at mbs × microbatches × world;
+    a candidate that would train another batch is dropped with a warning naming both batches."""
+    import dataclasses
+    import random
+
+    import pytest
+
+    from tpkernels.planner import ClusterSpec, TrainingSetup, calibrated_for, gpu_preset, plan
+    from tpkernels.train import TrainConfig
+    from tpkernels.train.auto_layout import run_global_batch
+    from tpkernels.train.autotune import candidates_from_plan, manual_candidate
+
+    rng = random.Random(fresh_seed)
+    mbs, nm = rng.choice([1, 2, 3]), rng.choice([1, 2, 5])
+
+    def cfg(**extra):
+        parallel = {"micro_batch_size": mbs, "num_microbatches": nm, **extra.pop("parallel", {})}
+        return TrainConfig.from_values({"layout": "auto", "model": {"name": "Llama-2-7B", "layers": 4, "hidden": 64,
+                                                                     "heads": 4, "kv_heads": 2, "ffn": 96, "vocab": 97},
+                                        "parallel": parallel, "data": {"seq_length": 16},
+                                        "autotune": {"candidates": 3}, **extra})
+
+    assert run_global_batch(cfg(), 4)[0] == mbs * nm * 4  # pure DP: dp = world
+    mine = cfg(parallel={"tp": 2, "pp": 2, "schedule": "gpipe"})
+    gb, why = run_global_batch(mine, 4)
+    assert gb == mbs * nm and "dp 1 = world 4 / (tp·cp·pp 4)" in why, why  # was mbs × nm × 4
+    assert run_global_batch(cfg(parallel={"tp": 2, "dp": 3}), 6)[0] == mbs * nm * 3
+    assert run_global_batch(cfg(parallel={"tp": 3}), 4) == (mbs * nm * 4, run_global_batch(cfg(parallel={"tp": 3}), 4)[1])
+    assert "does not divide the world (4)" in run_global_batch(cfg(parallel={"tp": 3}), 4)[1]
+    assert run_global_batch(cfg(training={"global_batch": 7}), 4) == (7, "training.global_batch")
+
+    gpu = gpu_preset("H100-SXM")
+    p = plan(mine.model_config(), TrainingSetup(gb, 16), ClusterSpec(gpu, 4, 1), calibrated_for(gpu))
+    cands = candidates_from_plan(mine, p, 20)
+    assert cands and all(c.parallel.global_batch_size == gb for c in cands)
+    own, note = manual_candidate(mine, p, 4)
+    assert note == "" and (own.parallel.tp, own.parallel.pp, own.parallel.global_batch_size) == (2, 2, gb)
+    assert own.parallel.num_microbatches == nm  # the config's own micro-batching, unchanged
+
+    other = dataclasses.replace(p, train=dataclasses.replace(p.train, global_batch=gb * 2))
+    with pytest.warns(UserWarning, match=f"not the run's global batch of {gb * 2}"):
+        assert candidates_from_plan(mine, other, 20) == []

@@ -4,8 +4,11 @@ sequences, or the ``parallel.cp`` the config sets).
 
 GPUs: the planner's preset for the device name (calibrated on published runs). CPUs: the GEMM,
 copy and gloo all-reduce rates measured here (``tpkernels plan --measure``). The global batch is
-``global_batch`` sequences (default: what the config's micro-batching gives at the pure-DP
-layout). At the end of the run the trainer prints the prediction next to the measurement.
+``training.global_batch`` sequences, default the config's own: micro_batch_size × num_microbatches ×
+dp of its ``parallel`` section on this world (dp = world / (tp·cp·pp) when unset). The layout never
+changes the optimisation: every layout the planner proposes, and the config's own tried by autotune,
+trains that batch (a layout that cannot is not proposed, or is dropped saying why). At the end of
+the run the trainer prints the prediction next to the measurement.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def plan_layout(cfg: TrainConfig, world: int):
 
     spec = cfg.model_config()
     seq, pc = cfg.data.seq_length, cfg.parallel
-    gb = cfg.training.global_batch or pc.micro_batch_size * pc.num_microbatches * world
+    gb, _ = run_global_batch(cfg, world)
     # fp8: the layout is planned as bf16 (which linears run FP8 is decided later, per linear)
     precision = {"fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}.get(cfg.training.precision,
                                                      "bf16" if torch.cuda.is_available() else "fp32")
@@ -64,7 +67,30 @@ def plan_layout(cfg: TrainConfig, world: int):
 
         raise ValueError(f"layout auto: {no_fit_message(p)}")
     p.machine_key, p.fit_used = key, cached
+    p.global_batch_from = run_global_batch(cfg, world)[1]
     return p.best, p
+
+
+def run_global_batch(cfg: TrainConfig, world: int) -> tuple[int, str]:
+    """(sequences per optimizer step of the run under ``layout: auto`` on ``world`` ranks, where that number
+    comes from). ``training.global_batch`` when set; else the config's own layout's batch, micro_batch_size ×
+    num_microbatches × dp (dp: ``parallel.dp``, or world / (tp·cp·pp)), so that switching a run to
+    ``layout: auto`` keeps its loss curve. When the config's tp·cp·pp does not divide the world (its layout
+    cannot run here) the batch is that of dp = world, said in the reason."""
+    t, pc = cfg.training, cfg.parallel
+    if t.global_batch is not None:
+        return t.global_batch, "training.global_batch"
+    per = pc.micro_batch_size * pc.num_microbatches
+    model_ranks = pc.tp * pc.cp * pc.pp
+    if pc.dp is not None:
+        dp, how = pc.dp, f"parallel.dp {pc.dp}"
+    elif world % model_ranks == 0:
+        dp, how = world // model_ranks, f"dp {world // model_ranks} = world {world} / (tp·cp·pp {model_ranks})"
+    else:
+        dp, how = world, (f"dp {world} = the world: the config's tp·cp·pp ({model_ranks}) does not divide the world "
+                          f"({world})")
+    return per * dp, (f"the config's micro_batch_size {pc.micro_batch_size} × num_microbatches "
+                      f"{pc.num_microbatches} × {how}; training.global_batch sets another")
 
 
 # what the planner does not choose: the user's (or the default) communication knobs stay
@@ -83,6 +109,9 @@ def explain(p) -> str:
     from tpkernels.planner.report import explanation_paragraph  # noqa: PLC0415
 
     text = "layout auto: " + explanation_paragraph(p)
+    why = getattr(p, "global_batch_from", None)
+    if why:
+        text += f" Every layout trains the global batch of {p.train.global_batch} sequences ({why})."
     used = p.fit_used
     if used is not None:
         text += (f" (with this machine's measured corrections from {used[1].get('date', '?')}: {used[0].describe()};"

@@ -28,6 +28,7 @@ import shutil
 import socket
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -95,12 +96,27 @@ def diverse_order(items: list, config_of=lambda x: x.config) -> list:
     return firsts + [x for x in items if not any(x is y for y in firsts)]
 
 
+def batch_change(pc: ParallelConfig, gb: int) -> str:
+    """Why layout ``pc`` would not train the run's global batch ``gb`` ("" when it does): a layout that
+    trained another batch would change the optimisation (the loss curve), not only the speed."""
+    got = pc.micro_batch_size * pc.num_microbatches * (pc.dp or 1)
+    if got == gb:
+        return ""
+    return (f"{label(pc)} is dropped: it trains {got} sequences per step (micro_batch_size {pc.micro_batch_size} × "
+            f"num_microbatches {pc.num_microbatches} × dp {pc.dp}), not the run's global batch of {gb}")
+
+
 def candidates_from_plan(cfg: TrainConfig, p, k: int) -> list[Candidate]:
     """The plan's ``k`` fastest layouts (one setting each) in :func:`diverse_order`, with the config's
-    communication knobs."""
+    communication knobs; each trains the plan's global batch (one that does not is dropped, with a
+    warning saying why: the planner's search only proposes layouts that do)."""
     out = []
     for est in diverse_order(p.ranked[:k]):
         parallel = est.config.replace(**{f: getattr(cfg.parallel, f) for f in KEPT})  # the user's comm knobs
+        why = batch_change(parallel, p.train.global_batch)
+        if why:
+            warnings.warn(f"autotune: {why}", stacklevel=2)
+            continue
         out.append(Candidate(parallel, Prediction.of(est, p)))
     return out
 
@@ -129,6 +145,8 @@ def manual_candidate(cfg: TrainConfig, p, world: int) -> tuple[Candidate | None,
         if gb % per:
             raise ParallelConfigError([f"the run's global batch ({gb}) is not a multiple of micro_batch_size × dp "
                                        f"({pc.micro_batch_size} × {pc.dp})"])
+        if batch_change(pc, gb):
+            raise ParallelConfigError([batch_change(pc, gb)])
         est = estimate(p.model, p.train, p.cluster, pc, p.efficiency)
     except (ParallelConfigError, ValueError) as e:
         return None, f"your layout ({user.short()}) is not tried: " + " ".join(str(e).split())
@@ -474,4 +492,4 @@ def report(trials: TrialRunner, best: TrialResult) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Candidate", "Prediction", "TrialResult", "TrialRunner", "candidates_from_plan", "diverse_order", "family", "label", "learn", "report", "train_autotuned", "trial_budget"]
+__all__ = ["Candidate", "Prediction", "TrialResult", "TrialRunner", "batch_change", "candidates_from_plan", "diverse_order", "family", "label", "learn", "report", "train_autotuned", "trial_budget"]
