@@ -43,7 +43,8 @@ class TrainingSection:
                                  "the decoder layers' linears in FP8: the fp8 section), or fp64 (every tensor in "
                                  "double: the oracle runs that layouts are checked against)", PRECISIONS)
     initial_loss_scale: float = opt(65536.0, "fp16: the dynamic loss scale's start (halved on overflow)")
-    global_batch: int | None = opt(None, "layout auto: sequences per step, kept by every layout tried (default: the config's own, micro_batch_size × num_microbatches × dp)")
+    global_batch: int | None = opt(None, "layout auto: sequences per step, kept by every layout tried "
+                                              "(default: the config's own, micro_batch_size × num_microbatches × dp)")
     task: str = opt("auto", "pretrain (every token a target), sft (assistant turns / completions only: the loss is "
                             "the token mean over supervised tokens), dpo (preference pairs: the dpo section), or auto "
                             "(sft for a messages or prompt/completion dataset, dpo for prompt/chosen/rejected, pretrain "
