@@ -383,7 +383,7 @@ def _run_winner(cfg: TrainConfig, cands: list[Candidate], trials: TrialRunner, c
         move = _adapt(cands, trials.results, current, slow, cfg.autotune.slowdown)
         switches.append({"step": trainer.step_index, "from": label(c.parallel), **move})
         if group_rank_size(None)[0] == 0:
-            MetricsFile(cfg.logging.metrics_file).write({"adapt": switches[-1]})
+            MetricsFile.of(cfg).write({"adapt": switches[-1]})
             print(move["text"], flush=True)
         current = move["to_candidate"] if move["to_candidate"] is not None else current
         del trainer
@@ -404,7 +404,7 @@ def _summarise(cfg: TrainConfig, trials: TrialRunner, best: TrialResult, switche
     if group_rank_size(None)[0] != 0:
         return
     n = (trials.step or 0) - (trials.first or 0)
-    MetricsFile(cfg.logging.metrics_file).write({
+    MetricsFile.of(cfg).write({
         "autotune": [r.row() for r in trials.results], "winner": best.layout, "trial_steps": n, "trial_s": t_trials,
         "run_s": total, "trial_share": t_trials / total, "switches": switches})
     print(f"autotune: the trial phase ({n} steps) took {t_trials:.1f} s of the run's {total:.1f} s "

@@ -148,10 +148,16 @@ class CheckpointSection:
 
 @dataclass(frozen=True)
 class LoggingSection:
-    log_every: int = opt(10, "steps between progress-bar updates and between the worst rank's comm/compute "
-                             "ratio (one all-reduce; other steps report each rank's own)")
-    progress: bool = opt(True, "a progress bar on rank 0")
+    log_every: int = opt(10, "steps between progress updates (a line each when stdout is not a terminal) and "
+                             "between the worst rank's comm/compute ratio (one all-reduce; other steps report each "
+                             "rank's own)")
+    progress: bool = opt(True, "progress on rank 0: a bar on a terminal, a plain line per log_every steps else")
     metrics_file: str | None = opt(None, "a JSON line per step (rank 0)")
+    tensorboard_dir: str | None = opt(None, "TensorBoard event files (rank 0): every metrics-file record (scalars "
+                                            "by key, strings as text), the config as text; a resumed run "
+                                            "continues the same curves")
+    wandb_project: str | None = opt(None, "Weights & Biases project for the same scalars, in offline mode (needs "
+                                          "wandb installed; `wandb sync` uploads)")
     trace: str | None = opt(None, "a Perfetto trace (Chrome JSON) of step trace_step: pipeline + TP spans")
     trace_step: int = opt(1, "the step the trace records")
 
@@ -297,6 +303,12 @@ class TrainConfig:
         if at.candidates and self.layout != "auto":
             errs.append(f"autotune.candidates ({at.candidates}) needs layout: auto (the planner proposes the "
                         f"candidates), not {self.layout!r}")
+        if lg.wandb_project:
+            from tpkernels.train.experiment_log import wandb_available  # noqa: PLC0415
+
+            if not wandb_available():
+                errs.append(f"logging.wandb_project ({lg.wandb_project!r}) needs the wandb package, which is not "
+                            "installed (pip install wandb), or leave logging.wandb_project unset")
         ev = self.eval
         if ev.every < 0 or ev.batches < 1:
             errs.append(f"eval.every ({ev.every}) must be >= 0 and eval.batches ({ev.batches}) >= 1")

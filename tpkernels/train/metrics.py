@@ -43,24 +43,59 @@ def peak_flops(device: torch.device) -> tuple[float, str]:
 
 
 class MetricsFile:
-    """One JSON object per line, appended as steps finish (rank 0).
+    """One JSON object per line, appended as steps finish (rank 0), mirrored to TensorBoard
+    (``tensorboard_dir``) and wandb (``wandb_project``) by :mod:`tpkernels.train.experiment_log`:
+    every record written here goes there too, numbers as scalars and strings as text.
 
     The file is the record of one run, each step once, as the run finally took it: a new run starts
     a fresh file (``start(None)``), and a run resumed from the checkpoint of step S drops the records
     the earlier run wrote from its first record of step S on (``start(S)``): those steps are trained
-    again and logged anew, so a reader never sees a step twice nor the abandoned values. This is
-    TensorBoard's ``SummaryWriter(purge_step=S)``; a TensorBoard mirror of this file passes the same
-    step. A line left half-written by a killed run is dropped too."""
+    again and logged anew, so a reader never sees a step twice nor the abandoned values. The
+    TensorBoard mirror does the same with ``SummaryWriter(purge_step=S)`` (0 for a new run). A line
+    left half-written by a killed run is dropped too."""
 
-    def __init__(self, path: str | Path | None):
+    def __init__(self, path: str | Path | None, *, tensorboard_dir: str | Path | None = None,
+                 wandb_project: str | None = None, config: dict | None = None):
         self.path = Path(path) if path else None
+        self.tensorboard_dir = str(tensorboard_dir) if tensorboard_dir else None
+        self.wandb_project = wandb_project
+        self.config = config
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def of(cls, cfg, logging_rank: bool = True) -> "MetricsFile":
+        """The sink of a TrainConfig's ``logging`` keys (nothing on a rank that does not log)."""
+        lg = cfg.logging
+        if not logging_rank:
+            return cls(None)
+        return cls(lg.metrics_file, tensorboard_dir=lg.tensorboard_dir, wandb_project=lg.wandb_project,
+                   config=cfg.to_dict())
+
+    def _mirrors(self, resumed_step: int | None, starting: bool) -> list:
+        from tpkernels.train import experiment_log as xl  # noqa: PLC0415
+
+        out = []
+        for kind, where, make in (
+                ("tensorboard", self.tensorboard_dir, lambda p: xl.TensorBoardLog(self.tensorboard_dir, p)),
+                ("wandb", self.wandb_project, lambda p: xl.WandbLog(self.wandb_project, self.config,
+                                                                   self.tensorboard_dir))):
+            if where:
+                out.append(xl.open_log(kind, where, resumed_step, make) if starting else
+                           xl.current_log(kind, where, make))
+        return out
 
     def start(self, resumed_step: int | None) -> None:
         """At a run's start: a fresh file for a new run (``resumed_step`` None), else the earlier run's
         records before the first one of step >= ``resumed_step`` (records without a step, such as
-        the FP8 choice or an autotune summary, stay where they were written)."""
+        the FP8 choice or an autotune summary, stay where they were written); the mirrors likewise,
+        and the config as text."""
+        from tpkernels.train.experiment_log import TensorBoardLog, config_text  # noqa: PLC0415
+
+        for log in self._mirrors(resumed_step, starting=True):
+            if isinstance(log, TensorBoardLog) and self.config is not None:
+                log.step = resumed_step or 0
+                log.text("config", config_text(self.config))
         if self.path is None:
             return
         kept: list[str] = []
@@ -82,6 +117,8 @@ class MetricsFile:
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        for log in self._mirrors(None, starting=False):
+            log.write(record)
 
 
 COMM_WARN = 0.30

@@ -32,6 +32,7 @@ def check_output_paths(cfg) -> None:
     """Raise ValueError naming every output path of TrainConfig ``cfg`` that cannot be written."""
     errs = [e for e in (path_problem("checkpoint.save_dir", cfg.checkpoint.save_dir, "folder"),
                         path_problem("logging.metrics_file", cfg.logging.metrics_file, "file"),
+                        path_problem("logging.tensorboard_dir", cfg.logging.tensorboard_dir, "folder"),
                         path_problem("logging.trace", cfg.logging.trace, "file")) if e]
     if errs:
         raise ValueError("; ".join(errs))

@@ -63,7 +63,7 @@ from tpkernels.train.fp8_policy import Fp8Policy
 from tpkernels.train.precision import DTYPES, FULL, MixedPrecision
 
 
-RANK0_ONLY_KEYS = ("logging.metrics_file", "logging.progress")
+RANK0_ONLY_KEYS = ("logging.metrics_file", "logging.progress", "logging.tensorboard_dir")
 # The layout warnings (ParallelConfig.warnings) this process has printed: each is said once, by the logging
 # rank, even when a run builds several trainers at one layout (autotune's trial, then its winner).
 _SAID: set[str] = set()
@@ -194,7 +194,7 @@ class Trainer:
         self.resumed_from = None
         self.step_flops = self.mc.model_flops_per_step(self.pc.global_batch_size, seq)
         self.peak, self.peak_label = peak_flops(self.device)
-        self.metrics = MetricsFile(cfg.logging.metrics_file if self.state.rank == 0 else None)
+        self.metrics = MetricsFile.of(cfg, self.state.rank == 0)
         self._warned = False
         self._pending, self._ckpt_group = None, None
         at = cfg.autotune
