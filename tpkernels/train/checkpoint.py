@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 
 from tpkernels.description import ModelConfig
 from tpkernels.models import ParallelTransformer
+from tpkernels.models.hf_export_files import base_folder, write_standalone_files
 from tpkernels.models.hf_io import dequantize_as_trained_at_, random_init
 from tpkernels.models.lora import LoRASpec, apply_lora, lora_parts, lora_shapes, lora_spec, merge_lora_
 from tpkernels.parallel import control
@@ -417,7 +418,9 @@ def _export_source(path: str | Path, out: str | Path):
 
 def export_hf(path: str | Path, out: str | Path) -> Path:
     """Write the weights of checkpoint ``path`` as a Hugging Face folder (config.json + safetensors)
-    that ``transformers`` loads: the model the run trained (adapters merged); in one process, on the CPU."""
+    that ``transformers`` loads: the model the run trained (adapters merged); in one process, on the CPU.
+    With the base's special-token ids and generation_config.json and the run's tokenizer and chat template
+    (:mod:`tpkernels.models.hf_export_files`), so ``pipeline("text-generation", model=out)`` works alone."""
     path, meta, cfg = _export_source(path, out)
     model = _export_model(cfg, saved_adapters(path, meta))
     load(path, model)
@@ -427,7 +430,11 @@ def export_hf(path: str | Path, out: str | Path) -> Path:
         dequantize_as_trained_at_(model, source, cfg.parallel.tp, DTYPES[cfg.training.precision])
     if lora_spec(model) is not None:
         merge_lora_(model)  # the merged weights: base + alpha/r · B·A
-    return model.save_hf(out)
+    model.save_hf(out)
+    # the base's special ids and generation config, the run's tokenizer and chat template: a folder that stands alone
+    write_standalone_files(out, base=base_folder(ms.init_from, ms.name), tokenizer=cfg.data.tokenizer,
+                           vocab_size=model.config.vocab_size)
+    return Path(out)
 
 
 def _export_model(cfg: TrainConfig, adapters: LoRASpec | None):
@@ -455,7 +462,24 @@ def export_peft(path: str | Path, out: str | Path) -> Path:
                          "holds no adapters (export-hf writes its weights)")
     model = _export_model(cfg, spec)
     load(path, model)
-    return write_peft(model, out, base_model=ms.init_from, rank=spec.rank, alpha=spec.alpha)
+    return write_peft(model, out, base_model=peft_base_path(ms.init_from), rank=spec.rank, alpha=spec.alpha)
+
+
+def peft_base_path(init_from: str | None) -> str | None:
+    """``base_model_name_or_path`` for a PEFT export: ``model.init_from`` as an absolute path (a path relative to
+    the run's folder means nothing where the adapters are loaded), resolved from here; a warning when no Hugging
+    Face folder is found there (edit adapter_config.json), or when the base was a seeded random init (None)."""
+    if init_from is None:
+        warnings.warn("export-peft: the run had no model.init_from (its base was the seed's random weights): "
+                      "adapter_config.json's base_model_name_or_path is null; export-hf writes the merged model",
+                      UserWarning, stacklevel=3)
+        return None
+    p = Path(init_from).expanduser().resolve()
+    if not (p / "config.json").is_file():
+        warnings.warn(f"export-peft: model.init_from ({init_from!r}) is not a Hugging Face folder from here "
+                      f"({str(p)!r}); base_model_name_or_path is written as {str(p)!r}: edit adapter_config.json "
+                      "if the base lives elsewhere", UserWarning, stacklevel=3)
+    return str(p)
 
 
 # What may differ between the model a checkpoint holds and the one it resumes into: names, and what only
