@@ -11,8 +11,8 @@ import tpkernels
 
 ROOT = Path(tpkernels.__file__).parent
 # top to bottom: a module may import its own layer and the layers below it
-LAYERS = ["cli", "info", "train", "data", "planner", "hf", "models", "pipeline", "nn", "functional", "kernels",
-          "quant", "parallel", "description"]
+LAYERS = ["cli", "info", "train", "generate", "data", "planner", "hf", "models", "pipeline", "nn", "functional",
+          "kernels", "quant", "parallel", "description"]
 # leaf modules every layer may use (they import none of the layers)
 SHARED = {"backends", "conventions", "env_vars", "options", "dtypes", "live_bytes", "_state", "_extension", "_version", "_C"}  # _C: compiled
 # what the planner may use: the layout rules, the model description, the schedules' simulator

@@ -7,6 +7,10 @@ do). Rank r's slice of the fused q/k/v output is [q heads of r | k heads of r | 
 one column-parallel GEMM (one all-gather under SP) serves all three. Replicated KV rows get
 partial gradients (from this rank's query heads only); the model sums them over the ranks that
 share the head at the end of the step (the weight's tag: ``kv_replica_rows``).
+
+Generation: ``kv_cache`` (None in training) is a :class:`~tpkernels.models.kv_cache.KVCache` bound
+for the duration of a generate call; the layer then stores its rotated keys and values there and,
+once a row holds earlier tokens, attends to them from the cache (one query per decoding step).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class SelfAttention(nn.Module):
         self.out = RowParallelLinear(mc.num_attention_heads * self.hd, mc.hidden_size, bias=mc.out_bias, **kw)
         self.window = mc.window(layer)
         self.selective_recompute = ctx.recompute == "selective"
+        self.kv_cache = None  # a KVCache while generating (tpkernels.models.kv_cache), never in training
         if mc.kv_heads < ctx.tp_size:  # this rank's KV rows are shared with tp / kv_heads - 1 other ranks
             rows, replicas = (self.nq * self.hd, width), ctx.tp_size // mc.kv_heads
             for p in (self.qkv.weight, self.qkv.bias):
@@ -78,7 +83,9 @@ class SelfAttention(nn.Module):
             # positions were checked once for the step, on the host (ParallelTransformer)
             q, k = apply_rotary(q, k, rope[0], rope[1], position_ids=info.position_ids, check_positions=False)
         ctx = self.ctx
-        if ctx.cp_size > 1:  # this rank holds a zigzag share; positions are global (rotary used them)
+        if self.kv_cache is not None and self.kv_cache.store(self.layer, k, v):  # generation, rows with a past
+            o = self.kv_cache.attend(self.layer, q, self.window)
+        elif ctx.cp_size > 1:  # this rank holds a zigzag share; positions are global (rotary used them)
             o = context_parallel_attention(q, k, v, ctx.cp_group, algo=ctx.cp_algo, causal=True, window=self.window,
                                            cu_seqlens=info.cp_cu_seqlens)  # the global documents, on the host
         elif info.cu_seqlens is None:
