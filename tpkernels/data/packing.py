@@ -106,6 +106,7 @@ class PackedSamples:
         self.chosen = torch.zeros((n, seq), dtype=torch.bool)
         self.sample = torch.full((n, seq), -1, dtype=torch.long)  # the pair's index in the packed data
         pairs = 0
+        self.filled = torch.zeros(n, dtype=torch.long)  # per row: its samples' tokens (the rest is padding)
         for r, members in enumerate(layout):
             t = 0
             for j, i in enumerate(sorted(members)):  # by the shuffled order: rows do not depend on dict order
@@ -120,6 +121,7 @@ class PackedSamples:
                         self.sample[r, t:t + L] = pairs
                     t += L
                 pairs += self.pairs
+            self.filled[r] = t
             self.pos[r, t:] = torch.arange(seq - t)  # the filler: a document of its own, never a target
         self.seq, self.seed, self.rows, self.samples = seq, seed, n, len(fitted)
         self.num_pairs = pairs  # preference data: pair_sample runs over [0, num_pairs)

@@ -65,8 +65,11 @@ def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
         shares = ", ".join(f"CP rank {r}: [{r * L}, {(r + 1) * L}) + [{(2 * pc.cp - 1 - r) * L}, {(2 * pc.cp - r) * L})"
                            for r in range(pc.cp))
         cp = f"\ncontext parallel: {pc.cp} ranks, {pc.cp_algo} attention, zigzag chunks of {L} tokens: {shares}"
+    from tpkernels.train.memory_guard import run_memory  # noqa: PLC0415
+
     return (f"model: {mc.describe()}\nlayout: {pc.short()} on {world} rank(s), schedule {pc.pipeline_schedule}, "
-            f"global batch {pc.global_batch_size} × {cfg.data.seq_length} tokens{cp}\nconfig: {cfg.dumps()}")
+            f"global batch {pc.global_batch_size} × {cfg.data.seq_length} tokens{cp}\n"
+            f"{run_memory(cfg, world).describe()}\nconfig: {cfg.dumps()}")
 
 
 def single_process_loss(cfg: TrainConfig, global_batch: int) -> float:
@@ -189,6 +192,10 @@ def run(args) -> int:
     if args.dry_run:
         print(dry_run(cfg, _world(args)))
         return 0
+    if "RANK" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0":  # one check per host, before any build
+        from tpkernels.train.memory_guard import check_memory  # noqa: PLC0415
+
+        check_memory(cfg, _world(args))
     if args.nproc:
         from tpkernels.train.launch import launch  # noqa: PLC0415
 

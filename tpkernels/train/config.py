@@ -45,6 +45,8 @@ class TrainingSection:
     initial_loss_scale: float = opt(65536.0, "fp16: the dynamic loss scale's start (halved on overflow)")
     global_batch: int | None = opt(None, "layout auto: sequences per step, kept by every layout tried "
                                               "(default: the config's own, micro_batch_size × num_microbatches × dp)")
+    check_memory: bool = opt(True, "refuse to start when the planner's memory estimate exceeds the host's available "
+                                   "RAM (CPU) or the GPU's free memory (--dry-run prints it)")
     task: str = opt("auto", "pretrain (every token a target), sft (assistant turns / completions only: the loss is "
                             "the token mean over supervised tokens), dpo (preference pairs: the dpo section), or auto "
                             "(sft for a messages or prompt/completion dataset, dpo for prompt/chosen/rejected, pretrain "
@@ -79,6 +81,8 @@ class DataSection:
                        ("all_assistant", "last_assistant"))
     overflow: str = opt("error", "a sample (or preference pair) longer than seq_length: error, or truncate it",
                         ("error", "truncate"))
+    max_unknown: float = opt(0.05, "refuse data whose share of tokens the tokenizer maps to its unknown token is "
+                                   "above this (a tokenizer made for other text); a warning with the rate below it")
 
 
 @dataclass(frozen=True)
@@ -295,6 +299,8 @@ class TrainConfig:
                         ">= 1")
         if not at.slowdown > 0:
             errs.append(f"autotune.slowdown ({at.slowdown!r}) must be > 0")
+        if not 0 <= d.max_unknown <= 1:
+            errs.append(f"data.max_unknown ({d.max_unknown!r}) must be in [0, 1] (a share of the tokens)")
         if not 0 < at.max_share <= 1:
             errs.append(f"autotune.max_share ({at.max_share!r}) must be in (0, 1]")
         if at.adapt and not (at.candidates and at.monitor_every):

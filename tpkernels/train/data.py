@@ -31,6 +31,7 @@ from tpkernels.data.sources import source_kind
 from tpkernels.data.synthetic import SYNTHETIC, RandomDocuments, RandomTokens
 from tpkernels.data.text import PackedText, restart_per_document, text_source
 from tpkernels.data.tokenizer import BYTE_VOCAB, EOD, load_tokenizer
+from tpkernels.data.unknown_tokens import check_unknown
 
 TASKS = ("auto", "pretrain", "sft", "dpo")
 
@@ -80,8 +81,10 @@ def data_of(cfg, vocab_size: int, global_batch: int | None = None):
     """``make_data`` with a TrainConfig's data and training keys (``global_batch``: the layout's, for the
     run's length)."""
     d, t = cfg.data, cfg.training
-    return make_data(d.source, d.seq_length, t.seed, vocab_size, d.tokenizer, fmt=d.format, loss_on=d.loss_on,
+    data = make_data(d.source, d.seq_length, t.seed, vocab_size, d.tokenizer, fmt=d.format, loss_on=d.loss_on,
                      overflow=d.overflow, task=t.task, run_rows=t.steps * global_batch if global_batch else None)
+    check_unknown(data, d.tokenizer, d.max_unknown)  # a tokenizer made for other text: refused or warned, with the rate
+    return data
 
 
 def check_source(cfg, vocab_size: int) -> None:

@@ -1,0 +1,136 @@
+"""Before the model is built: does the run fit in this machine's memory? The planner's memory model
+(:mod:`tpkernels.planner.memory`: weights, gradients, optimizer states, activations, logits per rank)
+against the host's available RAM (CPU ranks: every local rank's share, on the one host) or each
+GPU's free memory. A run that does not fit is refused with the keys that shrink it; the kernel's
+OOM killer would otherwise end it minutes later without a word (the default Llama-2-7B, 6.7B
+parameters in fp32, needs ~113 GiB).
+
+    need = run_memory(cfg, world)       # MemoryNeed: per rank, on this host, what is available
+    check_memory(cfg, world)            # ValueError naming the keys when it does not fit
+
+The estimate is the planner's (16-bit weights + fp32 gradients + 12 bytes of fp32 masters and Adam
+moments per trained parameter: 18 bytes; the CPU's fp32 run keeps 4 + 4 + 8 = 16, so the estimate
+errs high by ~12% there), doubled for fp64; on a CPU the CUDA runtime reserve is left out.
+``training.check_memory: false`` starts anyway (an estimate, not a measurement).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from tpkernels.train.config import TrainConfig
+
+GIB = 2 ** 30
+
+
+def planner_setup(cfg: TrainConfig, global_batch: int, precision: str):
+    """The planner's TrainingSetup of run ``cfg`` at ``global_batch`` sequences and planner ``precision``."""
+    from tpkernels.planner import TrainingSetup  # noqa: PLC0415
+
+    # auto: the data decides, after the layout; SFT and a cached DPO reference cost what pre-training costs
+    task = cfg.training.task if cfg.training.task != "auto" else "pretrain"
+    return TrainingSetup(global_batch, cfg.data.seq_length, precision=precision, finetune=cfg.model.finetune,
+                         quant=cfg.model.base_quant, lora_rank=cfg.model.lora_rank,
+                         overlap_grad_reduce=cfg.parallel.overlap_dp, task=task, dpo_reference=cfg.dpo.reference)
+
+
+def host_available_bytes() -> int | None:
+    """Memory this process can still take on the host: /proc/meminfo's MemAvailable, capped by the cgroup
+    limit (a container's) less its usage; None where neither can be read (not Linux)."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2 ** 60:  # "max" / a huge number: no limit
+            left = max(0, int(limit) - usage)
+            avail = left if avail is None else min(avail, left)
+        break
+    return avail
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryNeed:
+    """The planner's estimate for a run: ``per_rank`` bytes on its fullest rank (``breakdown``: GiB by
+    kind), ``here`` bytes for the ranks on this machine's memory (``where``: "host" or "GPU"), what
+    ``available`` there is (None: unknown) and the ``layout`` the estimate is for."""
+
+    per_rank: float
+    here: float
+    available: int | None
+    where: str
+    local_ranks: int
+    breakdown: dict
+    layout: str
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.here <= self.available
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in self.breakdown.items() if k != "total" and v >= 0.005)
+        ranks = f"; {self.here / GIB:.2f} GiB for the {self.local_ranks} ranks on this host" \
+            if self.where == "host" and self.local_ranks > 1 else ""
+        have = "unknown" if self.available is None else f"{self.available / GIB:.2f} GiB"
+        return (f"memory (planner estimate, {self.layout}): {self.per_rank / GIB:.2f} GiB on the fullest rank ({parts} "
+                f"GiB){ranks}; {self.where} memory available: {have}")
+
+
+def run_memory(cfg: TrainConfig, world: int) -> MemoryNeed:
+    """The planner's memory estimate for ``cfg`` on ``world`` ranks against this machine's memory."""
+    import torch  # noqa: PLC0415
+
+    from tpkernels.planner.memory import peak_memory, stage_memory  # noqa: PLC0415
+
+    mc = cfg.model_config()
+    pc = cfg.parallel_config(world)
+    gpu = torch.cuda.is_available()
+    precision = {"fp16": "fp16", "bf16": "bf16", "fp8": "bf16", "fp64": "fp32"}.get(cfg.training.precision, "fp32")
+    train = planner_setup(cfg, pc.global_batch_size, precision)
+    scale = 2.0 if cfg.training.precision == "fp64" else 1.0
+    runtime = 0.0 if gpu else None  # the CUDA context reserve: not on a CPU
+    peak = peak_memory(mc, train, pc)
+
+    def total(m):
+        return (m.total - (m.runtime if runtime is None else 0.0)) * scale
+
+    breakdown = {k: v * scale for k, v in peak.as_gib().items() if gpu or k != "runtime"}
+    if gpu:
+        free, _ = torch.cuda.mem_get_info()
+        return MemoryNeed(total(peak), total(peak), free, "GPU", 1, breakdown, pc.short())
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local >= world:  # every rank on this host: each stage's ranks hold that stage's share
+        here = sum(total(stage_memory(mc, train, pc, s)) for s in range(pc.pp)) * (world // pc.pp)
+    else:
+        here = total(peak) * local
+    return MemoryNeed(total(peak), here, host_available_bytes(), "host", min(local, world), breakdown, pc.short())
+
+
+def check_memory(cfg: TrainConfig, world: int) -> MemoryNeed:
+    """:func:`run_memory`, refused with a ValueError naming the keys to turn when it does not fit."""
+    need = run_memory(cfg, world)
+    if need.fits or not cfg.training.check_memory:
+        return need
+    mc = cfg.model_config()
+    raise ValueError(
+        f"the run does not fit in this machine's memory: {need.describe()}. The model is {mc.describe()} in "
+        f"{cfg.training.precision}. Turn: model.name or model.layers / model.hidden / model.ffn (a smaller model; "
+        f"without model flags the run builds the {TrainConfig().model.name} preset), training.precision (bf16 stores "
+        "16-bit weights), model.finetune lora (trains adapters only), parallel.tp / parallel.pp on more devices "
+        "(each rank holds a share), parallel.micro_batch_size or data.seq_length (activations); or "
+        "training.check_memory false to start anyway (the estimate is the planner's, not a measurement)")
+
+
+__all__ = ["MemoryNeed", "check_memory", "host_available_bytes", "planner_setup", "run_memory"]
