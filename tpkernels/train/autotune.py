@@ -277,6 +277,7 @@ class TrialRunner:
             except (ParallelConfigError, ValueError) as e:  # every rank refuses the same layout alike
                 result.skipped = " ".join(str(e).split())[:200]
             else:
+                trainer.narrate = False  # its checkpoints are the hand-over, its comm/compute is in the table
                 self._measure(trainer, trial_cfg, result)
                 del trainer
                 gc.collect()
@@ -374,7 +375,7 @@ def _run_winner(cfg: TrainConfig, cands: list[Candidate], trials: TrialRunner, c
     while True:
         c = cands[current]
         run_cfg = dataclasses.replace(cfg, layout="manual", parallel=c.parallel, autotune=watched, checkpoint=final_ck,
-                                      predicted=c.predicted.report(label(c.parallel)))
+                                      predicted={**c.predicted.report(label(c.parallel)), "chosen_by": "autotune"})
         trainer = Trainer(run_cfg, resume_dir=source)
         history += trainer.train(stop_on_slowdown=cfg.autotune.adapt and not switches)
         source, slow = final_ck.save_dir, (trainer.slowdowns[-1] if trainer.slowdowns else None)

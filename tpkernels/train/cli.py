@@ -36,14 +36,6 @@ def add_arguments(p) -> None:
     add_flags(p)
 
 
-def _summary(history: list[dict]) -> str:
-    last = history[-1]
-    mean_s = sum(h["step_s"] for h in history[1:] or history) / max(1, len(history[1:] or history))
-    return (f"{len(history)} steps: loss {history[0]['loss']:.4f} -> {last['loss']:.4f}, "
-            f"{mean_s * 1e3:.1f} ms/step after the first, {last['tokens_per_s']:.0f} tokens/s, "
-            f"MFU {100 * last['mfu']:.1f}%")
-
-
 def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
     """What the run would check before its first step (the model, the layout, the data), printed.
     ``read_data=False``: the data's paths, tokenizer and vocabulary only, not the tokenized corpus
@@ -135,21 +127,28 @@ def prediction_report(predicted: dict, history: list[dict]) -> str:
 def rank_main(cfg: TrainConfig, candidates=None) -> list[dict]:
     """What each rank runs, under torchrun or the ``--nproc`` launcher: train, report on rank 0.
     ``candidates`` (layout auto with autotune): (the planner's ranked candidates, how many to try)."""
+    from tpkernels.train.experiment_log import close_logs  # noqa: PLC0415
+    from tpkernels.train.progress import run_summary  # noqa: PLC0415
     from tpkernels.train.trainer import Trainer  # noqa: PLC0415
+    from tpkernels.train.voice import install_warning_voice  # noqa: PLC0415
+
+    install_warning_voice(int(os.environ.get("RANK", 0)))
 
     if candidates:
         from tpkernels.train.autotune import train_autotuned  # noqa: PLC0415
 
         history = train_autotuned(cfg, *candidates)
         if int(os.environ.get("RANK", 0)) == 0 and history:
-            print(f"autotuned run: {_summary(history)}", flush=True)
+            print(run_summary(cfg, history, layout="autotuned run"), flush=True)
+        close_logs()
         return history
     trainer = Trainer(cfg)
     history = trainer.train()
     if trainer.is_logger and history:
-        print(f"{trainer.pc.short()}: {_summary(history)} (vs {trainer.peak_label})", flush=True)
         if cfg.predicted:
             print(prediction_report(cfg.predicted, history), flush=True)
+        print(run_summary(cfg, history, layout=trainer.pc.short(), peak_label=trainer.peak_label), flush=True)
+    close_logs()  # the TensorBoard / wandb writers: their last events on disk
     return history
 
 
@@ -165,6 +164,9 @@ def run(args) -> int:
     if args.max_restarts and not args.nproc:
         raise ValueError(f"--max-restarts ({args.max_restarts}) needs --nproc (under torchrun, give torchrun's own "
                          "--max-restarts)")
+    from tpkernels.train.voice import install_warning_voice  # noqa: PLC0415
+
+    install_warning_voice(int(os.environ.get("RANK", 0)))  # the config's and the data's warnings, one line each
     cfg = TrainConfig.load(args.config, flag_values(args), text_overrides=True)
     candidates = None
     if cfg.layout == "auto":

@@ -10,7 +10,7 @@ the fp32 GEMM rate this rank measures at start-up (a 1024³ matmul), so CPU MFU 
 Communication/compute: the TP and CP transfers of the step (``CommTrace`` spans of every GEMM-comm
 op, of the TP/SP mappings' collectives and of context-parallel attention's K/V exchanges) that no
 GEMM or attention block hid, over the rest of the step; the worst rank's is reported (one all-reduce of one
-number), and above 30% the run warns to lower parallel.tp, as practitioners do. The
+number), and above 30% after the warm-up step the run warns with advice that fits it (:func:`comm_advice`). The
 bubble is this rank's idle share of its pipeline actions' span (the timeline of the runtime).
 """
 
@@ -122,6 +122,64 @@ class MetricsFile:
 
 
 COMM_WARN = 0.30
+MORE_WORK = "a larger parallel.micro_batch_size or data.seq_length gives each GEMM more to hide the transfers behind"
+
+
+def memory_capacity_gib(device) -> float | None:
+    """What one rank may hold: the GPU's memory, or on a CPU the host's memory shared by the local ranks."""
+    import os  # noqa: PLC0415
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**30
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return host / 2**30 / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def fits_at_tp(cfg, mc, pc, tp: int, capacity_gib: float | None) -> bool | None:
+    """Whether the planner's memory model puts this run at ``tp`` (the rest of the layout as it is) within
+    ``capacity_gib`` per rank; None when it cannot tell."""
+    if capacity_gib is None:
+        return None
+    try:
+        from tpkernels.planner.memory import fits, peak_memory  # noqa: PLC0415
+        from tpkernels.planner.workload import TrainingSetup  # noqa: PLC0415
+
+        precision = {"fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}.get(cfg.training.precision, "fp32")
+        task = cfg.training.task if cfg.training.task != "auto" else "pretrain"
+        train = TrainingSetup(pc.global_batch_size, cfg.data.seq_length, precision=precision,
+                              finetune=cfg.model.finetune, quant=cfg.model.base_quant, lora_rank=cfg.model.lora_rank,
+                              overlap_grad_reduce=pc.overlap_dp, task=task)
+        smaller = pc.replace(tp=tp, sequence_parallel=pc.sequence_parallel and tp > 1)
+        return fits(peak_memory(mc, train, smaller), capacity_gib)
+    except Exception:  # noqa: BLE001 (advice only: a layout the planner cannot model gets the general advice)
+        return None
+
+
+def comm_advice(pc, cfg, mc, device=None) -> str:
+    """What to change when the exposed TP/CP transfers exceed COMM_WARN of the step, fitting the run: no
+    "lower TP" for a layout autotune measured fastest or the planner picked, nor where a smaller TP does
+    not fit in memory (the planner's memory model)."""
+    chosen = (cfg.predicted or {}).get("chosen_by") or ("the planner" if cfg.predicted else None)
+    if chosen == "autotune":
+        return (f"autotune measured {pc.short()} the fastest of the layouts it tried for this model on these "
+                f"ranks, so this share is the model's price here; {MORE_WORK}")
+    if chosen:
+        return (f"the planner picked {pc.short()} (`--autotune K` measures its best K layouts in the run); "
+                f"{MORE_WORK}")
+    if pc.tp > 1:
+        smaller = max(1, pc.tp // 2)
+        ok = fits_at_tp(cfg, mc, pc, smaller, memory_capacity_gib(device or torch.device("cpu")))
+        if ok is False:
+            return (f"parallel.tp ({pc.tp}) is the smallest that fits this model in memory here (the planner's "
+                    f"estimate at tp {smaller} exceeds it): {MORE_WORK}")
+        fit_note = "" if ok else " if the model fits at that size (`tpkernels plan` predicts each layout's memory)"
+        return f"lower parallel.tp ({pc.tp} -> {smaller}, with more dp or pp){fit_note}; or {MORE_WORK}"
+    if pc.cp > 1:
+        return f"lower parallel.cp ({pc.cp}) or give each rank longer sequences"
+    return f"give each rank more work: {MORE_WORK}"
 
 
 def exposed_comm_s(trace) -> float:

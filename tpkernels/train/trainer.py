@@ -51,6 +51,7 @@ from tpkernels.train.slowdown import SlowdownMonitor
 from tpkernels.train.metrics import (
     COMM_WARN,
     MetricsFile,
+    comm_advice,
     exposed_comm_s,
     step_phases,
     idle_share,
@@ -59,6 +60,7 @@ from tpkernels.train.metrics import (
     write_trace,
 )
 from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer
+from tpkernels.train.progress import make_progress
 from tpkernels.train.fp8_policy import Fp8Policy
 from tpkernels.train.precision import DTYPES, FULL, MixedPrecision
 
@@ -196,6 +198,10 @@ class Trainer:
         self.peak, self.peak_label = peak_flops(self.device)
         self.metrics = MetricsFile.of(cfg, self.state.rank == 0)
         self._warned = False
+        # the run's story on the logging rank: saves, "nothing to do", the comm/compute warning (autotune's
+        # trials keep quiet: their checkpoints are a hand-over and its table reports their comm/compute)
+        self.narrate = True
+        self._first_step: int | None = None  # the first step this trainer trains (its warm-up)
         self._pending, self._ckpt_group = None, None
         at = cfg.autotune
         self.monitor = SlowdownMonitor(at.monitor_every, at.slowdown, at.sustain) if at.monitor_every else None
@@ -208,6 +214,10 @@ class Trainer:
             if found is not None:
                 path, meta = found
                 self.step_index, self.resumed_from = int(meta["step"]), path
+                if self.is_logger and resume_dir is None:  # the run's own checkpoint (not an autotune hand-over)
+                    print(f"resumed from step {self.step_index} of {path} (saved at {meta.get('layout', '?')}"
+                          f"{'' if meta.get('layout') in (None, self.pc.short()) else f'; now {self.pc.short()}'})",
+                          flush=True)
                 if ck.save_dir and Path(source).resolve() == Path(ck.save_dir).resolve():
                     self.saved_step = self.step_index
                 if self.mp is not None and "loss_scale" in meta:
@@ -248,9 +258,16 @@ class Trainer:
             self._pending = checkpoint.save(self.cfg.checkpoint.save_dir, self.model, self.optimizer, self.step_index,
                                             meta, self.master_of, asynchronous=True, async_group=self._ckpt_group,
                                             run_state=self.run_state)
+            self._say_saved(self._pending.final, " (written in the background)")
             return self._pending.final
-        return checkpoint.save(self.cfg.checkpoint.save_dir, self.model, self.optimizer, self.step_index, meta,
+        path = checkpoint.save(self.cfg.checkpoint.save_dir, self.model, self.optimizer, self.step_index, meta,
                                self.master_of, run_state=self.run_state)
+        self._say_saved(path)
+        return path
+
+    def _say_saved(self, path, how: str = "") -> None:
+        if self.is_logger and self.narrate:
+            print(f"checkpoint: step {self.step_index} saved to {path}{how}", flush=True)
 
     def finish_saving(self) -> Path | None:
         """Complete an asynchronous save in flight (collective); its path, or None."""
@@ -290,7 +307,8 @@ class Trainer:
         return self.state.rank == 0
 
     def _logging_step(self, step: int) -> bool:
-        return step % self.cfg.logging.log_every == 0 or step == self.cfg.training.steps - 1
+        return step % self.cfg.logging.log_every == 0 or step == self.cfg.training.steps - 1 or \
+            (self._first_step is not None and step == self._first_step + 1)  # the first after the warm-up
 
     def prepare_batch(self, step: int) -> StepBatch:
         """Step ``step``'s rows of this rank (its DP replica's, its CP share) and the global count of
@@ -456,18 +474,19 @@ class Trainer:
         return out
 
     def _comm_advice(self) -> str:
-        pc = self.pc
-        if pc.tp > 1:
-            return f"lower parallel.tp ({pc.tp})"
-        if pc.cp > 1:
-            return f"lower parallel.cp ({pc.cp}) or give each rank longer sequences"
-        return "give each rank more work (a larger micro-batch or sequence)"
+        return comm_advice(self.pc, self.cfg, self.mc, self.device)
 
     def _warn_comm(self, rec: "StepRecord") -> None:
-        if rec.comm_ratio > COMM_WARN and not self._warned and self.is_logger and self._logging_step(rec.step):
+        """Said once, on a logging step after this trainer's first (warm-up: allocation, first GEMMs and the
+        first collectives' setup make step 0's ratio meaningless)."""
+        if self._first_step is None:
+            self._first_step = rec.step
+        if rec.step == self._first_step or not self._logging_step(rec.step):
+            return
+        if rec.comm_ratio > COMM_WARN and not self._warned and self.is_logger and self.narrate:
             self._warned = True
             print(f"warning: communication/compute {100 * rec.comm_ratio:.0f}% > {100 * COMM_WARN:.0f}% on the "
-                  f"worst rank at {self.pc.short()}: {self._comm_advice()}", flush=True)
+                  f"worst rank at {self.pc.short()} (step {rec.step}): {self._comm_advice()}", flush=True)
 
     def _watch(self, rec: dict) -> bool:
         """Feed the slowdown monitor; True when it reports a sustained slowdown now."""
@@ -487,6 +506,15 @@ class Trainer:
         cfg, ck = self.cfg, self.cfg.checkpoint
         stop = cfg.training.stop_at_step
         last = cfg.training.steps if stop is None else min(cfg.training.steps, stop)
+        if self.step_index >= last:
+            if self.is_logger and self.narrate:
+                print(f"nothing to do: already at step {self.step_index} (training.steps {cfg.training.steps}"
+                      f"{'' if stop is None else f', training.stop_at_step {stop}'}); raise training.steps to "
+                      "train further", flush=True)
+            return self.history
+        if not ck.save_dir:
+            self._say_once("note: checkpoint.save_dir is not set: the trained model is not kept (set it to keep "
+                           "checkpoints to resume from and export)")
         bar = self._progress_bar()
         while self.step_index < last:
             rec = self._guarded(self.train_step, f"step {self.step_index}")
@@ -509,26 +537,21 @@ class Trainer:
         self._guarded(self.finish_saving, f"the checkpoint save after step {self.step_index}")
         return self.history
 
+    def _say_once(self, text: str) -> None:
+        """A line said once per process by the logging rank (a run may build several trainers)."""
+        if self.is_logger and text not in _SAID:
+            _SAID.add(text)
+            print(text, flush=True)
+
     def _progress_bar(self):
+        """tqdm's bar on a terminal, a plain line per logging step otherwise (:mod:`tpkernels.train.progress`)."""
         if not (self.is_logger and self.cfg.logging.progress):
             return None
-        from tqdm import tqdm  # noqa: PLC0415
-
-        return tqdm(total=self.cfg.training.steps, initial=self.step_index, desc=f"train {self.pc.short()}",
-                    unit="step")
+        return make_progress(self.cfg.training.steps, self.step_index, f"train {self.pc.short()}")
 
     def _show(self, bar, rec: dict) -> None:
-        if bar is None:
-            return
-        bar.update(1)
-        if self._logging_step(rec["step"]):
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", gnorm=f"{rec['grad_norm']:.3f}",
-                            tok_s=f"{rec['tokens_per_s']:.0f}", step_s=f"{rec['step_s']:.3f}",
-                            mfu=f"{100 * rec['mfu']:.1f}%", comm=f"{100 * rec['comm_ratio']:.0f}%",
-                            bubble=f"{100 * rec['bubble']:.0f}%",
-                            **({"acc": f"{rec['rewards/accuracies']:.2f}", "margin": f"{rec['rewards/margins']:.3f}"}
-                               if "rewards/accuracies" in rec else {}),
-                            **({"eval": f"{rec['eval/loss']:.4f}"} if "eval/loss" in rec else {}))
+        if bar is not None:
+            bar.show(rec, self._logging_step(rec["step"]))
 
 
 def out_of_memory_advice(trainer: "Trainer", err: Exception) -> str:
