@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     from tpkernels.train.cli import add_parser as add_train_parser  # noqa: PLC0415
 
     add_train_parser(sub)
+    from tpkernels.train.generate_cli import add_parser as add_generate_parser  # noqa: PLC0415
+
+    add_generate_parser(sub)
     p_export = sub.add_parser("export-hf", help="write a training checkpoint as a Hugging Face folder")
     p_export.add_argument("checkpoint", help="a checkpoint folder (step_NNNNNNNN, e.g. step_00000040) or the save_dir holding them")
     p_export.add_argument("out", help="output folder (config.json + safetensors)")
@@ -68,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"{args.out}: {done['shards']} shard(s), {done['written']} written ({done['tokens']} tokens), "
               f"{done['skipped']} already done")
+    elif args.command == "generate":
+        from tpkernels.train.generate_cli import run_reporting_errors as run_generate  # noqa: PLC0415
+
+        return run_generate(args)
     elif args.command == "train":
         from tpkernels.train.cli import run_reporting_errors  # noqa: PLC0415
 
