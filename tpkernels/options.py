@@ -33,7 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+# a switch on the command line is spelled as in a file (YAML/TOML: true, false); the planner's compact layout
+# strings (``SP=yes,zero=off``) take the looser words too (``coerce(..., loose=True)``)
+_TRUE, _FALSE = ("true",), ("false",)
+_LOOSE_TRUE, _LOOSE_FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 _NONE = ("none", "null", "~")
 
 
@@ -86,8 +89,9 @@ def is_section(tp) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def keys_of(cls, prefix: str = "") -> list[Key]:
-    """Every value of config class ``cls`` (sections flattened), in field order."""
+def keys_of(cls, prefix: str = "", defaults=None) -> list[Key]:
+    """Every value of config class ``cls`` (sections flattened), in field order. A section's defaults are
+    those of the instance its factory makes (``parallel``'s dp is None there: what the world leaves)."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
@@ -95,9 +99,13 @@ def keys_of(cls, prefix: str = "") -> list[Key]:
             continue
         tp = hints[f.name]
         if is_section(tp):
-            out += keys_of(tp, f"{prefix}{f.name}.")
+            made = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            out += keys_of(tp, f"{prefix}{f.name}.", made)
             continue
-        default = f.default if f.default is not dataclasses.MISSING else None
+        if defaults is not None:
+            default = getattr(defaults, f.name)
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else None
         out.append(Key(prefix + f.name, tp, default, f.metadata.get("help", ""), f.metadata.get("choices")))
     return out
 
@@ -108,19 +116,21 @@ def _bad(key: Key, value, rule: str | None = None, *, text: bool = False) -> Val
     return ValueError(f"{key.path} ({shown}) must be {rule or key.describe_type()}")
 
 
-def coerce(key: Key, value, *, text: bool = False):
+def coerce(key: Key, value, *, text: bool = False, loose: bool = False):
     """``value`` as the type of ``key``: strictly for values of a file or a dict (YAML/TOML typed them),
-    by parsing for command-line text. Raises ValueError naming the key, the value and the type."""
+    by parsing for command-line text (a switch: true or false, as a file spells it; ``loose``: also
+    yes/no, on/off, 1/0). Raises ValueError naming the key, the value and the type."""
     if text and isinstance(value, str):
         low = value.strip().lower()
         if key.optional and low in _NONE:
             return None
         base = key.base
+        true, false = (_LOOSE_TRUE, _LOOSE_FALSE) if loose else (_TRUE, _FALSE)
         try:
             if base is bool:
-                if low not in _TRUE + _FALSE:
+                if low not in true + false:
                     raise ValueError
-                value = low in _TRUE
+                value = low in true
             elif base is int:
                 value = int(value.strip())
             elif base is float:
@@ -332,7 +342,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, str | Ali
                 if spelling not in flags:
                     flags.append(spelling)
         kw = dict(dest=key.path, default=argparse.SUPPRESS, metavar=_metavar(key),
-                  help=(key.help + (f" (default: {key.default})" if key.default not in (None, "") else "")) or None)
+                  help=(key.help + f" (default: {_shown(key)})") if key.help else None)
         if key.base is bool:
             kw.update(nargs="?", const="true")
         groups[top].add_argument(*flags, **kw)
@@ -340,6 +350,45 @@ def add_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, str | Ali
         if isinstance(a, Alias) and a.value is not None:
             parser.add_argument(f"--{name.replace('_', '-')}", dest=a.path, action="store_const", const=a.value,
                                 default=argparse.SUPPRESS, help=f"{a.path} = {a.value}")
+
+
+def _shown(key: Key) -> str:
+    """A key's default as the command line spells it (true/false, none)."""
+    d = key.default
+    return "none" if d is None else ("true" if d else "false") if isinstance(d, bool) else "''" if d == "" else str(d)
+
+
+def unknown_flag_message(flags: list[str], parser: argparse.ArgumentParser) -> str:
+    """``unknown flag '--stepz' (did you mean '--steps', i.e. training.steps?)``: the parser's nearest flag,
+    as :func:`build` names the nearest key of an unknown file key."""
+    known = {s: a.dest for a in parser._actions for s in a.option_strings if s.startswith("--")}
+    said = []
+    for flag in flags:
+        name = flag.split("=", 1)[0]
+        near = difflib.get_close_matches(name, list(known), n=1) or difflib.get_close_matches(
+            name.replace("-", "_"), list(known), n=1)
+        hint = ""
+        if near:
+            dest = known[near[0]]
+            hint = f" (did you mean {near[0]!r}" + (f", i.e. {dest}" if "." in dest and dest not in near[0] else "") + "?)"
+        said.append(f"{name!r}{hint}")
+    return (f"unknown flag{'s' if len(said) > 1 else ''} {'; '.join(said)}; --help lists every flag (each config "
+            "key is a --section.key flag)")
+
+
+def suggest_unknown_flags(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser`` (a subcommand's too) refuse an unknown ``--flag`` with the nearest known one, instead of
+    argparse's bare "unrecognized arguments" (which the top-level parser would print)."""
+    parse = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, extra = parse(args, namespace)
+        flags = [a for a in extra if a.startswith("--")]
+        if flags:
+            parser.exit(2, f"{parser.prog}: error: {unknown_flag_message(flags, parser)}\n")  # no usage: it is long
+        return ns, extra
+
+    parser.parse_known_args = parse_known_args
 
 
 def _metavar(key: Key) -> str:
@@ -355,4 +404,4 @@ def flag_values(args: argparse.Namespace, cls) -> dict:
 
 
 __all__ = ["Alias", "Key", "add_flags", "as_dict", "build", "coerce", "flag_values", "flatten", "keys_of", "opt",
-           "read_file", "resolve_aliases", "section"]
+           "read_file", "resolve_aliases", "section", "suggest_unknown_flags", "unknown_flag_message"]

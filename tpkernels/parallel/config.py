@@ -76,7 +76,7 @@ class ParallelConfig:
     tp: int = field(default=1, metadata={"help": "tensor-parallel size: heads and FFN columns split over tp GPUs "
                                                  "of one node"})
     pp: int = field(default=1, metadata={"help": "pipeline stages"})
-    dp: int | None = field(default=1, metadata={"help": "data-parallel replicas; none: world size / (tp · pp)"})
+    dp: int | None = field(default=1, metadata={"help": "data-parallel replicas; none: world size / (tp · cp · pp)"})
     virtual_stages: int = field(default=1, metadata={"help": "model chunks per pipeline rank (> 1: the interleaved "
                                                              "schedule, Megatron's virtual pipeline)"})
     micro_batch_size: int = field(default=1, metadata={"help": "sequences per micro-batch"})

@@ -159,7 +159,7 @@ _SPELLINGS = sorted(set(FIXABLE) | {k for k, v in SHORT_NAMES.items() if v in FI
 def parse_layout(text: str) -> dict:
     """``"TP=4,PP=2,SP=on,recompute=selective"`` → {"tp": 4, "pp": 2, ...} (fields of ParallelConfig).
     Keys: a field's name or its short spelling (:data:`~tpkernels.parallel.config.SHORT_NAMES`), any case;
-    each field once. Values are read as the field's flag is (:func:`tpkernels.options.coerce`: on/off,
+    each field once. Values are read by :func:`tpkernels.options.coerce` (loose: on/off, yes/no,
     true/false; a choice in any case); sizes are positive integers. Errors name the key as written."""
     keys = {k.path: k for k in options.keys_of(ParallelConfig) if k.path in FIXABLE}
     out, written = {}, {}
@@ -176,7 +176,7 @@ def parse_layout(text: str) -> dict:
         written[field_name] = key
         # the field's type without "or none": a layout string fixes a value (dp none is the world's business)
         spec = dataclasses.replace(keys[field_name], path=key, type=keys[field_name].base)
-        got = options.coerce(spec, value.lower() if spec.base is str else value, text=True)
+        got = options.coerce(spec, value.lower() if spec.base is str else value, text=True, loose=True)  # SP=yes
         if spec.base is int and got < 1:
             raise ValueError(f"{key} ({got}) must be a positive integer")
         out[field_name] = got

@@ -34,6 +34,9 @@ def add_arguments(p) -> None:
                         "each restart resumes from the latest complete checkpoint in save_dir")
     p.add_argument("--debug", action="store_true", help="show errors with their tracebacks (and the launcher's log)")
     add_flags(p)
+    from tpkernels.options import suggest_unknown_flags  # noqa: PLC0415
+
+    suggest_unknown_flags(p)  # '--stepz' -> did you mean '--steps' (training.steps), as for a file's key
 
 
 def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
