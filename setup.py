@@ -206,7 +206,6 @@ ext_modules, build_ext = extension_modules()
 setup(
     version=_version(),
     packages=find_packages(include=["tpkernels", "tpkernels.*"]),
-    package_data={"tpkernels.planner": ["data/*.csv"]},  # the planner's calibration tables
     ext_modules=ext_modules,
     cmdclass={"build_ext": with_isa_variants(build_ext).with_options(use_ninja=True)},
 )

@@ -148,8 +148,8 @@ def main() -> None:
                      "pred_gemm_s": round(t.gemm, 4), "pred_elementwise_s": round(t.elementwise, 4),
                      "pred_tp_exposed_s": round(t.tp_exposed, 4), "pred_p2p_s": round(t.p2p, 4),
                      "pred_bubble_s": round(t.bubble, 4), "pred_optimizer_s": round(t.optimizer, 4),
-                     # what fit.fit() takes (uncorrected compute, exposed communication): refits from the CSV
-                     **dict(zip(("fit_compute_s", "fit_comm_s"), (round(x, 5) for x in components(t, eff)))),
+                     # what fit.fit() takes (uncorrected compute, exposed communication, kernels): refits from the CSV
+                     **dict(zip(("fit_compute_s", "fit_comm_s", "fit_ops"), (round(x, 5) for x in components(t, eff)))),
                      "device": meas.device_name, "date": datetime.date.today().isoformat()})
         print(f"  {rows[-1]['layout']} {rows[-1]['schedule']}: measured {measured:.3f} s, predicted "
               f"{est.step_time:.3f} s", flush=True)
@@ -171,7 +171,8 @@ def main() -> None:
 
 
 def merge_passes(rows: list[dict]) -> list[dict]:
-    """One row per layout: the mean over passes of each measured and predicted time (and its parts)."""
+    """One row per layout: the median over passes of each measured and predicted time (and its parts): on a
+    loaded machine one pass slowed by another job moves a mean, not a median."""
     by: dict[tuple, list[dict]] = {}
     for r in rows:
         by.setdefault((r["layout"], r["schedule"]), []).append(r)
@@ -180,7 +181,7 @@ def merge_passes(rows: list[dict]) -> list[dict]:
         r = dict(group[0])
         for k, v in r.items():
             if isinstance(v, float) and k != "error_pct":
-                r[k] = round(statistics.fmean(g[k] for g in group), 5)
+                r[k] = round(statistics.median(g[k] for g in group), 5)
         r["error_pct"] = round(100 * (r["measured_s"] / r["predicted_s"] - 1), 1)
         r["passes"] = len(group)
         r["measured_spread_pct"] = round(100 * (max(g["measured_s"] for g in group) /
@@ -208,10 +209,12 @@ def refit(fit_from: int, rows: list[dict]) -> None:
     trials = order[:fit_from]  # what an autotuned run tries first: the fastest of each family
     for r in rows:
         r.update({k: float(r[k]) for k in ("measured_s", "predicted_s", "fit_compute_s", "fit_comm_s")})
-    f = fit([(rows[i]["fit_compute_s"], rows[i]["fit_comm_s"], rows[i]["measured_s"]) for i in trials])
+        r["fit_ops"] = float(r.get("fit_ops") or 0.0)  # CSVs written before the per-op term: none
+    f = fit([(rows[i]["fit_compute_s"], rows[i]["fit_comm_s"], rows[i]["fit_ops"], rows[i]["measured_s"])
+             for i in trials])
     print(f"\nfitted on {', '.join(rows[i]['layout'] + ' ' + rows[i]['schedule'] for i in trials)}: {f.describe()}")
     for i, r in enumerate(rows):
-        again = f.compute_scale * r["fit_compute_s"] + f.comm_scale * r["fit_comm_s"] + f.step_overhead_s
+        again = f.predict(r["fit_compute_s"], r["fit_comm_s"], r["fit_ops"])
         r.update(fitted_on=i in trials, refit_predicted_s=round(again, 4),
                  refit_error_pct=round(100 * (r["measured_s"] / again - 1), 1))
     others = [r for i, r in enumerate(rows) if i not in trials]

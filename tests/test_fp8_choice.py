@@ -113,9 +113,10 @@ def test_sp_all_gather_halved_in_fp8():
     for name in ("qkv", "gate_up"):
         c, p = sp[name], plain[name]
         k = c.k
-        # bandwidth part of the bf16 all-gather of the input (once: the gathered input is kept), half exposed
+        # the bf16 all-gather of the input (once: the gathered input is kept): at least its first ring
+        # chunk exposed, at most all of it; FP8 gathers half the bytes
         bw = ring_phase_time(2.0 * m * k, 8, H200.nvlink_gbs, eff)
-        assert c.bf16_comm_s - c.fp8_comm_s == pytest.approx((1 - eff.tp_overlap) * bw / 2)
+        assert bw / 8 <= c.bf16_comm_s <= bw * 1.01 + 1e-4
         assert c.fp8_comm_s > 0 and c.fp8_comm_s < c.bf16_comm_s
         # the rest of bf16_s / fp8_s is what the layer costs without SP (x cast on the m/8 local rows)
         assert c.bf16_s - c.bf16_comm_s == pytest.approx(p.bf16_s)
@@ -125,12 +126,12 @@ def test_sp_all_gather_halved_in_fp8():
     for name in ("out", "down"):  # row-parallel: the output gradient's all-gather in the backward, halved
         c = sp[name]
         bw = ring_phase_time(2.0 * m * c.n, 8, H200.nvlink_gbs, eff)
-        assert c.bf16_comm_s - c.fp8_comm_s == pytest.approx((1 - eff.tp_overlap) * bw / 2)
+        assert bw / 8 <= c.bf16_comm_s <= bw * 1.01 + 1e-4 and 0 < c.fp8_comm_s < c.bf16_comm_s
         assert plain[name].bf16_comm_s == 0.0
-    # the rowwise recipe gathers 16-bit values: no saving
+    # the rowwise recipe gathers 16-bit values: no saving, and FP8's shorter GEMM hides no more of them
     rowwise = _by_name(fp8_layer_choices(L8B, sequence_parallel=True, fp8_gather=False, **kw))
     for c in rowwise.values():
-        assert c.bf16_comm_s == pytest.approx(c.fp8_comm_s) and c.bf16_comm_s > 0
+        assert c.fp8_comm_s >= c.bf16_comm_s * (1 - 1e-9) and c.bf16_comm_s > 0
     assert rowwise["qkv"].cast_s > sp["qkv"].cast_s  # cast after the gather: all m rows
 
 

@@ -20,16 +20,17 @@ from tpkernels.planner.efficiency import H100_CALIBRATED
 
 def test_fit_recovers_known_corrections(fresh_seed):
     rng = random.Random(fresh_seed)
-    a, c, g = rng.uniform(0.5, 2.0), rng.uniform(0.5, 3.0), rng.uniform(0.0, 0.05)
-    samples = [(comp, comm, a * comp + c * comm + g)
-               for comp, comm in ((rng.uniform(0.05, 0.3), rng.uniform(0.0, 0.1)) for _ in range(5))]
+    a, c, g = rng.uniform(0.5, 2.0), rng.uniform(0.5, 3.0), rng.uniform(0.0, 5e-5)
+    samples = [(comp, comm, ops, a * comp + c * comm + g * ops)
+               for comp, comm, ops in ((rng.uniform(0.05, 0.3), rng.uniform(0.0, 0.1), rng.uniform(100, 3000))
+                                       for _ in range(5))]
     f = fitting.fit(samples)
     assert f.compute_scale == pytest.approx(a, rel=0.05) and f.comm_scale == pytest.approx(c, rel=0.1)
-    assert f.step_overhead_s == pytest.approx(g, abs=0.01) and f.worst_error < 0.02 and f.n == 5
+    assert f.op_overhead_s == pytest.approx(g, abs=5e-6) and f.worst_error < 0.02 and f.n == 5
 
 
 def test_noisy_trials_lean_on_the_prior_where_they_barely_determine_a_term(fresh_seed):
-    """One world: every layout computes about the same, so compute and the fixed overhead are nearly
+    """One world: every layout computes about the same, so compute and the per-op overhead are nearly
     collinear and ±10% noise picks their split. Weighing the prior by the trials' scatter keeps
     compute nearer its true ×1 than a free fit (typically half as far; 0.68 was the worst of 100 runs)."""
     rng = random.Random(fresh_seed)
@@ -38,7 +39,7 @@ def test_noisy_trials_lean_on_the_prior_where_they_barely_determine_a_term(fresh
         samples = []
         for _ in range(6):
             comp, comm = rng.uniform(0.19, 0.21), rng.uniform(0.01, 0.03)
-            samples.append((comp, comm, (comp + comm) * rng.uniform(0.9, 1.1)))
+            samples.append((comp, comm, rng.uniform(950, 1050), (comp + comm) * rng.uniform(0.9, 1.1)))
         weighted.append(abs(fitting.fit(samples).compute_scale - 1))
         free.append(abs(fitting.fit(samples, pull=fitting.MIN_PULL).compute_scale - 1))
     assert statistics.median(weighted) < 0.85 * statistics.median(free)
@@ -47,32 +48,67 @@ def test_noisy_trials_lean_on_the_prior_where_they_barely_determine_a_term(fresh
 
 
 def test_a_term_the_trials_did_not_exercise_stays_put():
-    f = fitting.fit([(0.1, 0.0, 0.08), (0.2, 0.0, 0.16), (0.3, 0.0, 0.24)])  # no communication measured
+    f = fitting.fit([(0.1, 0.0, 0.0, 0.08), (0.2, 0.0, 0.0, 0.16), (0.3, 0.0, 0.0, 0.24)])  # no comm, no ops
     assert f.comm_scale == pytest.approx(1.0, abs=1e-6) and f.compute_scale == pytest.approx(0.8, rel=0.02)
     with pytest.raises(ValueError, match="at least one measured step time"):
-        fitting.fit([(0.1, 0.0, float("nan"))])
+        fitting.fit([(0.1, 0.0, 10.0, float("nan"))])
+    with pytest.raises(ValueError, match="kernel counts"):
+        fitting.fit([(0.1, 0.0, -1.0, 0.1)])
 
 
 def test_corrections_change_the_planners_step_time():
     m, t, cl = model_preset("Llama-3-8B"), TrainingSetup(64, 4096), ClusterSpec(gpu_preset("H100-SXM"), 8, 2)
     base = plan(m, t, cl, H100_CALIBRATED, fixed={"tp": 2, "pp": 1})
-    f = fitting.Fit(1.5, 2.0, 0.25)
+    f = fitting.Fit(1.5, 2.0, 2e-5)
     fixed = plan(m, t, cl, f.apply(H100_CALIBRATED), fixed={"tp": 2, "pp": 1})
     b, x = base.best.time, fixed.best.time
     assert x.gemm == pytest.approx(1.5 * b.gemm) and x.tp_exposed == pytest.approx(2.0 * b.tp_exposed)
-    assert x.overhead == 0.25 and x.total > b.total
-    compute, comm = fitting.components(x, f.apply(H100_CALIBRATED))
-    assert compute == pytest.approx(b.gemm + b.elementwise + b.bubble + b.optimizer)
+    assert x.ops == b.ops > 0 and x.overhead == pytest.approx(2e-5 * b.ops) and x.total > b.total
+    compute, comm, ops = fitting.components(x, f.apply(H100_CALIBRATED))
+    assert compute == pytest.approx(b.gemm + b.elementwise + b.bubble + b.optimizer) and ops == b.ops
+    assert f.predict(compute, comm, ops) == pytest.approx(x.total, rel=1e-9)
+
+
+def test_a_fit_transfers_to_a_50x_smaller_model(fresh_seed):
+    """A machine whose truth is rates (compute ×a, communication ×c, g seconds per kernel): fitted on
+    layouts of one model, the corrections predict a model with ~50× less work within 10% (the old
+    fixed per-step overhead made a 4-layer model's +75.7 ms the plan of a 0.057 s step)."""
+    from tpkernels.parallel import ParallelConfig  # noqa: PLC0415
+    from tpkernels.planner.step_time import step_time  # noqa: PLC0415
+
+    rng = random.Random(fresh_seed)
+    a, c, g = rng.uniform(0.7, 1.5), rng.uniform(0.7, 3.0), rng.uniform(1e-5, 1e-4)
+    cl = ClusterSpec(gpu_preset("A100-80GB"), 4, 1)
+    eff = H100_CALIBRATED.replace(kernel_launch_s=5e-6)
+
+    def truth(model, train, cfg):
+        t = step_time(model, train, cfg, cl, eff)
+        comp, comm, ops = fitting.components(t, eff)
+        return (comp, comm, ops), a * comp + c * comm + g * ops
+
+    big = model_preset("Llama-2-7B").replace(num_layers=8)
+    layouts = [ParallelConfig(tp=tp, pp=pp, dp=4 // (tp * pp), num_microbatches=4, sequence_parallel=tp > 1)
+               for tp, pp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2))]
+    train = TrainingSetup(4 * 4, 1024)
+    samples = [(*x, t) for x, t in (truth(big, TrainingSetup(4 * cfg.dp, 1024), cfg) for cfg in layouts)]
+    f = fitting.fit(samples)
+    small = big.replace(num_layers=2, hidden_size=512, num_attention_heads=4, num_kv_heads=4, ffn_hidden_size=1408,
+                        vocab_size=8000)
+    cfg = ParallelConfig(tp=1, pp=2, dp=2, num_microbatches=4)
+    (comp, comm, ops), true = truth(small, train, cfg)
+    (big_comp, _, _), _ = truth(big, TrainingSetup(4 * 2, 1024), cfg)
+    assert big_comp > 20 * comp  # the small model is ~50× less work
+    assert f.predict(comp, comm, ops) == pytest.approx(true, rel=0.10)
 
 
 def test_cache_round_trip_and_plan_says_it_uses_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TPKERNELS_CACHE_DIR", str(tmp_path))
     key = fitting.machine_key("H100-SXM", 16)
     assert fitting.load(key) is None
-    path = fitting.save(key, fitting.Fit(1.25, 1.5, 0.5, 3, 0.04), layouts=["TP2 PP1 DP8 mbs1"])
+    path = fitting.save(key, fitting.Fit(1.25, 1.5, 1e-3, 3, 0.04), layouts=["TP2 PP1 DP8 mbs1"])
     assert path == tmp_path / "planner_fits.json" and json.loads(path.read_text())[key]["n"] == 3
     f, rec = fitting.load(key)
-    assert (f.compute_scale, f.comm_scale, f.step_overhead_s) == (1.25, 1.5, 0.5) and rec["layouts"]
+    assert (f.compute_scale, f.comm_scale, f.op_overhead_s) == (1.25, 1.5, 1e-3) and rec["layouts"]
     argv = ["plan", "--model", "Llama-3-8B", "--gpu", "H100-SXM", "--nodes", "2", "--global-batch", "64",
             "--seq-len", "4096", "--json", "--top", "1"]
     assert main(argv) == 0
@@ -81,9 +117,12 @@ def test_cache_round_trip_and_plan_says_it_uses_it(tmp_path, monkeypatch, capsys
     assert main(argv + ["--no-cache"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert plain["corrections"] is None and plain["efficiency"]["compute_scale"] == 1.0
-    assert used["ranked"][0]["step_time_s"] > plain["ranked"][0]["step_time_s"] + 0.4  # +0.5 s overhead alone
+    assert used["ranked"][0]["step_time_s"] > plain["ranked"][0]["step_time_s"] + 0.4  # 1 ms × ≥ 1,000 kernels
     assert main(argv[:-3] + ["--top", "1"]) == 0
     assert "using the corrections autotune measured on H100-SXM, 16 GPUs" in capsys.readouterr().out
+    old = {key: {"compute_scale": 1.0, "comm_scale": 1.0, "step_overhead_s": 0.0757}}
+    path.write_text(json.dumps(old))
+    assert fitting.load(key) is None  # a fit of the old form (a fixed cost per step) does not transfer
     path.write_text("{not json")
     assert fitting.load(key) is None  # a damaged cache is ignored, not fatal
 
@@ -111,9 +150,9 @@ def test_an_autotuned_run_keeps_its_fit_for_the_next_plan(tmp_path):
 
 def test_bounds_hold_when_the_trials_cannot_separate_the_terms():
     # three layouts of nearly one compute time: the solve would go negative; the bounds pin it
-    samples = [(1.11, 0.58, 1.75), (1.28, 0.26, 1.43), (0.91, 0.13, 1.91)]
+    samples = [(1.11, 0.58, 2000.0, 1.75), (1.28, 0.26, 2000.0, 1.43), (0.91, 0.13, 2000.0, 1.91)]
     f = fitting.fit(samples)
-    assert f.compute_scale >= 0.05 and f.comm_scale >= 0.05 and f.step_overhead_s >= 0
+    assert f.compute_scale >= 0.05 and f.comm_scale >= 0.05 and f.op_overhead_s >= 0
     assert f.worst_error < 0.25
 
 

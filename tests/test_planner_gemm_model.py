@@ -16,10 +16,11 @@ H100 = gpu_preset("H100-SXM")
 A100 = gpu_preset("A100-80GB")
 
 
-def test_the_large_bf16_gemm_runs_at_the_measured_790_tflops():
-    # the one measured fact the Hopper ceiling is set by (one H200, 8192³ bf16)
+def test_the_whole_step_gemm_rate_stays_below_a_lone_gemms():
+    """The fitted ceiling is what GEMMs sustain inside whole training steps: never above the ≈ 790
+    TFLOP/s one H200 measured for a lone 8192³ bf16 matmul, and not absurdly below it."""
     tflops = achieved_efficiency(8192, 8192, 8192, gpu_preset("H200"), H100_CALIBRATED) * 989
-    assert tflops == pytest.approx(790, rel=0.01)
+    assert 0.7 * 790 < tflops < 790
 
 
 @pytest.mark.parametrize("gpu,precision", [(A100, "bf16"), (H100, "bf16"), (H100, "fp8")],

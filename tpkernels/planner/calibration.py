@@ -1,15 +1,12 @@
-"""Published training runs that state their layout and throughput: what the planner's constants are
-fitted on, and how each row is turned into a planner question.
+"""Published training runs that state their layout and throughput, read into planner questions, and
+the fit of the planner's shared constants to them.
 
-Tables are package data, ``tpkernels/planner/data/`` (with their sources in each file's header):
-  A100  ``megatron_narayanan2021_table1.csv``: Narayanan et al. 2021, Table 1 (Megatron-LM GPT runs
-        on A100-80GB): fp16, attention without FlashAttention, full activation recompute, no
-        sequence parallelism (it came a year later), no distributed optimizer, DP gradient
-        all-reduce after the backward; DGX A100 nodes (8 GPUs on NVLink, one 200 Gb/s HDR NIC
-        each). The table counts hardware FLOPs: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
-  H100  ``nemo_24.12_h100_pretrain.csv``: NVIDIA NeMo 24.12 pre-training on DGX-H100 (FP8 linear
-        GEMMs, bf16 attention, SP with TP overlap, distributed optimizer with overlapped
-        gradient reduction and parameter gather, overlapped P2P, no recompute). Tokens per second per GPU.
+The tables live in the repository, ``benchmarks/data/`` (one CSV per source, where each number
+comes from in its header, the list in ``sources.md``): Narayanan et al. 2021 (A100, Megatron-LM),
+NVIDIA NeMo 2024 and Megatron-Bridge performance summaries (H100), torchtitan's published runs
+(H100, H200). They are not package data: an installed planner carries only the constants fitted on
+them (``efficiency.py``). ``benchmarks/planner_calibration.py`` fits on all sources but one and
+predicts the held-out one, for each in turn.
 
 Every row is compared by step time: the published step = the row's tokens (or hardware FLOPs) per
 step over its throughput; error = published step / predicted step − 1 (+ = the planner predicts a
@@ -19,29 +16,32 @@ faster run than was measured).
 from __future__ import annotations
 
 import csv
+import math
+import os
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
+from tpkernels.description import ModelConfig, model_preset
 from tpkernels.parallel import ParallelConfig
 from tpkernels.planner.efficiency import Efficiency, calibrated_for
 from tpkernels.planner.estimate import Estimate, estimate, layout_errors
 from tpkernels.planner.hardware import ClusterSpec, gpu_preset
-from tpkernels.description import ModelConfig, model_preset
 from tpkernels.planner.search import Plan, plan
 from tpkernels.planner.workload import TrainingSetup
 
-A100_TABLE = "megatron_narayanan2021_table1.csv"
-H100_TABLE = "nemo_24.12_h100_pretrain.csv"
-HELD_OUT_TABLE = "h100_held_out.csv"
+NARAYANAN = "narayanan2021"
 PAPER_FIXED = dict(sequence_parallel=False, recompute="full", zero1=False)  # Narayanan et al. 2021
+# The constants the calibration fits, shared by every GPU generation (each a share of that GPU's own
+# peak or a byte count, so a value fitted on one generation is a prediction for another).
+FITTED = ("gemm", "gemm_fp8", "attention", "elementwise_traffic")
+BOUNDS = {"gemm": (0.3, 0.95), "gemm_fp8": (0.2, 0.95), "attention": (0.1, 0.95), "elementwise_traffic": (1.0, 16.0)}
 
 
 @dataclass(frozen=True)
 class Row:
     """One published run: the model, the cluster, the layout and software, and what it measured."""
 
-    source: str  # table file
+    source: str  # the source's name (its CSV's stem)
     label: str
     spec: ModelConfig
     gpu: str
@@ -49,7 +49,7 @@ class Row:
     config: ParallelConfig
     training: TrainingSetup
     published_step_s: float
-    published_tflops_per_gpu: float  # as the source reports it (its own FLOP count)
+    published_tflops_per_gpu: float  # as the source reports it (its own FLOP count); 0 when it gives none
     fixed: tuple = ()  # (name, value) of the software choices the source fixes, for search()
 
     @property
@@ -59,6 +59,10 @@ class Row:
     @property
     def cluster(self) -> ClusterSpec:
         return ClusterSpec(gpu_preset(self.gpu), gpus_per_node=8, nodes=self.gpus // 8)
+
+    @property
+    def generation(self) -> str:
+        return gpu_preset(self.gpu).generation
 
     @property
     def tp(self) -> int:
@@ -74,17 +78,27 @@ class Row:
             (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "") + f" DP{c.dp} mbs{c.micro_batch_size}"
 
 
-def _read(name: str, data_dir: Path | None = None) -> list[dict]:
-    """A table's rows: from ``data_dir`` if given, else the package's own copy (installed with it)."""
-    text = (data_dir / name).read_text() if data_dir is not None else \
-        resources.files("tpkernels.planner").joinpath("data", name).read_text()
-    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+def data_dir() -> Path:
+    """``$TPKERNELS_CALIBRATION_DATA``, else the repository's ``benchmarks/data`` beside this package."""
+    env = os.environ.get("TPKERNELS_CALIBRATION_DATA")
+    d = Path(env) if env else Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+    if not d.is_dir():
+        raise FileNotFoundError(f"calibration data ({d}) is not a folder: the published tables are in the "
+                                "repository's benchmarks/data (set TPKERNELS_CALIBRATION_DATA to another copy)")
+    return d
+
+
+def _read(path: Path) -> list[dict]:
+    lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
     return list(csv.DictReader(lines))
 
 
-def a100_rows(data_dir: Path | None = None) -> list[Row]:
+def narayanan_rows(path: Path) -> list[Row]:
+    """Narayanan et al. 2021, Table 1 (Megatron-LM GPT runs on A100-80GB): fp16, attention without
+    FlashAttention, full activation recompute, no SP, no distributed optimizer, DP gradient
+    all-reduce after the backward. The table counts hardware FLOPs: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))."""
     rows = []
-    for r in _read(A100_TABLE, data_dir):
+    for r in _read(path):
         # the published runs trained with dropout 0.1: its masks are part of their activation memory
         spec = model_preset(f"GPT-{r['model']}").replace(dropout=0.1, dropout_source="hidden_dropout")
         tp, pp, v, gpus = int(r["tp"]), int(r["pp"]), int(r["virtual_stages"]), int(r["gpus"])
@@ -96,59 +110,56 @@ def a100_rows(data_dir: Path | None = None) -> list[Row]:
         l, h, s, V = spec.num_layers, spec.hidden_size, 2048, spec.vocab_size
         flops = 96 * gbs * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
         tflops = float(r["tflops_per_gpu"])
-        rows.append(Row(A100_TABLE, r["model"], spec, "A100-80GB", gpus, cfg, train,
+        rows.append(Row(path.stem, f"GPT-{r['model']}@{gpus}", spec, "A100-80GB", gpus, cfg, train,
                         flops / (tflops * 1e12 * gpus), tflops,
                         tuple({**PAPER_FIXED, "micro_batch_size": mbs}.items())))
     return rows
 
 
-def h100_rows(data_dir: Path | None = None) -> list[Row]:
-    """The rows the H100 constants were fitted on (no context parallelism)."""
-    return [r for r in _h100_table(data_dir) if r.config.cp == 1]
-
-
-def held_out_rows(data_dir: Path | None = None) -> list[Row]:
-    """Published H100 rows kept out of the fit: NeMo's with context parallelism (CP2 at 8k), added after
-    the planner modelled CP, and ``h100_held_out.csv`` (Megatron-Bridge 25.11, torchtitan's bf16 and
-    TP8 runs), added after the constants were fixed; their error is what a new run can expect."""
-    return [r for r in _h100_table(data_dir) if r.config.cp > 1] + _h100_table(data_dir, HELD_OUT_TABLE)
-
-
-def _h100_table(data_dir: Path | None = None, table: str = H100_TABLE) -> list[Row]:
-    """Rows of a NeMo-style H100 table; ``precision`` and ``recompute`` columns, where a table has
-    them, override NeMo's FP8 without recompute."""
+def table_rows_of(path: Path) -> list[Row]:
+    """Rows of a table in the common format (``source,table,model,layers,…,tokens_per_sec_per_gpu``):
+    the model's shape, the GPU, the layout and the software (precision, recompute, full/LoRA,
+    whether TP communication overlaps the GEMMs). SP whenever TP > 1; ZeRO-1 with overlapped
+    gradient reduction and parameter gather whenever there is data parallelism (Megatron's
+    distributed optimizer; FSDP's per-layer gathers hide the same way on NVLink); overlapped P2P."""
     rows = []
-    for r in _read(table, data_dir):
+    for r in _read(path):
         n = {k: int(r[k]) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "gpus", "global_batch",
                                     "micro_batch", "seq_length", "tp", "pp", "cp", "virtual_stages")}
-        # NeMo's shapes as the table's FLOPs count them: no biases, rotary, RMSNorm-sized norms
+        # the sources' shapes as their FLOPs count them: no biases, rotary, RMSNorm-sized norms
         spec = ModelConfig("llama" if r["mlp"] == "swiglu" else "gpt2", n["layers"], n["hidden"], n["heads"],
                            n["ffn"], n["vocab"], num_kv_heads=n["kv_heads"],
                            activation="swiglu" if r["mlp"] == "swiglu" else "gelu_tanh",
                            max_position_embeddings=n["seq_length"], name=r["model"])
         dp = n["gpus"] // (n["tp"] * n["pp"] * n["cp"])
-        recompute, precision = r.get("recompute") or "none", r.get("precision") or "fp8"
         cfg = ParallelConfig(tp=n["tp"], pp=n["pp"], dp=dp, virtual_stages=n["virtual_stages"],
                              micro_batch_size=n["micro_batch"],
                              num_microbatches=n["global_batch"] // (n["micro_batch"] * dp),
-                             sequence_parallel=n["tp"] > 1,
-                             recompute=recompute, zero1=dp * n["cp"] > 1, cp=n["cp"])
-        train = TrainingSetup(n["global_batch"], n["seq_length"], precision=precision, overlap_grad_reduce=True,
-                              overlap_param_gather=True, overlap_p2p=True)
-        tokens_per_gpu = float(r["tokens_per_sec_per_gpu"])
-        step = n["global_batch"] * n["seq_length"] / (tokens_per_gpu * n["gpus"])
-        # published model TFLOP/s where the table gives them, else 6·N + attention per token (Megatron's count)
-        tflops = (float(r["model_tflops_per_gpu"]) if r.get("model_tflops_per_gpu") else
-                  spec.model_flops_per_step(n["global_batch"], n["seq_length"]) / step / n["gpus"] / 1e12)
-        label = f"{r['model']}@{n['gpus']}" + (f" ({r['source']})" if r.get("source") else "")
-        rows.append(Row(table, label, spec, "H100-SXM", n["gpus"], cfg, train, step, tflops,
-                        (("recompute", recompute), ("micro_batch_size", n["micro_batch"]))))
+                             sequence_parallel=n["tp"] > 1, recompute=r["recompute"], zero1=dp * n["cp"] > 1,
+                             cp=n["cp"], overlap_comm=r["tp_overlap"] == "1")
+        train = TrainingSetup(n["global_batch"], n["seq_length"], precision=r["precision"], finetune=r["finetune"],
+                              overlap_grad_reduce=True, overlap_param_gather=True, overlap_p2p=True)
+        step = n["global_batch"] * n["seq_length"] / (float(r["tokens_per_sec_per_gpu"]) * n["gpus"])
+        tflops = float(r["model_tflops_per_gpu"]) if r.get("model_tflops_per_gpu") else 0.0
+        label = f"{r['model']}@{n['gpus']} {r['table']}"
+        rows.append(Row(r["source"], label, spec, r["gpu"], n["gpus"], cfg, train, step, tflops,
+                        (("recompute", r["recompute"]), ("micro_batch_size", n["micro_batch"]))))
     return rows
 
 
-def table_rows(data_dir: Path | None = None) -> list[Row]:
-    """Every calibration row, A100 first."""
-    return a100_rows(data_dir) + h100_rows(data_dir)
+def sources(directory: Path | None = None) -> dict[str, list[Row]]:
+    """Every source's rows, by source name (the CSV's stem), in file-name order."""
+    d = directory or data_dir()
+    out = {}
+    for path in sorted(d.glob("*.csv")):
+        out[path.stem] = narayanan_rows(path) if path.stem == NARAYANAN else table_rows_of(path)
+    if not out:
+        raise FileNotFoundError(f"no calibration tables (*.csv) in {d}")
+    return out
+
+
+def all_rows(directory: Path | None = None) -> list[Row]:
+    return [r for rows in sources(directory).values() for r in rows]
 
 
 def predict(row: Row, eff: Efficiency | None = None) -> Estimate:
@@ -163,9 +174,36 @@ def error(row: Row, eff: Efficiency | None = None) -> float:
     return row.published_step_s / predict(row, eff).step_time - 1.0
 
 
+def loss(groups: list[list[Row]], eff: Efficiency) -> float:
+    """The fit's objective: the mean over sources of each source's root-mean-square log error (every
+    source weighs the same, however many rows it has)."""
+    per = [math.sqrt(sum(math.log1p(error(r, eff)) ** 2 for r in rows) / len(rows)) for rows in groups if rows]
+    return sum(per) / len(per)
+
+
+def fit_constants(groups: list[list[Row]], start: Efficiency, names: tuple = FITTED) -> Efficiency:
+    """The constants ``names`` that minimise :func:`loss` on ``groups`` (one list of rows per source):
+    a coordinate search in multiplicative steps from 20% down to 0.5%, inside BOUNDS. A constant no
+    row exercises (FP8 without an FP8 row) stays at ``start``'s value."""
+    eff, best = start, loss(groups, start)
+    for step in (0.2, 0.1, 0.05, 0.02, 0.01, 0.005):
+        improved = True
+        while improved:
+            improved = False
+            for name in names:
+                lo, hi = BOUNDS[name]
+                for f in (1 + step, 1 / (1 + step)):
+                    value = min(hi, max(lo, getattr(eff, name) * f))
+                    trial = eff.replace(**{name: value})
+                    value_loss = loss(groups, trial)
+                    if value_loss < best - 1e-9:
+                        eff, best, improved = trial, value_loss, True
+    return eff
+
+
 def search(row: Row, eff: Efficiency | None = None) -> Plan:
     """The planner's ranking for the row's model, GPU count and batch, under the software choices the
-    source fixes (Narayanan et al.: no SP, full recompute, no ZeRO; NeMo: no recompute) and its
+    source fixes (Narayanan et al.: no SP, full recompute, no ZeRO; others: their recompute) and its
     micro-batch size."""
     return plan(row.spec, row.training, row.cluster, eff, fixed=dict(row.fixed))
 

@@ -1,14 +1,10 @@
-"""The constants that turn FLOPs and bytes into seconds, one set per GPU generation.
+"""The constants that turn FLOPs and bytes into seconds.
 
 Peaks are never reached; these factors say how much of each peak a well-tuned training step gets.
-Each set is fitted once, on published runs that state their layout (tpkernels/planner/data/, reported row
-by row by ``benchmarks/planner_calibration.py``):
-  Ampere  Narayanan et al. 2021, Table 1 (GPT 1.7B–1T on 32–3072 A100-80GB, Megatron-LM).
-  Hopper  NVIDIA NeMo 24.12 performance summary (GPT-3, Llama 2, Nemotron pre-training on 8–512
-          DGX-H100 GPUs), with the GEMM ceiling fixed by a measured fact: one H200 (same SMs and
-          clocks as the H100 SXM) runs a large bf16 matmul at ≈ 790 TFLOP/s.
-Two published tables are kept out of every fit to check that the model generalises: the Megatron-LM
-README's weak-scaling table and Korthikanti et al. 2022's end-to-end runs.
+Four of them (calibration.FITTED) are fitted on the published runs in benchmarks/data/, every other
+one is structural and says in its comment what it stands for. Two published tables are kept out of
+every fit (and out of the repository) to check that the model generalises: the Megatron-LM README's
+weak-scaling table and Korthikanti et al. 2022's end-to-end runs.
 ``tpkernels plan --measure`` replaces the ceiling, memory and link factors with numbers timed on
 the current machine.
 """
@@ -64,9 +60,11 @@ class Efficiency:
     # synchronisation around it that stalls the sending stage's next kernels (Megatron-LM's P2P
     # path synchronises the device after batch_isend_irecv).
     p2p_latency_s: float = 3e-4
-    # Share of the sequence-parallel all-gather / reduce-scatter time hidden behind the chunked
-    # GEMMs (tpkernels.all_gather_matmul / matmul_reduce_scatter ring; Flux reports 76–81%).
-    tp_overlap: float = 0.75
+    # Share of the hiding that the software's TP overlap achieves structurally (tp_overlap.py: a
+    # ring exposes its first chunk and what outlasts the GEMM) that this machine gets: 1 on GPUs
+    # (copy engines / a few SMs move the data while the GEMM runs), 0 where the collectives progress
+    # on the same cores as the GEMMs (gloo on CPUs: measure.py sets it).
+    tp_overlap: float = 1.0
     # Size of one data-parallel gradient bucket (Megatron-Core's default: 40M parameters in fp32).
     dp_bucket_bytes: float = 160e6
     # --- optimizer ---
@@ -76,36 +74,39 @@ class Efficiency:
     # --- ranks sharing cores (CPUs) ---
     # Share of a core each rank runs on while every rank is busy: cores / (ranks × threads) when a CPU
     # host runs more rank threads than it has cores (measure.calibrate sets it and slows the rates by
-    # it), else 1. Below 1, a rank idle in the pipeline bubble hands its core to the busy ones, so
-    # the bubble costs only what the machine's total work does not already fill (step_time.py).
+    # it), else 1. The pipeline bubble stays the schedule's: measured runs on 2 cores idled as much as
+    # the simulator says (a waiting gloo rank does not hand its core to the busy ones).
     core_share: float = 1.0
     # --- corrections measured on one machine (tpkernels.planner.fit: fitted to autotune trials) ---
-    # Compute-bound parts (GEMMs, memory-bound kernels, the bubble, the optimizer) × compute_scale,
-    # exposed communication × comm_scale, and a fixed cost per step (host work, per-rank overhead
-    # that no parallelism divides) added.
+    # Rates that scale with the work, so a fit on one model transfers to another: compute-bound parts
+    # (GEMMs, memory-bound kernels, the bubble, the optimizer) × compute_scale, exposed communication
+    # × comm_scale, and op_overhead_s per kernel on the critical path (StepTime.ops: host dispatch,
+    # autograd bookkeeping).
     compute_scale: float = 1.0
     comm_scale: float = 1.0
-    step_overhead_s: float = 0.0
+    op_overhead_s: float = 0.0
 
     def replace(self, **changes) -> "Efficiency":
         return dataclasses.replace(self, **changes)
 
 
-A100_CALIBRATED = Efficiency(gemm=0.70, elementwise_traffic=4.0, p2p_latency_s=1e-4, link=0.75)
-"""Ampere: gemm, elementwise_traffic, p2p_latency_s and link fitted on Narayanan et al. 2021,
-Table 1 (grid search minimising the worst row's error). The 0.70 ceiling sits below what cuBLAS
-reaches on one large A100 GEMM (≈ 0.8): it also carries the 2021 software's unfused kernels between
-the GEMMs that the per-byte elementwise term does not see. attention is unused (no FlashAttention
-in those runs); it keeps Hopper's value for planning FlashAttention runs on Ampere."""
+CALIBRATED_ALL = Efficiency(gemm=0.704, gemm_fp8=0.703, attention=0.364, elementwise_traffic=3.87)
+"""Every generation: gemm, gemm_fp8, attention and elementwise_traffic (calibration.FITTED) fitted on all
+the published runs in benchmarks/data/ (Narayanan et al. 2021 on A100; NeMo 2024 and Megatron-Bridge on
+H100; torchtitan on H100 and H200) by ``calibration.fit_constants`` (the mean over sources of each
+source's RMS log error); ``benchmarks/planner_calibration.py`` fits them again without each source in
+turn and reports how well the held-out source is predicted (docs/planner.md). One set for all
+generations: each constant is a share of the GPU's own peak (or a byte count), the generations
+differ by their GPUSpec (peaks, SMs, tiles, bandwidths). The GEMM ceiling is what whole training
+steps sustain: below a lone large GEMM's (≈ 0.8 of the peak: 790 TFLOP/s of an 8192³ bf16 matmul
+on one H200), as a step also pays clock drops under sustained load, kernel gaps and launch waits
+the per-kernel terms do not see. The structural constants (gemm_k0, gemm_tail, launch costs, hbm,
+link, latencies) keep their documented defaults."""
 
-H100_CALIBRATED = Efficiency(gemm=0.83, gemm_fp8=0.62, attention=0.40, elementwise_traffic=6.0, tp_overlap=0.5)
-"""Hopper (H100, H200): gemm fixed by the measured ≈ 790 TFLOP/s of an 8192³ bf16 matmul on one
-H200: 0.83 × 989 TFLOP/s × the model's wave (0.98) and k (0.98) factors at that shape = 790; gemm_fp8, attention,
-elementwise_traffic (FP8 adds the cast and amax kernels) and tp_overlap fitted on NeMo 24.12's
-H100 pre-training table. The structural constants (gemm_k0, gemm_tail, gemm_launch_s) are
-shared with Ampere."""
+# The names the package used when each generation had its own fit: one set now.
+A100_CALIBRATED = H100_CALIBRATED = CALIBRATED_ALL
 
-CALIBRATED = {"ampere": A100_CALIBRATED, "hopper": H100_CALIBRATED}
+CALIBRATED = {"ampere": CALIBRATED_ALL, "hopper": CALIBRATED_ALL}
 
 
 def calibrated_for(gpu) -> Efficiency:

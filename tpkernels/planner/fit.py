@@ -2,14 +2,18 @@
 trials, kept per machine, used by every later plan on that machine.
 
     measured step ≈ compute_scale · (GEMMs + memory-bound kernels + bubble + optimizer)
-                  + comm_scale · (exposed TP, CP, P2P and DP communication) + step_overhead_s
+                  + comm_scale · (exposed TP, CP, P2P and DP communication)
+                  + op_overhead_s · (kernels on the critical path, StepTime.ops)
 
 The first term says how fast this machine really computes against the planner's rates, the second
-how fast its links are, the third what a step costs whatever the layout (Python and launch work,
-per-rank overhead that TP or PP does not divide, ranks waiting for a core). The fit is a least-squares
+how fast its links are, the third what each kernel costs beyond its work (Python dispatch, autograd
+bookkeeping, a rank waiting for a core to launch it). All three are rates: a fit made on one model
+scales with the next model's work (a fixed cost per step, the old third term, made a 4-layer
+model's +75.7 ms the plan of a 50× smaller model's 0.057 s step). The fit is a least-squares
 solve on relative errors with a pull toward (1, 1, 0) as strong as the trials are noisy (:func:`fit`),
 so that a few noisy trials cannot send a term they barely exercised far off, while trials the model
 explains exactly are fitted exactly; a term no trial exercised (no communication) stays at its prior.
+A cached fit of the old form (a fixed per-step overhead) is ignored: it does not transfer.
 
 The cache is one JSON file (``$TPKERNELS_CACHE_DIR``, else ``$XDG_CACHE_HOME/tpkernels``, else
 ``~/.cache/tpkernels``: ``planner_fits.json``), keyed by the machine: the planner's GPU name and
@@ -29,38 +33,43 @@ from pathlib import Path
 from tpkernels.planner.efficiency import Efficiency
 
 NOISE = 0.05  # relative step-time noise assumed when the trials leave none to measure (shared CPUs: ±5%)
-# the prior's spread: a scale is a priori within ±50% of the measured rates (and the overhead within half
-# a typical step). Chosen on this stop's two world-4 runs (benchmarks/planner_vs_trainer.py --refit-csv):
+# the prior's spread: a scale is a priori within ±50% of the measured rates (and the per-op cost within half
+# a typical step's time per op). Chosen on this stop's two world-4 runs (benchmarks/planner_vs_trainer.py --refit-csv):
 # at 0.5 both predict all six untried layouts within ±20%; 1.0 leaves TP4 at −35% in one, 0.3 and less
 # leave one layout at 22–24% in the other.
 SPREAD = 0.5
 MIN_PULL = 1e-10  # keeps a term no trial exercised at its prior when the trials are exact
-LOW, HIGH = (0.05, 0.05, 0.0), (20.0, 20.0, float("inf"))  # compute, comm scales; overhead s
+LOW, HIGH = (0.05, 0.05, 0.0), (20.0, 20.0, float("inf"))  # compute, comm scales; seconds per op
 
 
 @dataclass(frozen=True)
 class Fit:
     compute_scale: float
     comm_scale: float
-    step_overhead_s: float
+    op_overhead_s: float
     n: int = 0  # trials it was fitted on
     worst_error: float = 0.0  # the largest |relative error| left on those trials
 
     def apply(self, eff: Efficiency) -> Efficiency:
         return eff.replace(compute_scale=self.compute_scale, comm_scale=self.comm_scale,
-                           step_overhead_s=self.step_overhead_s)
+                           op_overhead_s=self.op_overhead_s)
+
+    def predict(self, compute_s: float, comm_s: float, ops: float) -> float:
+        """A step's seconds from its uncorrected (compute, exposed comm) seconds and its kernel count."""
+        return self.compute_scale * compute_s + self.comm_scale * comm_s + self.op_overhead_s * ops
 
     def describe(self) -> str:
         return (f"compute ×{self.compute_scale:.3g}, communication ×{self.comm_scale:.3g}, "
-                f"+{1e3 * self.step_overhead_s:.3g} ms per step (fitted on {self.n} measured layout(s), worst "
+                f"+{1e6 * self.op_overhead_s:.3g} µs per kernel (fitted on {self.n} measured layout(s), worst "
                 f"residual {100 * self.worst_error:.1f}%)")
 
 
-def components(time, eff: Efficiency) -> tuple[float, float]:
-    """(compute, exposed communication) seconds of a StepTime made with ``eff``, without its corrections."""
+def components(time, eff: Efficiency) -> tuple[float, float, float]:
+    """(compute s, exposed communication s, kernels on the critical path) of a StepTime made with
+    ``eff``, without its corrections."""
     compute = time.gemm + time.elementwise + time.bubble + time.optimizer
     comm = time.tp_exposed + time.cp_exposed + time.p2p + time.dp_exposed
-    return compute / eff.compute_scale, comm / eff.comm_scale
+    return compute / eff.compute_scale, comm / eff.comm_scale, time.ops
 
 
 def _solve(a, b, pull: float, typical: float) -> list[float]:
@@ -68,7 +77,7 @@ def _solve(a, b, pull: float, typical: float) -> list[float]:
     import torch  # noqa: PLC0415  (a 3×3 solve; torch is here anyway)
 
     w = math.sqrt(pull)
-    # the prior: scales 1, overhead 0 (measured in units of a typical step)
+    # the prior: scales 1, per-op overhead 0 (its column in units of a typical step: typical = step / ops)
     prior = torch.tensor([[w, 0.0, 0.0], [0.0, w, 0.0], [0.0, 0.0, w / typical]], dtype=torch.float64)
     a = torch.cat([a, prior])
     b = torch.cat([b, torch.tensor([[w], [w], [0.0]], dtype=torch.float64)])
@@ -101,8 +110,9 @@ def _noise_pull(a, b, typical: float) -> float:
     return max(MIN_PULL, float(((a @ free - b) ** 2).sum()) / spare / SPREAD ** 2)
 
 
-def fit(samples: list[tuple[float, float, float]], pull: float | None = None) -> Fit:
-    """``samples``: (compute s, exposed comm s, measured s) per trial, at uncorrected rates.
+def fit(samples: list[tuple[float, float, float, float]], pull: float | None = None) -> Fit:
+    """``samples``: (compute s, exposed comm s, kernels on the critical path, measured s) per trial,
+    at uncorrected rates.
 
     The prior's weight is the trials' own noise: a first, nearly free fit measures the scatter the
     three terms cannot explain (its variance, on the degrees of freedom left), and that variance over
@@ -113,18 +123,21 @@ def fit(samples: list[tuple[float, float, float]], pull: float | None = None) ->
     """
     import torch  # noqa: PLC0415
 
-    samples = [(c, m, t) for c, m, t in samples if t > 0 and math.isfinite(t)]
+    samples = [(c, m, k, t) for c, m, k, t in samples if t > 0 and math.isfinite(t)]
     if not samples:
         raise ValueError("fit needs at least one measured step time > 0")
-    a = torch.tensor([[c / t, m / t, 1.0 / t] for c, m, t in samples], dtype=torch.float64)
+    if any(not (k >= 0 and math.isfinite(k)) for _, _, k, _ in samples):
+        raise ValueError("fit: kernel counts must be finite and >= 0")
+    a = torch.tensor([[c / t, m / t, k / t] for c, m, k, t in samples], dtype=torch.float64)
     b = torch.ones(len(samples), 1, dtype=torch.float64)
-    typical = sorted(t for _, _, t in samples)[len(samples) // 2]
+    # a typical per-op cost: a typical step over its kernel count (the prior's scale for the third term)
+    typical = sorted(t / k if k > 0 else t for _, _, k, t in samples)[len(samples) // 2]
     if pull is None:
         pull = _noise_pull(a, b, typical)
     elif not pull > 0:
         raise ValueError(f"pull ({pull}) must be > 0")
     cs, ms, g = _solve(a, b, pull, typical)
-    worst = max(abs((cs * c + ms * m + g) / t - 1) for c, m, t in samples)
+    worst = max(abs((cs * c + ms * m + g * k) / t - 1) for c, m, k, t in samples)
     return Fit(cs, ms, g, len(samples), worst)
 
 
@@ -159,7 +172,7 @@ def load(key: str) -> tuple[Fit, dict] | None:
     if not isinstance(rec, dict):
         return None
     try:
-        f = Fit(float(rec["compute_scale"]), float(rec["comm_scale"]), float(rec["step_overhead_s"]),
+        f = Fit(float(rec["compute_scale"]), float(rec["comm_scale"]), float(rec["op_overhead_s"]),
                 int(rec.get("n", 0)), float(rec.get("worst_error", 0.0)))
     except (KeyError, TypeError, ValueError):
         return None
@@ -169,7 +182,7 @@ def load(key: str) -> tuple[Fit, dict] | None:
 def save(key: str, f: Fit, **context) -> Path:
     """Keep ``f`` for ``key`` (replacing the machine's previous fit); returns the file."""
     data = _read()
-    data[key] = {"compute_scale": f.compute_scale, "comm_scale": f.comm_scale, "step_overhead_s": f.step_overhead_s,
+    data[key] = {"compute_scale": f.compute_scale, "comm_scale": f.comm_scale, "op_overhead_s": f.op_overhead_s,
                  "n": f.n, "worst_error": f.worst_error, "date": datetime.date.today().isoformat(), **context}
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,13 +25,15 @@ Comm   under SP with tp > 1, a column-parallel layer (qkv, gate_up / up) all-gat
        forward (2·m·k bytes in bf16, m·k in fp8; the gathered input is kept for the weight gradient),
        a row-parallel layer (out, down) its output gradient in the backward (2·m·n, m·n in fp8).
        The rowwise recipe gathers 16-bit values (``fp8_gather=False``: per-token scales would follow
-       every ring chunk). Exposed as step_time.py counts TP comm: all of it less what
-       Efficiency.tp_overlap hides, the hidden part capped at the layer's own GEMM time. The
+       every ring chunk). Exposed as step_time.py counts TP comm (tp_overlap.py): the ring over the
+       GEMM it feeds (one of the linear's equal-FLOP GEMMs) exposes its first chunk and what the
+       gather outlasts that GEMM, scaled by Efficiency.tp_overlap (0 on CPUs: all exposed). FP8's
+       shorter GEMM hides less of the same bytes. The
        reduce-scatters of partial sums stay fp32 either way and are left out. Without a GPU
        (measured rates alone) no link is known: no comm counted.
 Rates  ``rates`` (measured on this machine) take precedence: the measured GEMM rates at efficiency 1,
        no waves or tiles (measure.calibrate's convention); else ``gpu``'s peaks × its generation's
-       calibrated efficiencies (or ``eff``).
+       calibrated efficiencies with the lone-GEMM ceilings of LONE_GEMM (or ``eff``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ from dataclasses import dataclass
 from tpkernels.description import ModelConfig
 from tpkernels.planner.collectives import group_collective_time
 from tpkernels.planner.efficiency import Efficiency, calibrated_for
+from tpkernels.planner.tp_overlap import ring_exposed
+
+# A layer's choice compares lone GEMMs, not whole steps: the ceilings of one large GEMM (bf16: the
+# ≈ 790 TFLOP/s one H200 measured for an 8192³ matmul, 0.83 of the peak with the model's wave and k
+# factors; FP8: 0.62 of the FP8 peak, TransformerEngine's per-tensor-scaled kernels as fitted on NeMo
+# 24.12's H100 runs when each generation had its own fit). The whole-step ceilings of
+# efficiency.CALIBRATED_ALL also carry a step's gaps and clock drops, which a ratio of two GEMMs cancels.
+LONE_GEMM = {"gemm": 0.83, "gemm_fp8": 0.62}
 from tpkernels.planner.gemm_model import gemm_time
 from tpkernels.planner.hardware import ClusterSpec, GPUSpec
 from tpkernels.planner.step_time import _linear_shapes
@@ -93,8 +103,10 @@ def _gemms(m: float, k: float, n: float, gpu: GPUSpec, eff: Efficiency, precisio
     return t + (gemm_time(k, n, m, gpu, eff, precision) if wgrad else 0.0)
 
 
-def _exposed(comm: float, gemm: float, eff: Efficiency) -> float:
-    return comm - min(eff.tp_overlap * comm, gemm)
+def _exposed(comm: float, gemm: float, eff: Efficiency, tp: int) -> float:
+    """The all-gather of ``comm`` s pipelined over one GEMM of ``gemm`` s in tp chunks, of which the
+    machine hides Efficiency.tp_overlap."""
+    return comm - eff.tp_overlap * (comm - ring_exposed(comm, gemm, tp))
 
 
 def fp8_layer_choices(model: ModelConfig, *, tp: int, sequence_parallel: bool, tokens: int, frozen: bool = False,
@@ -108,7 +120,7 @@ def fp8_layer_choices(model: ModelConfig, *, tp: int, sequence_parallel: bool, t
     all-gathers FP8 bytes (current, delayed), else 16-bit values (rowwise)."""
     gpu = gpu or (cluster.gpu if cluster else None)
     names = ["qkv", "out", "gate_up" if model.gated_mlp else "up", "down"]
-    base = eff or (calibrated_for(gpu) if gpu else Efficiency())
+    base = eff or (calibrated_for(gpu).replace(**LONE_GEMM) if gpu else Efficiency())
     if rates is not None:
         rgpu, reff = _measured(rates, base)
         cast_gbs, cast_op = rates.cast_gbs, rates.cast_op_s
@@ -149,7 +161,8 @@ def fp8_layer_choices(model: ModelConfig, *, tp: int, sequence_parallel: bool, t
             if elems else 0.0
         gathers = sp_on and name in COLUMN_LAYERS and fp8_gather
         g16 = _gemms(m, k, n, rgpu, reff, "bf16", wgrad)
-        bf16_comm = _exposed(ag, g16, reff)
+        per_gemm = 3 if wgrad else 2  # the gather feeds one of the linear's equal-FLOP GEMMs
+        bf16_comm = _exposed(ag, g16 / per_gemm, reff, tp)
         bf16 = g16 + bf16_comm
         if no_fp8:
             out.append(Fp8LayerChoice(**shape, bf16_s=bf16, fp8_s=math.inf, gain=0.0, chosen=False, reason=no_fp8,
@@ -159,7 +172,7 @@ def fp8_layer_choices(model: ModelConfig, *, tp: int, sequence_parallel: bool, t
         cast_bytes = 3 * m_x * k + 4 * k * n + 3 * m * n + ((m * k + m * n) if wgrad else 0.0)
         cast = cast_bytes / (cast_gbs * 1e9) + 3 * cast_op
         g8 = _gemms(m, k, n, rgpu, reff, "fp8", wgrad)
-        fp8_comm = _exposed(ag8, g8, reff)
+        fp8_comm = _exposed(ag8, g8 / per_gemm, reff, tp)
         fp8 = g8 + cast + fp8_comm
         gain = bf16 / fp8
         bad = [f"{d} ({int(v) if v == int(v) else v}) not a multiple of {FP8_MULTIPLE} (FP8 GEMMs)"

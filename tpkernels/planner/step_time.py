@@ -18,8 +18,12 @@ Per micro-batch on the slowest pipeline stage (the last one also runs the output
   TP comm    message = s·b·h 16-bit activations. Without SP, Megatron's form: 2 all-reduces per
              layer forward and 2 backward (+2 with full recompute), not hidden. With SP:
              all-gathers and reduce-scatters (4 forward, 6 backward counting the re-gather of the
-             input for the weight gradient), of which Efficiency.tp_overlap is hidden behind the
-             chunked GEMMs, but never more than the linear GEMMs' own time.
+             input for the weight gradient), each paired with the GEMM the software overlaps it
+             with when ``cfg.overlap_comm`` (tp_overlap.py: TransformerEngine userbuffers / async
+             TP / our ring ops): a ring exposes its first chunk (1/t of it) and whatever the
+             collective outlasts its GEMM; a bulk overlap only the excess. Efficiency.tp_overlap
+             (1 on GPUs, 0 where the collectives progress on the cores the GEMMs use: gloo) says
+             how much of that structural hiding the machine gets.
   P2P        one activation forward and one gradient backward per model chunk, 1/t of it per
              TP rank (Narayanan et al.'s scatter/gather), not hidden.
   CP         context parallelism splits every sequence over cp ranks: each rank runs the linear
@@ -27,15 +31,16 @@ Per micro-batch on the slowest pipeline stage (the last one also runs the output
              attention core, and exchanges K/V with its CP group every layer (context_parallel.py:
              the ring's hops hide behind the attention blocks they feed; all-gather and a2a do not).
 Step = the engine's simulated makespan of the schedule (pipeline_bubble.py: GPipe, 1F1B,
-       interleaved, ZB-H1 with its split weight gradient) over those per-micro-batch costs (on a
-       CPU running more rank threads than cores, less what the idle ranks' freed cores recover:
-       shared_core_bubble)
+       interleaved, ZB-H1 with its split weight gradient) over those per-micro-batch costs, for
+       every micro-batch count (1 micro-batch over 2 stages idles each stage half the step)
      + exposed DP communication over DP × CP (collectives.py: hierarchical across nodes; the gradient
        reduction bucketed behind the last micro-batch's backward, the ZeRO-1 weight all-gather
        behind the first forward, when the software overlaps them)
      + optimizer step (memory-bound)
-     + a fixed per-step overhead, and compute / communication scaled, where this machine's
-       autotune trials fitted them (Efficiency.compute_scale, comm_scale, step_overhead_s: fit.py).
+     + this machine's corrections where its autotune trials fitted them (fit.py), all rates that
+       scale with the work: compute × Efficiency.compute_scale, exposed communication × comm_scale,
+       and Efficiency.op_overhead_s per kernel on the critical path (StepTime.ops: host dispatch
+       and per-op bookkeeping, which grow with layers and micro-batches, not with the step).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from tpkernels.planner.hardware import ClusterSpec
 from tpkernels.planner.memory import BASE_BYTES_PER_PARAM, lora_params_per_rank, stage_params_per_rank
 from tpkernels.description import ModelConfig
 from tpkernels.planner.pipeline_bubble import bubble_time
+from tpkernels.planner.tp_overlap import sp_exposed
 from tpkernels.planner.workload import TrainingSetup
 
 # Non-GEMM kernels of one decoder layer, forward + backward, in our implementation: forward runs two
@@ -83,7 +89,8 @@ class StepTime:
     schedule: str = "none"
     cp_comm: float = 0.0  # context-parallel K/V exchange, total (hidden + exposed)
     cp_exposed: float = 0.0
-    overhead: float = 0.0  # fixed per-step cost measured on this machine (Efficiency.step_overhead_s)
+    overhead: float = 0.0  # per-op cost measured on this machine: Efficiency.op_overhead_s × ops
+    ops: float = 0.0  # kernels (GEMMs, memory-bound kernels, collectives) on the critical path of one step
     reference: float = 0.0  # DPO's online reference: a forward-only pipeline pass over the step's tokens
     # DPO's cached reference: the same forward-only pass, once before training per step of data (not in total)
     reference_prepass: float = 0.0
@@ -142,9 +149,11 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
         # the kernels dequantise to the activations' dtype (bf16 under FP8 training): no FP8 GEMM here
         lin_precision = "bf16" if train.precision == "fp8" else train.precision
     lin_f = lin_b = lin_w = 0.0
+    per_linear = []  # (forward, input-gradient, weight-gradient) of QKV, output projection, MLP up, down
     for k, n in _linear_shapes(model, t):
         f_, b_, w_ = linear_time(tokens, k, n, gpu, eff, lin_precision, weight_grad=not frozen, **quant)
         lin_f, lin_b, lin_w = lin_f + f_, lin_b + b_, lin_w + w_
+        per_linear.append((f_, b_, w_))
     att_f, att_b = _attention_time(model, train, b, s, t, cluster, eff, cp)
     cpc = cp_attention_comm(model, cfg, s, train.activation_bytes, att_f, att_b, cluster, eff)
     passes_f = 2 if cfg.recompute == "full" else 1  # full recompute exchanges K/V again
@@ -154,7 +163,6 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
     f = layers * (lin_f + att_f)
     bwd_in = layers * (lin_b + att_b + fwd_rc)  # recompute runs just before the backward that needs it
     bwd_w = layers * lin_w
-    linear_gemm = layers * (lin_f + lin_b + lin_w + (lin_f if cfg.recompute == "full" else 0.0))
     if last_stage:
         vocab = model.padded_vocab(t) / t
         # The output layer stays in 16 bits under FP8 (TransformerEngine recipes keep it out of FP8).
@@ -184,8 +192,14 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
             per_layer = one * (4 + 6 + (4 if fwd_recompute else 0))
             head = 2 * one if last_stage else 0.0  # gather before the output layer, reduce-scatter its grad
             tp_comm = layers * per_layer + head
-            # The ring hides communication behind the chunk GEMMs: never more than those GEMMs last.
-            tp_exposed = tp_comm - min(eff.tp_overlap * tp_comm, linear_gemm)
+            if cfg.overlap_comm:
+                exposed_fwd, exposed_bwd = sp_exposed(one, per_linear, t)
+                layer_exposed = exposed_fwd * (2 if fwd_recompute else 1) + exposed_bwd
+                # the machine hides tp_overlap of what the software's overlap can hide
+                layer_exposed = per_layer - eff.tp_overlap * (per_layer - layer_exposed)
+            else:
+                layer_exposed = per_layer
+            tp_exposed = layers * layer_exposed + head  # the output layer's gather / reduce-scatter: exposed
         else:
             ar = group_collective_time("all_reduce", msg, t, 1, cluster, eff)
             per_layer = ar * (2 + 2 + (2 if fwd_recompute else 0))
@@ -204,6 +218,15 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
         p2p_one = one
         p2p = 0.0 if train.overlap_p2p else 2 * cfg.virtual_stages * one
     compute = gemm + elementwise
+    # kernels of one micro-batch on this stage: each linear's forward, input- and weight-gradient GEMM
+    # (and the recomputed forward), the attention core's forward and backward, the memory-bound
+    # kernels, the TP collectives; the output layer's three GEMMs and its loss
+    gemms_per_linear = 2 + (0 if frozen else 1) + (1 if cfg.recompute == "full" else 0)
+    tp_ops = 0 if t == 1 else (10 + (4 if cfg.recompute == "full" else 0)) if cfg.sequence_parallel else \
+        4 + (2 if cfg.recompute == "full" else 0)
+    ops = layers * (4 * gemms_per_linear + 2 + ELEMENTWISE_KERNELS_PER_LAYER * passes / 3.0 + tp_ops)
+    if last_stage:
+        ops += 3 + 2
     # Elementwise work, exposed TP communication and P2P are charged to forward and backward in
     # proportion to their GEMM time, so the schedule simulation sees whole-pass costs.
     extra = elementwise + tp_exposed + cp_exposed + p2p
@@ -211,7 +234,7 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
     return {"gemm": gemm, "elementwise": elementwise, "tp_comm": tp_comm, "tp_exposed": tp_exposed, "p2p": p2p,
             "cp_comm": cp_comm, "cp_exposed": cp_exposed,
             "f": f * scale, "b": bwd_in * scale, "w": bwd_w * scale,
-            "total": compute + tp_exposed + cp_exposed + p2p, "p2p_one": p2p_one}
+            "total": compute + tp_exposed + cp_exposed + p2p, "p2p_one": p2p_one, "ops": ops}
 
 
 def _dp_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec, eff: Efficiency,
@@ -240,16 +263,6 @@ def _dp_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, clus
     return grads + weights, grads_exposed + weights_exposed, trained
 
 
-def shared_core_bubble(busy: float, bubble: float, share: float) -> float:
-    """The bubble left when ranks share cores (``share`` = Efficiency.core_share < 1; busy and bubble
-    at the shared rate). A rank idle in the bubble frees its core for the busy ones, so the pipeline
-    takes the longer of the machine's total work (every rank's busy time at the shared rate: busy)
-    and the critical path at a whole core per rank (share · (busy + bubble))."""
-    if share >= 1.0:
-        return bubble
-    return max(0.0, share * (busy + bubble) - busy)
-
-
 def step_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec,
               eff: Efficiency) -> StepTime:
     """The step time of ``cfg`` run with its pipeline schedule (``cfg.pipeline_schedule``)."""
@@ -269,7 +282,6 @@ def step_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, clu
         comm = slow["p2p_one"] if train.overlap_p2p else 0.0
         bubble = bubble_time(schedule, p, m, v, slow["f"] / v, (slow["b"] if split else slow["b"] + slow["w"]) / v,
                              slow["w"] / v if split else 0.0, comm)
-        bubble = shared_core_bubble(m * slow["total"], bubble, eff.core_share)
     dp_comm, dp_exposed, trained = _dp_time(model, train, cfg, cluster, eff, slow)
     opt_params = trained / (cfg.dp * cfg.cp if cfg.zero1 else 1)
     optimizer = opt_params * eff.optimizer_bytes_per_param / (cluster.gpu.hbm_gbs * 1e9 * eff.hbm)
@@ -277,11 +289,16 @@ def step_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, clu
     # DPO's reference: forwards only (no backward, no recompute), the m micro-batches after the pipeline
     # fills (p − 1 stage forwards); its time is the policy's forward, the head's loss included
     reference = (m + (p - 1) / v) * slow["f"] if train.task == "dpo" else 0.0
+    # kernels on the critical path: the busiest rank's m micro-batches, and the bubble's share of
+    # them (the stage it waits for launches its kernels meanwhile)
+    busy = m * slow["total"]
+    ops = m * slow["ops"] * (1.0 + bubble / busy if busy > 0 else 1.0)
     return StepTime(
         gemm=a * m * slow["gemm"], elementwise=a * m * slow["elementwise"], tp_comm=c * m * slow["tp_comm"],
         tp_exposed=c * m * slow["tp_exposed"], p2p=c * m * slow["p2p"], bubble=a * bubble, dp_comm=c * dp_comm,
         dp_exposed=c * dp_exposed, optimizer=a * optimizer, schedule=schedule if p > 1 else "none",
-        cp_comm=c * m * slow["cp_comm"], cp_exposed=c * m * slow["cp_exposed"], overhead=eff.step_overhead_s,
+        cp_comm=c * m * slow["cp_comm"], cp_exposed=c * m * slow["cp_exposed"], overhead=eff.op_overhead_s * ops,
+        ops=ops,
         reference=a * reference if train.online_reference else 0.0,
         reference_prepass=a * reference if train.task == "dpo" and not train.online_reference else 0.0,
     )

@@ -55,15 +55,16 @@ class Prediction:
     compute_s: float | None = None
     comm_s: float | None = None
     machine: str | None = None
+    ops: float | None = None  # kernels on the critical path (the fit's per-op term)
 
     @classmethod
     def of(cls, est, p) -> "Prediction":
         """From the planner's Estimate ``est`` of the Plan ``p``."""
         from tpkernels.planner.fit import components  # noqa: PLC0415
 
-        compute, comm = components(est.time, p.efficiency)
+        compute, comm, ops = components(est.time, p.efficiency)
         return cls(est.step_time, est.bubble_fraction, est.time.comm_ratio, est.memory.total / 2**30, compute, comm,
-                   p.machine_key)
+                   p.machine_key, ops)
 
     def report(self, layout: str) -> dict:
         """What the run's prediction report reads (``TrainConfig.predicted``)."""
@@ -420,9 +421,8 @@ def _refit(cands: list[Candidate], results: list[TrialResult]):
     ok = [(cands[r.candidate].predicted, r.step_s) for r in results if r.measured]
     if not ok or any(c.predicted.compute_s is None or c.predicted.comm_s is None for c in cands):
         return None
-    f = fitting.fit([(p.compute_s, p.comm_s, t) for p, t in ok])
-    predicted = [f.compute_scale * c.predicted.compute_s + f.comm_scale * c.predicted.comm_s + f.step_overhead_s
-                 for c in cands]
+    f = fitting.fit([(p.compute_s, p.comm_s, p.ops or 0.0, t) for p, t in ok])  # no kernel count: no per-op term
+    predicted = [f.predict(c.predicted.compute_s, c.predicted.comm_s, c.predicted.ops or 0.0) for c in cands]
     return f, min(range(len(cands)), key=predicted.__getitem__), predicted
 
 
@@ -442,7 +442,8 @@ def _adapt(cands: list[Candidate], results: list[TrialResult], current: int, slo
     wait = lambda x: x["tp_comm"] + x["p2p_wait"] + x["dp_reduce"]  # noqa: E731
     a = f.compute_scale * (own(n) / own(b) if own(b) > 0 else 1.0)
     c = f.comm_scale * (wait(n) / wait(b) if wait(b) > 1e-6 else 1.0)
-    predicted = [a * x.predicted.compute_s + c * x.predicted.comm_s + f.step_overhead_s for x in cands]
+    predicted = [a * x.predicted.compute_s + c * x.predicted.comm_s + f.op_overhead_s * (x.predicted.ops or 0.0)
+                 for x in cands]
     j = min(range(len(cands)), key=predicted.__getitem__)
     head = (f"adapt: the step slowed from {slow.baseline_s:.3g} s to {slow.now_s:.3g} s ({slow.kind}: "
             f"{slow.wait_phase}); refitted: compute ×{a:.3g}, communication ×{c:.3g}")
