@@ -154,3 +154,36 @@ def test_chat_applies_the_template_turn_by_turn(tmp_path, fresh_seed, monkeypatc
     no_template = make_tokenizer(tmp_path / "plain", template=None)
     assert main(["generate", str(folder), "--chat", "--tokenizer", str(no_template)]) == 2
     assert "--chat needs a tokenizer with a chat template" in capsys.readouterr().err
+
+
+def test_eval_samples_write_what_the_checkpoint_generates(tmp_path, fresh_seed):
+    """eval.samples: the greedy continuations written at the last validation are what tpkernels generate
+    gives from the checkpoint saved at that step (a separate path: the checkpoint reloaded). Layouts the
+    generator cannot run, a missing file and samples without validations are refused by name."""
+    from tpkernels.generate import Generator, TextCodec
+    from tpkernels.train import Trainer
+    from tpkernels.train.generate_load import load_for_generation
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"hello"\n{"prompt": "abc def"}\n\n"x"\n')
+    metrics = tmp_path / "m.jsonl"
+    keys = {"model.vocab": 257, "steps": 3, "eval.every": 3, "eval.source": "random-documents",
+            "eval.samples": str(prompts), "eval.sample_tokens": 5, "training.precision": "fp64",
+            "training.seed": fresh_seed % 1000}
+    Trainer(small(**keys, **{"logging.metrics_file": str(metrics),
+                             "checkpoint.save_dir": str(tmp_path / "ck")})).train()
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if "eval/samples" in line]
+    assert [r["step"] for r in records] == [2]
+    codec = TextCodec.load(None)
+    model = load_for_generation(tmp_path / "ck", None, dtype="float64").model
+    texts = ["hello", "abc def", "x"]
+    outs = Generator(model).generate([codec.encode(t) for t in texts], 5, stop_ids=codec.stop_ids, decode=codec.decode)
+    assert records[0]["eval/samples"] == [{"prompt": t, "completion": o.text} for t, o in zip(texts, outs)]
+    for extra, msg in (({"parallel.tp": 2, "parallel.sequence_parallel": True}, r"parallel.sequence_parallel \(True\)"),
+                       ({"parallel.pp": 2}, r"needs parallel.pp 1.*now parallel.pp \(2\)"),
+                       ({"eval.samples": str(tmp_path / "none.jsonl")},
+                        r"eval.samples \('.*none.jsonl'\) must be a JSONL"),
+                       ({"eval.every": 0, "eval.source": None}, r"eval.samples \('.*'\) needs eval.every"),
+                       ({"eval.sample_tokens": 0}, r"eval.sample_tokens \(0\) must be >= 1")):
+        with pytest.raises(ValueError, match=msg):
+            small(**{**keys, **extra}).check()

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tpkernels.data.tokenizer import BYTE_VOCAB, EOD
@@ -89,4 +90,32 @@ class TextCodec:
         return list(out)
 
 
-__all__ = ["END_OF_TURN", "TextCodec"]
+def read_prompts(path: str, what: str = "--prompts") -> list:
+    """The prompts of a JSONL file: strings or message lists (named errors with the line; ``what``: how they
+    name the setting)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{what} ({path!r}) does not exist or is not a file")
+    out = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            v = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} {path}:{n}: not JSON ({e.msg})") from None
+        if isinstance(v, dict):
+            v = v.get("messages", v.get("prompt", v.get("text")))
+        if isinstance(v, str) and v:
+            out.append(v)
+        elif isinstance(v, list) and v and all(isinstance(m, dict) and "role" in m and "content" in m for m in v):
+            out.append(v)
+        else:
+            raise ValueError(f"{what} {path}:{n}: a line must be a non-empty string, {{\"prompt\": ...}} or "
+                             "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]}")
+    if not out:
+        raise ValueError(f"{what} ({path!r}) holds no prompt")
+    return out
+
+
+__all__ = ["END_OF_TURN", "TextCodec", "read_prompts"]

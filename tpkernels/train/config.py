@@ -140,6 +140,10 @@ class EvalSection:
     every: int = opt(0, "steps between validations (and after the last step); 0: off")
     batches: int = opt(4, "at most this many global batches per validation: each held-out row once, the "
                           "first ones when eval.source holds more")
+    samples: str | None = opt(None, "a JSONL file of prompts (a string, {\"prompt\": ...} or {\"messages\": [...]} a "
+                                    "line, as tpkernels generate --prompts reads) continued greedily at each "
+                                    "validation, written to the metrics file and TensorBoard as text")
+    sample_tokens: int = opt(24, "eval.samples: new tokens per prompt at most")
 
 
 @dataclass(frozen=True)
@@ -320,6 +324,21 @@ class TrainConfig:
             errs.append(f"eval.every ({ev.every}) must be >= 0 and eval.batches ({ev.batches}) >= 1")
         if ev.every and not ev.source:
             errs.append(f"eval.every ({ev.every}) needs eval.source (the held-out data)")
+        if ev.samples is not None:
+            if not ev.every:
+                errs.append(f"eval.samples ({ev.samples!r}) needs eval.every (samples are taken at each validation)")
+            if not Path(ev.samples).is_file():
+                errs.append(f"eval.samples ({ev.samples!r}) must be a JSONL file of prompts")
+            if ev.sample_tokens < 1:
+                errs.append(f"eval.sample_tokens ({ev.sample_tokens}) must be >= 1")
+            pc = self.parallel
+            bad = [f"{k} ({v})" for k, v, ok in (("parallel.pp", pc.pp, pc.pp == 1), ("parallel.cp", pc.cp, pc.cp == 1),
+                                                   ("parallel.sequence_parallel", pc.sequence_parallel,
+                                                    not (pc.sequence_parallel and pc.tp > 1))) if not ok]
+            if bad:  # the generator's needs (tpkernels.train.eval_samples)
+                errs.append(f"eval.samples generates at the run's layout, which needs parallel.pp 1, parallel.cp 1 "
+                            f"and parallel.sequence_parallel false when tp > 1 (now {', '.join(bad)}); leave "
+                            "eval.samples unset, or sample from the checkpoints with tpkernels generate")
         dpo = self.dpo
         if not (math.isfinite(dpo.beta) and dpo.beta > 0):
             errs.append(f"dpo.beta ({dpo.beta!r}) must be a finite number > 0")

@@ -25,9 +25,9 @@ import os
 import sys
 import tempfile
 import threading
-from pathlib import Path
 
 from tpkernels.generate.sampling import Sampling
+from tpkernels.generate.text import read_prompts
 
 
 def add_parser(sub) -> None:
@@ -58,33 +58,6 @@ def add_parser(sub) -> None:
 
 
 # ---- the input, checked in the launching process before any rank starts ----
-
-def read_prompts(path: str) -> list:
-    """The prompts of a JSONL file: strings or message lists (named errors with the line)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--prompts ({path!r}) does not exist or is not a file")
-    out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            v = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--prompts {path}:{n}: not JSON ({e.msg})") from None
-        if isinstance(v, dict):
-            v = v.get("messages", v.get("prompt", v.get("text")))
-        if isinstance(v, str) and v:
-            out.append(v)
-        elif isinstance(v, list) and v and all(isinstance(m, dict) and "role" in m and "content" in m for m in v):
-            out.append(v)
-        else:
-            raise ValueError(f"--prompts {path}:{n}: a line must be a non-empty string, {{\"prompt\": ...}} or "
-                             "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]}")
-    if not out:
-        raise ValueError(f"--prompts ({path!r}) holds no prompt")
-    return out
-
 
 def options(args) -> dict:
     """The checked options of one generate command (what every rank is given)."""

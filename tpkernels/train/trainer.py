@@ -37,6 +37,7 @@ from tpkernels.train import checkpoint, dpo
 from tpkernels.train.config import TrainConfig
 from tpkernels.functional.context_parallel import zigzag_split
 from tpkernels.options import flatten
+from tpkernels.train.eval_samples import EvalSamples
 from tpkernels.train.output_paths import check_output_paths
 from tpkernels.train.data import IGNORE_INDEX, data_of, held_out, make_data
 from tpkernels.train.failures import (
@@ -191,6 +192,7 @@ class Trainer:
             if self.task == "dpo":
                 self.eval_reference = dpo.ReferenceLogps(self, self.eval_data, cfg.eval.source)
                 self.eval_reference.fill(self)
+        self.samples = EvalSamples(cfg, self.model) if cfg.eval.samples else None  # what the model says, as text
         self.step_index = 0
         self.history: list[dict] = []
         self.resumed_from = None
@@ -523,6 +525,9 @@ class Trainer:
                 ev = self._guarded(self.validate, f"the validation after step {self.step_index}")
                 rec.update(ev)  # the history entry of the step
                 self.metrics.write({"step": rec["step"], **ev, "layout": self.pc.short()})
+                if self.samples is not None:  # eval.samples: greedy continuations, a text record
+                    self.metrics.write(self._guarded(lambda: self.samples.record(rec["step"]),
+                                                     f"the samples after step {self.step_index}"))
             self.model.check_inputs = False  # checked on the first step; the batch shape never changes
             slowed = self._watch(rec)
             if ck.save_dir and ck.save_every and self.step_index % ck.save_every == 0:
