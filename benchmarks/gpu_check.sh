@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one script to run on a single H100/H200 machine (see DESIGN.md §4): the preflight, build
+# The one script to run on a single H100/H200 machine (docs/testing.md): the preflight, build
 # tpkernels._C in place, the main job as users run it (torchrun, NCCL, --layout auto --autotune 2 on
 # packed text) and its step 0 against fp64, the `cuda`-marked tests, the GPU benchmarks (TP and CP
 # through the virtual-rank harness among them), then the roofline's measured column.

@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--quant", choices=("none", "nf4", "int8"), default="none", help="QLoRA's base format")
+    ap.add_argument("--out", help="keep the merged Hugging Face export here (default: a temporary folder, removed at "
+                                  "the end)")
     args = ap.parse_args()
     finetune = "lora" if args.quant == "none" else "qlora"
     work = Path(tempfile.mkdtemp(prefix="tpk_lora_"))
@@ -73,7 +75,7 @@ def main() -> None:
     from tpkernels.models.lora import apply_lora
     from tpkernels.train.checkpoint import export_hf, latest, load
 
-    out = export_hf(work / "ckpt", work / "merged")
+    out = export_hf(work / "ckpt", args.out or work / "merged")
     # the adapted model as the run computed with it: the checkpoint's weights and adapters; a QLoRA base holds
     # what each TP2 rank's quantised shards held (NF4 blocks never span two ranks), not one process's quantisation
     quant = None if args.quant == "none" else args.quant
@@ -86,7 +88,8 @@ def main() -> None:
     ids = torch.randint(0, adapted.config.vocab_size, (2, 32))
     with torch.no_grad():
         diff = (merged(ids).logits - adapted(ids)).abs().max().item()
-    print(f"merged export {out}: transformers' logits equal the adapted model's (max |difference| {diff:.1e})")
+    where = f"merged export {out}" if args.out else "merged export (a temporary folder, removed at the end: --out DIR keeps it)"
+    print(f"{where}: transformers' logits equal the adapted model's (max |difference| {diff:.1e})")
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)

@@ -68,7 +68,7 @@ def main() -> None:
               f"{100 * sim.bubble_fraction:.0f}%")
         if args.gantt:
             plot_gantt(tl, args.gantt, f"{args.schedule}, {p} stages", sim.bubble_fraction)
-    del runtime, opt  # gloo can abort at exit if objects holding the group outlive it (DESIGN.md §3)
+    del runtime, opt  # gloo can abort at exit ("terminate called without an active exception") if objects holding the group outlive it
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()

@@ -66,7 +66,7 @@ def main() -> None:
         print(f"{world} rank(s): sequence-parallel MLP matches the dense one (output and gradients); "
               f"{100 * tr.hidden_comm_fraction():.0f}% of rank 0's communication overlapped a GEMM"
               + (f"; trace in {args.trace}" if args.trace else ""))
-    del col, row, tr  # gloo can abort at exit if objects holding the group outlive it (DESIGN.md §3)
+    del col, row, tr  # gloo can abort at exit ("terminate called without an active exception") if objects holding the group outlive it
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()

@@ -33,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--text", default=str(Path(__file__).resolve().parents[1] / "README.md"))
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--out", help="keep the Hugging Face export here (default: a temporary folder, removed at the end)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tpk_scratch_"))
     common = TrainConfig.from_values({
@@ -60,7 +61,7 @@ def main() -> None:
 
     from tpkernels.train.checkpoint import export_hf
 
-    out = export_hf(ck, work / "hf")
+    out = export_hf(ck, args.out or work / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     trainer = Trainer(common.with_values({"checkpoint.save_dir": str(ck)}))  # one process, at the final checkpoint
     from tpkernels.models import next_token_targets
@@ -69,7 +70,8 @@ def main() -> None:
     with torch.no_grad():
         ours = trainer.model(ids, target=next_token_targets(ids)).item()
         theirs = hf(ids, labels=ids).loss.item()
-    print(f"exported to {out}: transformers loads it; loss on a batch: ours {ours:.5f}, transformers {theirs:.5f}")
+    where = f"exported to {out}" if args.out else "exported (to a temporary folder, removed at the end: --out DIR keeps it)"
+    print(f"{where}: transformers loads it; loss on a batch: ours {ours:.5f}, transformers {theirs:.5f}")
     if abs(ours - theirs) > 1e-4:
         raise SystemExit("the exported model differs")
     shutil.rmtree(work, ignore_errors=True)

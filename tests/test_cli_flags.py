@@ -50,3 +50,17 @@ def test_help_shows_the_real_defaults(capsys):
     assert "data-parallel replicas; none: world size / (tp · cp · pp) (default: none)" in text
     assert "a progress bar on rank 0" in text or "progress on rank 0" in text
     assert "(default: true)" in text and "(default: True)" not in text
+
+
+def test_the_docs_config_table_is_current():
+    """docs/training.md's config reference is the one the config classes' help strings make: a key added,
+    renamed or re-described without `python -m tpkernels.train.config_table --write` fails here."""
+    from tpkernels.train.config_table import DOC, config_table, current_in
+
+    assert current_in(DOC.read_text()) == config_table(), \
+        "docs/training.md's config table is stale: run python -m tpkernels.train.config_table --write"
+    table = config_table()
+    for key in ("dpo.loss_type", "eval.source", "fp8.recipe", "autotune.candidates", "training.task",
+                "data.format", "data.loss_on", "data.overflow", "data.max_unknown", "training.check_memory"):
+        assert f"| `{key}` |" in table, key
+    assert ".jsonl" in table and "parquet" in table and "indexed" in table and "blend" in table

@@ -342,7 +342,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, str | Ali
                 if spelling not in flags:
                     flags.append(spelling)
         kw = dict(dest=key.path, default=argparse.SUPPRESS, metavar=_metavar(key),
-                  help=(key.help + f" (default: {_shown(key)})") if key.help else None)
+                  help=(key.help + f" (default: {shown_default(key)})") if key.help else None)
         if key.base is bool:
             kw.update(nargs="?", const="true")
         groups[top].add_argument(*flags, **kw)
@@ -352,7 +352,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, str | Ali
                                 default=argparse.SUPPRESS, help=f"{a.path} = {a.value}")
 
 
-def _shown(key: Key) -> str:
+def shown_default(key: Key) -> str:
     """A key's default as the command line spells it (true/false, none)."""
     d = key.default
     return "none" if d is None else ("true" if d else "false") if isinstance(d, bool) else "''" if d == "" else str(d)
@@ -404,4 +404,4 @@ def flag_values(args: argparse.Namespace, cls) -> dict:
 
 
 __all__ = ["Alias", "Key", "add_flags", "as_dict", "build", "coerce", "flag_values", "flatten", "keys_of", "opt",
-           "read_file", "resolve_aliases", "section", "suggest_unknown_flags", "unknown_flag_message"]
+           "read_file", "resolve_aliases", "section", "shown_default", "suggest_unknown_flags", "unknown_flag_message"]
