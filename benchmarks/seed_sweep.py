@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # the kernels against the float64 oracle (FlashAttention rule), and multi-rank numerics on gloo: TP/SP
 # linears (dense, NF4, FP8), GEMM+communication, context-parallel attention, pipeline schedules, model
-# layouts, DPO layouts. About 2 minutes a seed on an idle 2-core machine; left out for time: the whole
+# layouts, DPO layouts. About 1.5 minutes a seed on an idle 2-core machine; left out for time: the whole
 # attention grid of test_attention_triton.py, test_gemm_comm_fused.py and test_context_parallel_model.py
 # (together 1.8 minutes a seed more), and the training-job tests (test_train.py: minutes a seed).
 DEFAULT = [
@@ -54,8 +54,22 @@ DEFAULT = [
     "tests/test_nf4_linear.py",
     "tests/test_weight_grad.py",
     "tests/test_fp8_linear.py",
+    "tests/test_fp8_quant.py",
+    "tests/test_tp_linear_formats.py",
 ]
-SEED_ID = re.compile(r"\[seed\d+\]|(?<=\[)seed\d+-|-seed\d+(?=[\]-])")
+SEED_ID = re.compile(r"\[seed\d+\]|(?<=\[)seed\d+-|-seed\d+(?=[\]-])")  # as tests/conftest.py's
+
+
+def pytest_selection(args: list[str]) -> list[str]:
+    """A parametrised test id (``path::test[params]``) has the sweep's seed among its parameters once
+    swept: it is collected by its function and kept by ``--sweep-id``."""
+    out = []
+    for a in args:
+        if "::" in a and a.endswith("]") and "[" in a:
+            out += [a[:a.index("[")], f"--sweep-id={a}"]
+        else:
+            out.append(a)
+    return out
 
 
 def replay_id(nodeid: str) -> str:
@@ -92,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     selection = pytest_args or DEFAULT
     collector = Collector()
     t0 = time.perf_counter()
-    code = pytest.main(["-q", "-p", "no:cacheprovider", "--seeds", str(args.seeds), *selection], plugins=[collector])
+    code = pytest.main(["-q", "-p", "no:cacheprovider", "--seeds", str(args.seeds), *pytest_selection(selection)],
+                       plugins=[collector])
     minutes = (time.perf_counter() - t0) / 60
     runs = len(collector.outcomes)
     passed = sum(1 for o in collector.outcomes.values() if o == "passed")

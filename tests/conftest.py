@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import tempfile
 
 import pytest
@@ -33,9 +34,14 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+SEED_ID = re.compile(r"\[seed\d+\]|(?<=\[)seed\d+-|-seed\d+(?=[\]-])")  # the sweep's part of an item's id
+
+
 def pytest_addoption(parser):
     parser.addoption("--seeds", type=int, default=0, metavar="N",
                      help="run every test under N fresh seeds (a seed sweep: benchmarks/seed_sweep.py)")
+    parser.addoption("--sweep-id", action="append", default=[], metavar="NODEID",
+                     help="with --seeds: keep only this test id (as written without --seeds; repeatable)")
 
 
 def pytest_generate_tests(metafunc):
@@ -46,6 +52,11 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_collection_modifyitems(config, items):
+    keep = set(config.getoption("sweep_id"))
+    if keep:
+        chosen = [item for item in items if SEED_ID.sub("", item.nodeid, count=1) in keep]
+        config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
+        items[:] = chosen
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (runs in benchmarks/gpu_check.sh)")
