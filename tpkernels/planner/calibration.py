@@ -119,7 +119,7 @@ def narayanan_rows(path: Path) -> list[Row]:
 def table_rows_of(path: Path) -> list[Row]:
     """Rows of a table in the common format (``source,table,model,layers,…,tokens_per_sec_per_gpu``):
     the model's shape, the GPU, the layout and the software (precision, recompute, full/LoRA,
-    whether TP communication overlaps the GEMMs). SP whenever TP > 1; ZeRO-1 with overlapped
+    whether TP communication overlaps the GEMMs, the data-parallel reduction's dtype). SP whenever TP > 1; ZeRO-1 with overlapped
     gradient reduction and parameter gather whenever there is data parallelism (Megatron's
     distributed optimizer; FSDP's per-layer gathers hide the same way on NVLink); overlapped P2P."""
     rows = []
@@ -138,7 +138,8 @@ def table_rows_of(path: Path) -> list[Row]:
                              sequence_parallel=n["tp"] > 1, recompute=r["recompute"], zero1=dp * n["cp"] > 1,
                              cp=n["cp"], overlap_comm=r["tp_overlap"] == "1")
         train = TrainingSetup(n["global_batch"], n["seq_length"], precision=r["precision"], finetune=r["finetune"],
-                              overlap_grad_reduce=True, overlap_param_gather=True, overlap_p2p=True)
+                              overlap_grad_reduce=True, overlap_param_gather=True, overlap_p2p=True,
+                              grad_reduce_fp32=r["grad_reduce"] == "fp32")
         step = n["global_batch"] * n["seq_length"] / (float(r["tokens_per_sec_per_gpu"]) * n["gpus"])
         tflops = float(r["model_tflops_per_gpu"]) if r.get("model_tflops_per_gpu") else 0.0
         label = f"{r['model']}@{n['gpus']} {r['table']}"

@@ -247,8 +247,9 @@ def _dp_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, clus
     group = cfg.dp * cfg.cp
     if group == 1:
         return 0.0, 0.0, trained
-    # fp16 gradients are reduced in fp16 (Megatron 2021); bf16 training reduces the fp32 main grads.
-    grad_bytes = trained * (2.0 if train.precision == "fp16" else 4.0)
+    # fp16 gradients are reduced in fp16 (Megatron 2021); bf16 ones in fp32 unless the software reduces
+    # them in 16 bits (TrainingSetup.grad_reduce_fp32)
+    grad_bytes = trained * (4.0 if train.grad_reduce_fp32 and train.precision != "fp16" else 2.0)
     kind = "reduce_scatter" if cfg.zero1 else "all_reduce"
     grads = group_collective_time(kind, grad_bytes, group, cfg.tp, cluster, eff)
     buckets = max(1, round(grad_bytes / eff.dp_bucket_bytes))

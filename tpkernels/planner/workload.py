@@ -41,6 +41,10 @@ class TrainingSetup:
     overlap_p2p: pipeline sends and receives run asynchronously beside the compute (Megatron's
         --overlap-p2p-communication): a transfer only delays the action that consumes it. False:
         each send/recv blocks its stage (our runtime, and Megatron in 2021).
+    grad_reduce_fp32: bf16 runs reduce the fp32 gradients across data parallelism (our trainer,
+        torchtitan's FSDP2 default); False reduces them in 16 bits (Megatron-Core's default,
+        ``grad_reduce_in_fp32=False``, which the NeMo / Megatron-Bridge recipes keep). fp16 runs
+        reduce in fp16 either way (Megatron-LM 2021).
     task: "pretrain", "sft" or "dpo". SFT costs what pre-training does on the same tokens (the
         prompt's masked tokens still run forward and backward); DPO's rows hold both sequences of
         each pair (global_batch counts rows of seq_length tokens, as for the others).
@@ -62,7 +66,8 @@ class TrainingSetup:
     overlap_p2p: bool = False
     task: str = "pretrain"
     dpo_reference: str = "cached"
-    quant: str | None = None  # last: the positional order of the fields above is kept
+    quant: str | None = None  # the positional order of the fields above is kept
+    grad_reduce_fp32: bool = True
 
     def __post_init__(self):
         for f in ("global_batch", "seq_length", "lora_rank"):
