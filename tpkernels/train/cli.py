@@ -39,10 +39,10 @@ def add_arguments(p) -> None:
     suggest_unknown_flags(p)  # '--stepz' -> did you mean '--steps' (training.steps), as for a file's key
 
 
-def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
+def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True, epochs: float | None = None) -> str:
     """What the run would check before its first step (the model, the layout, the data), printed.
     ``read_data=False``: the data's paths, tokenizer and vocabulary only, not the tokenized corpus
-    (before a launch, whose ranks each read it)."""
+    (before a launch, whose ranks each read it). ``epochs``: the ``training.epochs`` its steps were made from."""
     from tpkernels.train.data import check_source, data_of  # noqa: PLC0415
     from tpkernels.train.output_paths import check_output_paths  # noqa: PLC0415
 
@@ -50,8 +50,12 @@ def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
     check_output_paths(cfg)
     cfg.parallel.validate(world_size=world, key_prefix="parallel.", **mc.layout_rules(cfg.data.seq_length))
     pc = cfg.parallel_config(world)
+    said = ""
     if read_data:
-        data_of(cfg, mc.vocab_size, pc.global_batch_size)
+        from tpkernels.train.run_length import data_summary, epochs_line  # noqa: PLC0415
+
+        data = data_of(cfg, mc.vocab_size, pc.global_batch_size)
+        said = "".join(f"\n{x}" for x in (data_summary(data), epochs_line(cfg, data, pc.global_batch_size, epochs)) if x)
     else:
         check_source(cfg, mc.vocab_size)
     cp = ""
@@ -63,7 +67,7 @@ def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True) -> str:
     from tpkernels.train.memory_guard import run_memory  # noqa: PLC0415
 
     return (f"model: {mc.describe()}\nlayout: {pc.short()} on {world} rank(s), schedule {pc.pipeline_schedule}, "
-            f"global batch {pc.global_batch_size} × {cfg.data.seq_length} tokens{cp}\n"
+            f"global batch {pc.global_batch_size} × {cfg.data.seq_length} tokens{cp}{said}\n"
             f"{run_memory(cfg, world).describe()}\nconfig: {cfg.dumps()}")
 
 
@@ -155,6 +159,20 @@ def rank_main(cfg: TrainConfig, candidates=None) -> list[dict]:
     return history
 
 
+def _resolve_epochs(cfg: TrainConfig, world: int) -> TrainConfig:
+    """``training.epochs`` as steps at the run's global batch (layout auto keeps the config's own)."""
+    from tpkernels.train.data import data_of  # noqa: PLC0415
+    from tpkernels.train.run_length import resolve_epochs  # noqa: PLC0415
+
+    if cfg.layout == "auto":
+        from tpkernels.train.auto_layout import run_global_batch  # noqa: PLC0415
+
+        batch = run_global_batch(cfg, world)[0]
+    else:
+        batch = cfg.parallel_config(world).global_batch_size
+    return resolve_epochs(cfg, data_of(cfg, cfg.model_config().vocab_size), batch)
+
+
 def _world(args) -> int:
     return args.nproc or int(os.environ.get("WORLD_SIZE", 1))
 
@@ -171,6 +189,9 @@ def run(args) -> int:
 
     install_warning_voice(int(os.environ.get("RANK", 0)))  # the config's and the data's warnings, one line each
     cfg = TrainConfig.load(args.config, flag_values(args), text_overrides=True)
+    epochs = cfg.training.epochs
+    if epochs is not None:  # the run's length from the data's rows, before any plan or budget
+        cfg = _resolve_epochs(cfg, _world(args))
     candidates = None
     if cfg.layout == "auto":
         from tpkernels.train.auto_layout import apply_plan, explain, plan_layout  # noqa: PLC0415
@@ -195,7 +216,7 @@ def run(args) -> int:
                 print(f"autotune: trying {', '.join(c.parallel.short() for c in candidates[0][:tries])} on these "
                       "ranks", flush=True)
     if args.dry_run:
-        print(dry_run(cfg, _world(args)))
+        print(dry_run(cfg, _world(args), epochs=epochs))
         return 0
     if "RANK" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0":  # one check per host, before any build
         from tpkernels.train.memory_guard import check_memory  # noqa: PLC0415

@@ -36,7 +36,10 @@ LAYOUTS = ("manual", "auto")
 
 @dataclass(frozen=True)
 class TrainingSection:
-    steps: int = opt(10, "the schedule's length (the learning rate decays over it)")
+    steps: int = opt(10, "the schedule's length (the learning rate decays over it); or give training.epochs")
+    epochs: float | None = opt(None, "the run's length in passes over the data instead of training.steps: steps = "
+                                     "ceil(epochs × the data's packed rows / the global batch), said at the start "
+                                     "(a finite data.source; not with training.steps in the same file or flags)")
     stop_at_step: int | None = opt(None, "end this run early, e.g. to resume later (default: steps)")
     seed: int = opt(0, "seed of the initial weights and of the data")
     precision: str = opt("fp32", "fp32, bf16 (fp32 masters and accumulation), fp16 (+ loss scaling), fp8 (bf16 with "
@@ -285,10 +288,13 @@ class TrainConfig:
                         "sqrt(v) + adam_eps: 0 gives NaN where a gradient is 0)")
         if o.min_lr > o.lr:
             errs.append(f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")
-        if t.stop_at_step is not None and t.stop_at_step > t.steps:
+        if t.epochs is not None and not (math.isfinite(t.epochs) and t.epochs > 0):
+            errs.append(f"training.epochs ({t.epochs!r}) must be a finite number > 0 (passes over the data)")
+        # with epochs, steps come from the data: the rules on steps wait for them
+        if t.epochs is None and t.stop_at_step is not None and t.stop_at_step > t.steps:
             errs.append(f"training.stop_at_step ({t.stop_at_step}) must be <= training.steps ({t.steps}): the run "
                         "ends at training.steps, so a later stop never happens")
-        if not 0 <= o.warmup_steps <= t.steps:
+        if not 0 <= o.warmup_steps <= (t.steps if t.epochs is None else math.inf):
             errs.append(f"optimizer.warmup_steps ({o.warmup_steps}) must be in [0, training.steps ({t.steps})]")
         for f in ("beta1", "beta2"):
             if not 0 <= getattr(o, f) < 1:
@@ -379,6 +385,7 @@ class TrainConfig:
             flat["data.source"] = blend_spec(flat["data.source"])
         flat = options.resolve_aliases(flat, ALIASES, where=where)
         cfg = options.build(cls, flat, text=text, base=base)
+        cfg = _one_run_length(cfg, flat, where)
         return cfg.check() if check else cfg
 
     @classmethod
@@ -401,6 +408,19 @@ class TrainConfig:
 
     def dumps(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
+
+
+def _one_run_length(cfg: TrainConfig, given: dict, where: str | None) -> TrainConfig:
+    """``training.steps`` and ``training.epochs`` are two spellings of the run's length: both in one file (or
+    in the flags) is refused; a later layer's one replaces an earlier layer's other (a flag beats the file)."""
+    t = cfg.training
+    if "training.steps" in given and "training.epochs" in given and t.epochs is not None:
+        raise ValueError(f"training.steps ({t.steps}) and training.epochs ({t.epochs}) are both set"
+                         f"{f' in {where}' if where else ''}: give the run's length once, in steps or in passes over "
+                         "the data")
+    if "training.steps" in given and "training.epochs" not in given and t.epochs is not None:
+        return dataclasses.replace(cfg, training=dataclasses.replace(t, epochs=None))
+    return cfg
 
 
 def _old_sections(values: dict, where: str | None = None) -> dict:

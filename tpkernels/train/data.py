@@ -82,7 +82,7 @@ def data_of(cfg, vocab_size: int, global_batch: int | None = None):
     run's length)."""
     d, t = cfg.data, cfg.training
     data = make_data(d.source, d.seq_length, t.seed, vocab_size, d.tokenizer, fmt=d.format, loss_on=d.loss_on,
-                     overflow=d.overflow, task=t.task, run_rows=t.steps * global_batch if global_batch else None)
+                     overflow=d.overflow, task=t.task, run_rows=t.steps * global_batch if global_batch and t.epochs is None else None)
     check_unknown(data, d.tokenizer, d.max_unknown)  # a tokenizer made for other text: refused or warned, with the rate
     return data
 

@@ -62,6 +62,7 @@ from tpkernels.train.metrics import (
 )
 from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer
 from tpkernels.train.progress import make_progress
+from tpkernels.train.run_length import epochs_line, resolve_epochs
 from tpkernels.train.fp8_policy import Fp8Policy
 from tpkernels.train.precision import DTYPES, FULL, MixedPrecision
 
@@ -163,6 +164,12 @@ class Trainer:
                                                 self.pc.bucket_mb, overlap=self.pc.overlap_dp) \
             if self.pc.dp * self.pc.cp > 1 else None
         self.data = data_of(cfg, self.mc.vocab_size, self.pc.global_batch_size)
+        epochs = cfg.training.epochs
+        if epochs is not None:  # the run's length in passes over the data: now that the data's rows are known
+            self.cfg = cfg = resolve_epochs(cfg, self.data, self.pc.global_batch_size)
+        said = epochs_line(cfg, self.data, self.pc.global_batch_size, epochs)
+        if said:
+            self._say_once(said)
         self.task = cfg.training.task if cfg.training.task != "auto" else getattr(self.data, "task", None) or "pretrain"
         if self.task == "dpo" and cfg.dpo.reference == "adapters" and not cfg.model.adapters:  # implied dpo
             raise ValueError(f"dpo.reference (adapters) needs model.finetune lora or qlora (now "
