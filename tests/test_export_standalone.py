@@ -134,6 +134,10 @@ def test_a_tokenizers_json_file_keeps_the_runs_end_of_document_id(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     assert tok.eos_token_id == eod and tok("the sky is blue")["input_ids"] == encode("the sky is blue")
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == eod
+    # a tokenizer path that does not resolve from here: the weights' files are completed, the tokenizer is said missing
+    with pytest.warns(UserWarning, match="does not exist from here"):
+        done = write_standalone_files(out, base=None, tokenizer=str(tmp_path / "moved.json"), vocab_size=97)
+    assert done["tokenizer"] is None and (out / "generation_config.json").is_file()
 
 
 def test_peft_base_path_is_absolute(tmp_path, monkeypatch):

@@ -33,7 +33,9 @@ def test_the_estimate_counts_the_models_parameters(fresh_seed):
     double = run_memory(cfg.with_values({"training.precision": "fp64"}), 1)
     assert double.per_rank == pytest.approx(2 * need.per_rank)
     # 4 ranks on this host, TP2 × PP2: two ranks per stage; the host holds each stage's share twice
-    four = run_memory(cfg.with_values({"parallel.tp": 2, "parallel.pp": 2, "parallel.num_microbatches": 2}), 4)
+    even = cfg.with_values({"model.layers": 4})
+    need = run_memory(even, 1)
+    four = run_memory(even.with_values({"parallel.tp": 2, "parallel.pp": 2, "parallel.num_microbatches": 2}), 4)
     assert four.per_rank < need.per_rank < four.here <= 4 * four.per_rank and four.local_ranks == 4
     avail = host_available_bytes()
     assert avail is None or avail > 0

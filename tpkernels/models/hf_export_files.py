@@ -79,9 +79,11 @@ def load_export_tokenizer(tokenizer: str | None, base: Path | None):
             return None
         return byte_level_tokenizer()
     p = Path(tokenizer)
-    if not p.exists():
-        raise ValueError(f"data.tokenizer ({tokenizer!r}) does not exist here: the export cannot copy the run's "
-                         "tokenizer (export from where the run's paths resolve)")
+    if not p.exists():  # the weights are exported all the same; the tokenizer can be copied in by hand
+        warnings.warn(f"export: data.tokenizer ({tokenizer!r}) does not exist from here ({str(Path.cwd())!r}): the "
+                      "export has no tokenizer; export from the folder the run's paths are relative to, or copy the "
+                      "tokenizer files into it", UserWarning, stacklevel=3)
+        return None
     if p.is_dir():
         return AutoTokenizer.from_pretrained(str(p))
     from tokenizers import Tokenizer  # noqa: PLC0415

@@ -95,6 +95,8 @@ def run_memory(cfg: TrainConfig, world: int) -> MemoryNeed:
     from tpkernels.planner.memory import peak_memory, stage_memory  # noqa: PLC0415
 
     mc = cfg.model_config()
+    # the layout's own errors first (a world it does not divide, heads it does not split), as the run says them
+    cfg.parallel.validate(world_size=world, key_prefix="parallel.", **mc.layout_rules(cfg.data.seq_length))
     pc = cfg.parallel_config(world)
     gpu = torch.cuda.is_available()
     precision = {"fp16": "fp16", "bf16": "bf16", "fp8": "bf16", "fp64": "fp32"}.get(cfg.training.precision, "fp32")
