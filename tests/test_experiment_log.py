@@ -102,7 +102,7 @@ def test_any_record_goes_to_tensorboard_numbers_as_scalars_and_strings_as_text(t
     sink.start(None)
     x = [float(v) for v in rng.normal(size=3)]
     sink.write({"step": 0, "loss": x[0], "phases": {"compute": x[1]}, "skipped": True, "layout": "TP2 PP1"})
-    sink.write({"step": 1, "loss": x[2], "eval/samples": "Q: 2+2?\nA: 4", "layout": "TP2 PP1"})
+    sink.write({"step": 1, "loss": x[2], "eval/samples": "Q: 2+2?\nA: 4", "layout": "TP2 PP1", "moved": []})
     rows = [{"candidate": 0, "layout": "TP2 PP1 DP2", "measured_step_s": x[0]},
             {"candidate": 1, "layout": "TP1 PP2 DP2", "status": "skipped: memory"}]
     sink.write({"autotune": rows, "winner": "TP2 PP1 DP2", "trial_s": 1.5})  # no step: at the last one
@@ -117,6 +117,7 @@ def test_any_record_goes_to_tensorboard_numbers_as_scalars_and_strings_as_text(t
     assert table[0] == "| candidate | layout | measured_step_s | status |"
     assert "TP1 PP2 DP2" in table[3] and "skipped: memory" in table[3]
     assert texts["winner"] == [(1, "TP2 PP1 DP2")]
+    assert "moved" not in texts and "moved" not in scalars  # an empty list says nothing
 
 
 @pytest.mark.skipif(wandb_available(), reason="wandb is installed here: the refusal is for its absence")

@@ -53,7 +53,7 @@ def split_record(record: dict, prefix: str = "") -> tuple[dict[str, float], dict
             s, t = split_record(value, f"{tag}/")
             scalars.update(s)
             texts.update(t)
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, (list, tuple)) and value:  # an empty list says nothing
             texts[tag] = markdown_table(value) if value and all(isinstance(v, dict) for v in value) \
                 else ", ".join(_cell(v) for v in value)
     return scalars, texts

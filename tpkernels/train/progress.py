@@ -95,7 +95,8 @@ def run_summary(cfg, history: list[dict], *, layout: str, peak_label: str = "", 
     from tpkernels.train import checkpoint  # noqa: PLC0415
 
     first, last = history[0], history[-1]
-    lines = [f"{layout}: {len(history)} steps: loss {first['loss']:.4f} -> {last['loss']:.4f}",
+    n = len(history)
+    lines = [f"{layout}: {n} step{'s' * (n != 1)}: loss {first['loss']:.4f} -> {last['loss']:.4f}",
              f"  steps        {first['step']}-{last['step']} of the run's 0-{cfg.training.steps - 1}"]
     evals = [(h["eval/loss"], h["step"]) for h in history if "eval/loss" in h]
     if evals:
@@ -104,8 +105,8 @@ def run_summary(cfg, history: list[dict], *, layout: str, peak_label: str = "", 
     tps, mfu = over_the_run(history)
     vs = f" vs {peak_label}" if peak_label else ""
     took = f", {wall_s:.1f} s in all" if wall_s is not None else ""
-    lines.append(f"  speed        {tps:,.0f} tokens/s, MFU {100 * mfu:.3g}%{vs}, over the run's {len(history)} "
-                 f"steps ({sum(h['step_s'] for h in history):.2f} s of steps{took})")
+    lines.append(f"  speed        {tps:,.0f} tokens/s, MFU {100 * mfu:.3g}%{vs}, over the run's {n} "
+                 f"step{'s' * (n != 1)} ({sum(h['step_s'] for h in history):.2f} s of steps{took})")
     ck, lg = cfg.checkpoint, cfg.logging
     latest = checkpoint.latest(ck.save_dir) if ck.save_dir and Path(ck.save_dir).is_dir() else None
     if latest is not None:
