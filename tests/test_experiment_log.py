@@ -131,3 +131,22 @@ def test_tensorboard_dir_that_is_a_file_is_refused(tmp_path):
     f.write_text("")
     with pytest.raises(ValueError, match=r"logging.tensorboard_dir .* is a file; it must be a folder"):
         Trainer(small(steps=2, tensorboard_dir=str(f)))
+
+
+def _two_rank_worker(rank, world, folder, metrics):
+    history = Trainer(small(steps=3, tp=2, num_microbatches=1, metrics_file=metrics, tensorboard_dir=folder)).train()
+    close_logs()
+    return [h["loss"] for h in history]
+
+
+def test_only_the_logging_rank_writes_events(rank_pool, tmp_path):
+    """At TP2 both ranks train; rank 0 alone writes the event files, and its curves are the metrics file's."""
+    tb, metrics = tmp_path / "tb", tmp_path / "m.jsonl"
+    losses = rank_pool(2).run(_two_rank_worker, str(tb), str(metrics), timeout=300)
+    assert losses[0] == losses[1]
+    files = list(tb.glob("events.out.tfevents.*"))
+    assert len(files) == 1
+    scalars, _ = read_events(tb)
+    want = expected_scalars(metrics)
+    assert set(scalars) == set(want) and all(same(scalars[t], want[t]) for t in want)
+    assert same(scalars["loss"], list(enumerate(losses[0])))
