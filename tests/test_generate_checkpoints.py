@@ -148,7 +148,9 @@ def test_chat_applies_the_template_turn_by_turn(tmp_path, fresh_seed, monkeypatc
     out = capsys.readouterr().out
     turns = out.split("you> ")[1:]
     assert len(turns) == 4  # two replies, the /reset line, the end of input
-    reply = turns[0].rsplit("\n[", 1)[0]
+    said, reply = turns[0].split("\n", 1)  # piped input is echoed, then the streamed reply
+    assert said == "hello how are you"
+    reply = reply.rsplit("\n[", 1)[0]
     assert reply == tok.decode(want, skip_special_tokens=True)
     assert turns[0].rstrip().endswith(f"[{len(want)} tokens, {'stop' if want[-1] == tok.eos_token_id else 'length'}]")
     no_template = make_tokenizer(tmp_path / "plain", template=None)

@@ -42,7 +42,8 @@ from tpkernels.parallel import control
 class Completion:
     """One prompt's result: ``ids`` the generated tokens (a stop token included, as transformers returns
     it); ``finish_reason``: "stop" (a stop id), "stop_string", "length" (max_new_tokens) or "context"
-    (the model's context, max_position_embeddings, is full); ``text`` when the caller decodes."""
+    (the model's context, max_position_embeddings, is full); ``text`` when the caller decodes: the reply as
+    it continues the prompt's text (cut before a stop string)."""
 
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)
@@ -226,7 +227,9 @@ class Generator:
                 logits = self.extend(cache, torch.tensor(tokens, dtype=torch.int64)[:, None])[:, 0]
         if decode is not None:
             for o in outs:
-                o.text = _cut(decode(o.ids), stop_strings) if o.finish_reason == "stop_string" else decode(o.ids)
+                o.text = _reply_text(o, decode)
+                if o.finish_reason == "stop_string":
+                    o.text = _cut(o.text, stop_strings)
         return outs
 
     @staticmethod
@@ -238,6 +241,14 @@ class Generator:
             if any(s in text for s in stop_strings):
                 return "stop_string"
         return None
+
+
+def _reply_text(out: Completion, decode) -> str:
+    """The reply as it continues the prompt's text: decode(prompt + reply) past decode(prompt), as transformers'
+    text-generation pipeline cuts it (a word-level or SentencePiece tokenizer puts the space between prompt and
+    reply there), or the reply decoded alone when the prompt's text is no prefix of the whole."""
+    before, whole = decode(out.prompt_ids), decode(out.prompt_ids + out.ids)
+    return whole[len(before):] if whole.startswith(before) else decode(out.ids)
 
 
 def _cut(text: str, stop_strings: list[str]) -> str:

@@ -177,9 +177,13 @@ def chat_loop(gen, codec, opts: dict, chat_input: str | None) -> None:
         if gen.is_chooser:
             print("you> ", end="", flush=True)
             line = source.readline()
+            if line and not source.isatty():  # piped input: show what was said
+                print(line.rstrip("\n"), flush=True)
             line = None if line == "" or line.strip() == "/exit" else line.rstrip("\n")
         line = control.broadcast_object(line, 0, gen.group)
         if line is None:
+            if gen.is_chooser:
+                print(flush=True)  # end the last "you> " line
             break
         if not line.strip():
             continue

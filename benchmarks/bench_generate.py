@@ -1,0 +1,130 @@
+"""Decoding speed of ``tpkernels.generate`` (KV cache, TP1 and TP2) vs transformers' ``generate`` on the
+same model, side by side in one run: greedy, fp32, the same prompts, the same tokens checked.
+
+    python benchmarks/bench_generate.py [--layers 8] [--hidden 512] [--batch 1 4] [--prompt 64] [--new 64]
+
+Decode tokens/s = batch × (new − 1) / (time to generate ``new`` tokens − time to generate 1), so the
+prompt's prefill is left out of both sides; each time is the median of ``--reps`` runs. The CPU has
+the same cores for every contender: transformers and our TP1 run with all of this process's threads
+(2 here), our TP2 on two gloo ranks of one thread each. A Llama-shaped model (GQA, SwiGLU, RMSNorm,
+rotary), random weights, eos off (every run makes exactly ``new`` tokens). Prints a table, writes
+benchmarks/results/generate_<device>.csv ($OUT instead, if set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import device_slug, print_table, run_metadata, write_csv  # noqa: E402
+
+
+def _save_model(folder: str, layers: int, hidden: int, vocab: int, seed: int = 0) -> str:
+    import transformers  # noqa: PLC0415
+
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                                   max_position_embeddings=2048, bos_token_id=None, eos_token_id=None,
+                                   pad_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # weights large enough that greedy continuations vary (and equal tokens mean something)
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 1.5 / hidden ** 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+def _median_s(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _ours(rank, world, folder, prompts, new, reps):
+    """(seconds for `new` tokens, seconds for 1, the tokens) at TP ``world``."""
+    from tpkernels.generate import Generator  # noqa: PLC0415
+    from tpkernels.models import ParallelTransformer  # noqa: PLC0415
+    from tpkernels.parallel import ParallelConfig  # noqa: PLC0415
+    from tpkernels.parallel.state import ParallelState  # noqa: PLC0415
+
+    state = ParallelState.create(ParallelConfig(tp=world)) if world > 1 else None
+    gen = Generator(ParallelTransformer.from_hf(folder, state))
+    with torch.inference_mode():
+        full = _median_s(lambda: gen.generate(prompts, new), reps)
+        one = _median_s(lambda: gen.generate(prompts, 1), reps)
+        tokens = [o.ids for o in gen.generate(prompts, new)]
+    return full, one, tokens
+
+
+def _hf(folder, prompts, new, reps):
+    import transformers  # noqa: PLC0415
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.tensor(prompts)  # equal lengths: no padding on either side
+
+    def run(n):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        full = _median_s(lambda: run(new), reps)
+        one = _median_s(lambda: run(1), reps)
+        tokens = run(new)[:, ids.shape[1]:].tolist()
+    return full, one, tokens
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    args = ap.parse_args(argv)
+    from tpkernels.parallel.local_ranks import RankPool  # noqa: PLC0415
+
+    meta = run_metadata(torch.device("cpu"))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = _save_model(tmp, args.layers, args.hidden, args.vocab)
+        g = torch.Generator().manual_seed(0)
+        for batch in args.batch:
+            prompts = torch.randint(0, args.vocab, (batch, args.prompt), generator=g).tolist()
+            ref_full, ref_one, ref_tokens = _hf(folder, prompts, args.new, args.reps)
+            ref_rate = batch * (args.new - 1) / (ref_full - ref_one)
+            rows.append({"impl": "transformers generate", "tp": 1, "batch": batch, "decode_tok_s": f"{ref_rate:.1f}",
+                         "vs_transformers": "1.00", "same_tokens": "-", **meta})
+            for tp in args.tp:
+                if tp == 1:
+                    full, one, tokens = _ours(0, 1, folder, prompts, args.new, args.reps)
+                else:
+                    with RankPool(tp, timeout=1800) as pool:
+                        full, one, tokens = pool.run(_ours, folder, prompts, args.new, args.reps)[0]
+                rate = batch * (args.new - 1) / (full - one)
+                rows.append({"impl": "tpkernels generate", "tp": tp, "batch": batch, "decode_tok_s": f"{rate:.1f}",
+                             "vs_transformers": f"{rate / ref_rate:.2f}", "same_tokens": tokens == ref_tokens,
+                             **meta})
+    print(f"decode tokens/s, Llama {args.layers} layers, hidden {args.hidden}, GQA 8/4, vocab {args.vocab}, fp32, "
+          f"prompt {args.prompt}, {args.new} new tokens, greedy; {meta['device']}, torch {meta['torch']}")
+    print_table(rows, ["impl", "tp", "batch", "decode_tok_s", "vs_transformers", "same_tokens"])
+    name = "generate_" + device_slug(torch.device("cpu"))
+    print(f"wrote {write_csv(name, rows)}")
+
+
+if __name__ == "__main__":
+    main()
