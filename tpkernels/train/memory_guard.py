@@ -80,12 +80,17 @@ class MemoryNeed:
         return self.available is None or self.here <= self.available
 
     def describe(self) -> str:
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in self.breakdown.items() if k != "total" and v >= 0.005)
-        ranks = f"; {self.here / GIB:.2f} GiB for the {self.local_ranks} ranks on this host" \
+        parts = ", ".join(f"{k} {_size(v * GIB)}" for k, v in self.breakdown.items() if k != "total" and v > 0)
+        ranks = f"; {_size(self.here)} for the {self.local_ranks} ranks on this host" \
             if self.where == "host" and self.local_ranks > 1 else ""
-        have = "unknown" if self.available is None else f"{self.available / GIB:.2f} GiB"
-        return (f"memory (planner estimate, {self.layout}): {self.per_rank / GIB:.2f} GiB on the fullest rank ({parts} "
-                f"GiB){ranks}; {self.where} memory available: {have}")
+        have = "unknown" if self.available is None else _size(self.available)
+        return (f"memory (planner estimate, {self.layout}): {_size(self.per_rank)} on the fullest rank ({parts})"
+                f"{ranks}; {self.where} memory available: {have}")
+
+
+def _size(n: float) -> str:
+    """Bytes as GiB (2 decimals) from 1 GiB up, else MiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2 ** 20:.2f} MiB"
 
 
 def run_memory(cfg: TrainConfig, world: int) -> MemoryNeed:
