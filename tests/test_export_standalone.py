@@ -105,6 +105,9 @@ def test_a_bases_generation_config_is_copied_and_byte_level_gets_its_tokenizer(t
     got = transformers.GenerationConfig.from_pretrained(str(out))
     assert (got.eos_token_id, got.temperature, got.top_p) == ([2, 0], 0.6, 0.9)
     assert json.loads((out / "config.json").read_text())["bos_token_id"] == 0  # the base's, not the family's 1
+    make_tokenizer(base)  # the base folder's own tokenizer: carried when the run had no data.tokenizer
+    assert write_standalone_files(out, base=base, tokenizer=None, vocab_size=97)["tokenizer"] == str(base)
+    assert transformers.AutoTokenizer.from_pretrained(str(out)).chat_template is not None
 
     # no base, no tokenizer: the run trained on bytes; the export's tokenizer gives the same ids
     (out / "generation_config.json").unlink()

@@ -2,8 +2,8 @@
 ``opt(default, help, choices)`` of every key), so that the table cannot drift from the code
 (tests/test_cli_flags.py checks the file holds what this prints).
 
-    python -m tpkernels.train.config_table            # print the table
-    python -m tpkernels.train.config_table --write    # put it into docs/training.md between the markers
+    python -m tpkernels.train.config_table                              # print the table
+    python -m tpkernels.train.config_table --write docs/training.md     # put it there, between the markers
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 from tpkernels import options
 from tpkernels.train.config import TrainConfig
 
-START, END = "<!-- config-table:start (python -m tpkernels.train.config_table --write) -->", "<!-- config-table:end -->"
-DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
+START = "<!-- config-table:start (python -m tpkernels.train.config_table --write docs/training.md) -->"
+END = "<!-- config-table:end -->"
 
 
 def _cell(text: str) -> str:
@@ -50,7 +50,8 @@ def current_in(doc: str) -> str | None:
     return doc.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
 
 
-def write(path: Path = DOC) -> None:
+def write(path: str | Path) -> None:
+    path = Path(path)
     doc = path.read_text()
     if current_in(doc) is None:
         raise ValueError(f"{path} has no {START} ... {END} markers")
@@ -59,7 +60,9 @@ def write(path: Path = DOC) -> None:
 
 
 if __name__ == "__main__":
-    if "--write" in sys.argv[1:]:
-        write()
+    if sys.argv[1:2] == ["--write"]:
+        if len(sys.argv) != 3:
+            raise SystemExit("usage: python -m tpkernels.train.config_table [--write docs/training.md]")
+        write(sys.argv[2])
     else:
         print(config_table(), end="")
