@@ -97,7 +97,8 @@ def run_summary(cfg, history: list[dict], *, layout: str, peak_label: str = "", 
     first, last = history[0], history[-1]
     n = len(history)
     lines = [f"{layout}: {n} step{'s' * (n != 1)}: loss {first['loss']:.4f} -> {last['loss']:.4f}",
-             f"  steps        {first['step']}-{last['step']} of the run's 0-{cfg.training.steps - 1}"]
+             f"  steps        {last['step'] + 1} of {cfg.training.steps} done; this run trained {n} (the metrics "
+             f"file's steps {first['step']}-{last['step']})"]
     evals = [(h["eval/loss"], h["step"]) for h in history if "eval/loss" in h]
     if evals:
         best = min(evals)
