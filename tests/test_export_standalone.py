@@ -60,7 +60,8 @@ def test_export_keeps_the_bases_ids_and_carries_the_tokenizer(trained_export):
     config = transformers.AutoConfig.from_pretrained(str(out))
     assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (0, [2, 0], 3)
     gen = transformers.GenerationConfig.from_pretrained(str(out))  # written from the base's ids (it had none)
-    assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (0, [2, 0], 3)
+    # and the chat tokenizer's end of turn (<|end|>, id 3), where the fine-tuned model ends its replies
+    assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (0, [2, 0, 3], 3)
     ours, theirs = (transformers.AutoTokenizer.from_pretrained(str(f)) for f in (out, tok))
     chat = [{"role": "user", "content": "how are you"}, {"role": "assistant", "content": "fine thanks"}]
     assert ours.chat_template == theirs.chat_template
@@ -75,7 +76,7 @@ def test_pipeline_loads_the_export_and_stops_at_eos(trained_export):
     pipe = transformers.pipeline("text-generation", model=str(out), device="cpu")
     prompt = "hello how are you"
     n_prompt = len(pipe.tokenizer(prompt)["input_ids"])
-    eos = {2, 0}
+    eos = {2, 0, 3}
 
     def new_tokens(**kw):
         got = pipe(prompt, max_new_tokens=12, do_sample=False, return_tensors=True, **kw)[0]["generated_token_ids"]
@@ -108,6 +109,8 @@ def test_a_bases_generation_config_is_copied_and_byte_level_gets_its_tokenizer(t
     make_tokenizer(base)  # the base folder's own tokenizer: carried when the run had no data.tokenizer
     assert write_standalone_files(out, base=base, tokenizer=None, vocab_size=97)["tokenizer"] == str(base)
     assert transformers.AutoTokenizer.from_pretrained(str(out)).chat_template is not None
+    got = transformers.GenerationConfig.from_pretrained(str(out))  # the base's, with the tokenizer's <|end|> added
+    assert (got.eos_token_id, got.temperature) == ([2, 0, 3], 0.6)
 
     # no base, no tokenizer: the run trained on bytes; the export's tokenizer gives the same ids
     (out / "generation_config.json").unlink()

@@ -11,8 +11,10 @@ works on the folder alone.
   comes from the tokenizer; byte-level text (no tokenizer) ends documents with id 256. Without
   this, config.json would carry the family's class defaults (Llama: bos 1, eos 2), which are not the
   base's.
-* ``generation_config.json``: the base's, copied as is (it may hold sampling defaults and the
-  end-of-turn ids); otherwise one written by ``transformers.GenerationConfig`` from the special ids.
+* ``generation_config.json``: the base's, copied (it may hold sampling defaults and the end-of-turn
+  ids); otherwise one written by ``transformers.GenerationConfig`` from the special ids. Its EOS
+  list also holds the exported tokenizer's EOS when that is another token (a chat template's end of
+  turn: the fine-tuned model ends its replies with it), so ``generate`` stops there too.
 * Tokenizer: ``data.tokenizer`` when the run had one, else the base folder's tokenizer files, loaded
   and saved with transformers (``save_pretrained`` writes every file ``AutoTokenizer`` reads, the
   chat template included). A ``tokenizers`` JSON file is wrapped in ``PreTrainedTokenizerFast`` with
@@ -160,6 +162,16 @@ def _check_reload(out: Path, tok, where: str) -> None:
                       UserWarning, stacklevel=3)
 
 
+def _stop_ids(eos, tok):
+    """The ids generation stops at: the model's EOS (an id or a list) and the tokenizer's own EOS when it is
+    another (a chat template's end-of-turn token, as TRL's SFT sets it), in that order; None when neither."""
+    ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    extra = getattr(tok, "eos_token_id", None) if tok is not None else None
+    if extra is not None and extra not in ids:
+        ids.append(extra)
+    return None if not ids else ids[0] if len(ids) == 1 else ids
+
+
 def write_standalone_files(out: str | Path, *, base: Path | None, tokenizer: str | None, vocab_size: int) -> dict:
     """Complete the export in ``out`` (config.json already written): the special ids into config.json,
     generation_config.json, and the tokenizer files. Returns what was done: {"special_ids", "generation_config"
@@ -177,11 +189,18 @@ def write_standalone_files(out: str | Path, *, base: Path | None, tokenizer: str
     cfg = _read_json(cfg_path)
     cfg.update(ids)  # None where neither base nor tokenizer sets one (not the family's class default)
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    stop = _stop_ids(ids["eos_token_id"], tok)
     if base is not None and (base / "generation_config.json").is_file():
         shutil.copyfile(base / "generation_config.json", out / "generation_config.json")
         gen = "base"
+        if stop is not None:
+            path = out / "generation_config.json"
+            g = _read_json(path)
+            g["eos_token_id"] = _stop_ids(g.get("eos_token_id"), tok) if g.get("eos_token_id") is not None else stop
+            path.write_text(json.dumps(g, indent=2) + "\n")
     else:
-        GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(str(out))
+        GenerationConfig(**{k: v for k, v in {**ids, "eos_token_id": stop}.items() if v is not None}).save_pretrained(
+            str(out))
         gen = "written"
     where = note
     if tok is not None:
