@@ -150,3 +150,37 @@ def test_only_the_logging_rank_writes_events(rank_pool, tmp_path):
     want = expected_scalars(metrics)
     assert set(scalars) == set(want) and all(same(scalars[t], want[t]) for t in want)
     assert same(scalars["loss"], list(enumerate(losses[0])))
+
+
+def test_wandb_gets_the_same_scalars_offline(tmp_path, monkeypatch):
+    """With wandb importable (here a stand-in module that records its calls: no network, no package), the
+    run is opened in offline mode with the config and logs every step's numbers at its step."""
+    import importlib.machinery
+    import sys
+    import types
+
+    calls = {"init": [], "log": [], "finish": 0}
+
+    class Run:
+        def log(self, values, step=None):
+            calls["log"].append((step, dict(values)))
+
+        def finish(self):
+            calls["finish"] += 1
+
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: calls["init"].append(kw) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    metrics = tmp_path / "m.jsonl"
+    Trainer(small(steps=3, num_microbatches=1, metrics_file=str(metrics), wandb_project="tpk-test")).train()
+    close_logs()
+    (init,) = calls["init"]
+    assert init["project"] == "tpk-test" and init["mode"] == "offline" and init["config"]["training"]["steps"] == 3
+    want = expected_scalars(metrics)
+    logged = {}
+    for step, values in calls["log"]:
+        for k, v in values.items():
+            logged.setdefault(k, []).append((step, v))
+    finite = {k: [(s, x) for s, x in v if math.isfinite(x)] for k, v in want.items()}
+    assert logged == {k: v for k, v in finite.items() if v} and calls["finish"] == 1
