@@ -1,6 +1,6 @@
 """Leave-one-source-out calibration of the planner against published training runs.
 
-    python benchmarks/planner_calibration.py [--sources a,b]
+    python benchmarks/planner_calibration.py [--sources a,b] [--data benchmarks/data]
 
 The tables are in benchmarks/data/ (one CSV per source, provenance in each header and in
 sources.md; how a row becomes a planner question: tpkernels/planner/calibration.py). For each source
@@ -57,8 +57,11 @@ def summary(lines: list[dict], key: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sources", default="", help="comma-separated source names to hold out (default: each)")
+    ap.add_argument("--data", type=Path, default=None, help="folder of the tables (default: benchmarks/data)")
     args = ap.parse_args()
-    by_source = sources()
+    if args.data is not None and not args.data.is_dir():
+        raise SystemExit(f"--data ({args.data}) must be a folder of calibration tables (*.csv)")
+    by_source = sources(args.data)
     held = [s for s in args.sources.split(",") if s] or list(by_source)
     unknown = [s for s in held if s not in by_source]
     if unknown:

@@ -149,7 +149,8 @@ def main() -> None:
                      "pred_tp_exposed_s": round(t.tp_exposed, 4), "pred_p2p_s": round(t.p2p, 4),
                      "pred_bubble_s": round(t.bubble, 4), "pred_optimizer_s": round(t.optimizer, 4),
                      # what fit.fit() takes (uncorrected compute, exposed communication, kernels): refits from the CSV
-                     **dict(zip(("fit_compute_s", "fit_comm_s", "fit_ops"), (round(x, 5) for x in components(t, eff)))),
+                     **dict(zip(("fit_compute_s", "fit_comm_s", "fit_ops"),
+                                (round(x, 5) for x in components(t, eff)))),
                      "device": meas.device_name, "date": datetime.date.today().isoformat()})
         print(f"  {rows[-1]['layout']} {rows[-1]['schedule']}: measured {measured:.3f} s, predicted "
               f"{est.step_time:.3f} s", flush=True)

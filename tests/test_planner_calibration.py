@@ -125,3 +125,24 @@ def test_13b_lora_on_a10():
     full = plan(model_preset("Llama-2-13B"), TrainingSetup(32, 4096), ClusterSpec(gpu_preset("A10-24GB"), 8, 1))
     assert full.best is None  # 13B × 18 bytes = 234 GB does not fit in 8 × 22.5 GiB
     assert no_fit_message(full).startswith("No layout fits in 22.5 GiB per GPU")
+
+
+def test_fit_recovers_constants_that_made_the_rows(fresh_seed):
+    """calibration.fit_constants on rows whose 'published' steps the model itself made with random
+    constants: it finds them again (the objective is zero there) from the shipped start."""
+    import dataclasses
+    import random
+
+    from tpkernels.planner.calibration import fit_constants
+
+    rng = random.Random(fresh_seed)
+    truth = CALIBRATED_ALL.replace(gemm=rng.uniform(0.6, 0.8), gemm_fp8=rng.uniform(0.55, 0.8),
+                                   attention=rng.uniform(0.3, 0.5), elementwise_traffic=rng.uniform(3.0, 5.0))
+    picked = [SOURCES["narayanan2021"][i] for i in (0, 3)] + [SOURCES["nemo2024"][i] for i in (0, 4, 6)] + \
+        [SOURCES["torchtitan"][i] for i in (0, 1)]
+    made = [dataclasses.replace(r, published_step_s=predict(r, truth).step_time) for r in picked]
+    groups = [made[:2], made[2:5], made[5:]]
+    found = fit_constants(groups, CALIBRATED_ALL)
+    assert loss(groups, found) < 0.01
+    for r in made:
+        assert abs(error(r, found)) < 0.02, (r.label, error(r, found))

@@ -51,7 +51,8 @@ def test_sequence_parallel_overlap_exposes_first_chunks_only():
     expected = 4 * (MODEL.num_layers * rings * one / 8 + 2 * one)  # 4 micro-batches; the head's two exposed
     assert sp.tp_exposed == pytest.approx(expected, rel=1e-9)
     assert nvlink.tp_comm * expected / sp.tp_comm < nvlink.tp_exposed < nvlink.tp_comm
-    none = step_time(MODEL, train, cfg.replace(sequence_parallel=True), CLUSTER, A100_CALIBRATED.replace(tp_overlap=0.0))
+    none = step_time(MODEL, train, cfg.replace(sequence_parallel=True), CLUSTER,
+                     A100_CALIBRATED.replace(tp_overlap=0.0))
     assert none.tp_exposed == pytest.approx(none.tp_comm)
 
 

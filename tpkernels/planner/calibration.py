@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,12 +78,11 @@ class Row:
 
 
 def data_dir() -> Path:
-    """``$TPKERNELS_CALIBRATION_DATA``, else the repository's ``benchmarks/data`` beside this package."""
-    env = os.environ.get("TPKERNELS_CALIBRATION_DATA")
-    d = Path(env) if env else Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+    """The repository's ``benchmarks/data`` beside this package (a source checkout)."""
+    d = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
     if not d.is_dir():
-        raise FileNotFoundError(f"calibration data ({d}) is not a folder: the published tables are in the "
-                                "repository's benchmarks/data (set TPKERNELS_CALIBRATION_DATA to another copy)")
+        raise FileNotFoundError(f"calibration data ({d}) is not a folder: the published tables are in a source "
+                                "checkout's benchmarks/data (pass another folder to calibration.sources)")
     return d
 
 
@@ -119,9 +117,10 @@ def narayanan_rows(path: Path) -> list[Row]:
 def table_rows_of(path: Path) -> list[Row]:
     """Rows of a table in the common format (``source,table,model,layers,…,tokens_per_sec_per_gpu``):
     the model's shape, the GPU, the layout and the software (precision, recompute, full/LoRA,
-    whether TP communication overlaps the GEMMs, the data-parallel reduction's dtype). SP whenever TP > 1; ZeRO-1 with overlapped
-    gradient reduction and parameter gather whenever there is data parallelism (Megatron's
-    distributed optimizer; FSDP's per-layer gathers hide the same way on NVLink); overlapped P2P."""
+    whether TP communication overlaps the GEMMs, the data-parallel reduction's dtype). SP whenever
+    TP > 1; ZeRO-1 with overlapped gradient reduction and parameter gather whenever there is data
+    parallelism (Megatron's distributed optimizer; FSDP's per-layer gathers hide the same way on
+    NVLink); overlapped P2P."""
     rows = []
     for r in _read(path):
         n = {k: int(r[k]) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "gpus", "global_batch",
