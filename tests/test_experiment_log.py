@@ -184,3 +184,11 @@ def test_wandb_gets_the_same_scalars_offline(tmp_path, monkeypatch):
             logged.setdefault(k, []).append((step, v))
     finite = {k: [(s, x) for s, x in v if math.isfinite(x)] for k, v in want.items()}
     assert logged == {k: v for k, v in finite.items() if v} and calls["finish"] == 1
+
+
+def test_tensorboard_dir_without_tensorboard_is_refused_naming_the_key(monkeypatch):
+    import tpkernels.train.experiment_log as xl
+
+    monkeypatch.setattr(xl, "tensorboard_available", lambda: False)
+    with pytest.raises(ValueError, match=r"logging.tensorboard_dir \('runs/x'\) needs the tensorboard package"):
+        TrainConfig.from_values({"logging.tensorboard_dir": "runs/x"})

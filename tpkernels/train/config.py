@@ -319,9 +319,12 @@ class TrainConfig:
         if at.candidates and self.layout != "auto":
             errs.append(f"autotune.candidates ({at.candidates}) needs layout: auto (the planner proposes the "
                         f"candidates), not {self.layout!r}")
-        if lg.wandb_project:
-            from tpkernels.train.experiment_log import wandb_available  # noqa: PLC0415
+        from tpkernels.train.experiment_log import tensorboard_available, wandb_available  # noqa: PLC0415
 
+        if lg.tensorboard_dir and not tensorboard_available():
+            errs.append(f"logging.tensorboard_dir ({lg.tensorboard_dir!r}) needs the tensorboard package, which is "
+                        "not installed (pip install tensorboard), or leave logging.tensorboard_dir unset")
+        if lg.wandb_project:
             if not wandb_available():
                 errs.append(f"logging.wandb_project ({lg.wandb_project!r}) needs the wandb package, which is not "
                             "installed (pip install wandb), or leave logging.wandb_project unset")

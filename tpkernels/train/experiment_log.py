@@ -1,7 +1,7 @@
 """The metrics file's records mirrored to TensorBoard (``logging.tensorboard_dir``) and, when the user has
 it, Weights & Biases in offline mode (``logging.wandb_project``).
 
-    log = TensorBoardLog("runs/demo", purge_step=None)   # a new run: the folder's earlier curves are dropped
+    log = TensorBoardLog("runs/demo", purge_step=0)      # a new run: the folder's earlier curves are dropped
     log.write({"step": 3, "loss": 2.1, "phases": {"compute": 0.2}, "layout": "tp2 pp2 dp1"})
     log.close()
 
@@ -220,5 +220,11 @@ def wandb_available() -> bool:
     return importlib.util.find_spec("wandb") is not None
 
 
+def tensorboard_available() -> bool:
+    import importlib.util  # noqa: PLC0415
+
+    return importlib.util.find_spec("tensorboard") is not None
+
+
 __all__ = ["CONTEXT_KEYS", "TensorBoardLog", "WandbLog", "close_logs", "config_text", "current_log", "markdown_table",
-           "open_log", "split_record", "wandb_available"]
+           "open_log", "split_record", "tensorboard_available", "wandb_available"]
