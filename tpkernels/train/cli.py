@@ -68,7 +68,7 @@ def dry_run(cfg: TrainConfig, world: int, *, read_data: bool = True, epochs: flo
 
     return (f"model: {mc.describe()}\nlayout: {pc.short()} on {world} rank(s), schedule {pc.pipeline_schedule}, "
             f"global batch {pc.global_batch_size} × {cfg.data.seq_length} tokens{cp}{said}\n"
-            f"{run_memory(cfg, world).describe()}\nconfig: {cfg.dumps()}")
+            f"{run_memory(cfg, world).describe(verdict=True)}\nconfig: {cfg.dumps()}")
 
 
 def single_process_loss(cfg: TrainConfig, global_batch: int) -> float:

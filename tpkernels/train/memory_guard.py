@@ -79,13 +79,16 @@ class MemoryNeed:
     def fits(self) -> bool:
         return self.available is None or self.here <= self.available
 
-    def describe(self) -> str:
+    def describe(self, verdict: bool = False) -> str:
+        """One line: the estimate, its parts, what is available; ``verdict``: and whether the run would start."""
         parts = ", ".join(f"{k} {_size(v * GIB)}" for k, v in self.breakdown.items() if k != "total" and v > 0)
         ranks = f"; {_size(self.here)} for the {self.local_ranks} ranks on this host" \
             if self.where == "host" and self.local_ranks > 1 else ""
         have = "unknown" if self.available is None else _size(self.available)
+        said = "" if not verdict or self.fits else (" -- does not fit: tpkernels train refuses it "
+                                                     "(training.check_memory false starts anyway)")
         return (f"memory (planner estimate, {self.layout}): {_size(self.per_rank)} on the fullest rank ({parts})"
-                f"{ranks}; {self.where} memory available: {have}")
+                f"{ranks}; {self.where} memory available: {have}{said}")
 
 
 def _size(n: float) -> str:
