@@ -137,8 +137,9 @@ def test_cli_autotunes_on_spawned_ranks(tmp_path, fresh_seed):
     common = ["--nproc", "4", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "48",
               "--vocab", "300", "--seq-length", "16", "--steps", "24", "--progress", "false",
               "--data", str(corpus), "--verify-step0", "--tp", "2", "--pp", "2", "--schedule", "gpipe"]
-    # layout auto's global batch: micro_batch_size × num_microbatches × ranks = 16 rows; the fixed run's alike
-    r = _train_cli(["--layout", "auto", "--autotune", "3", "--num-microbatches", "4", "--metrics-file", str(metrics),
+    # layout auto's global batch is the config's own: micro_batch_size × num_microbatches × dp (TP2 PP2 on 4
+    # ranks: dp 1) = 16 rows, the fixed run's
+    r = _train_cli(["--layout", "auto", "--autotune", "3", "--num-microbatches", "16", "--metrics-file", str(metrics),
                     *common])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "autotune: " in r.stdout and "← fastest measured" in r.stdout and "continuing with " in r.stdout, r.stdout
