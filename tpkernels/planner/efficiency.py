@@ -1,8 +1,8 @@
 """The constants that turn FLOPs and bytes into seconds.
 
 Peaks are never reached; these factors say how much of each peak a well-tuned training step gets.
-Four of them (calibration.FITTED) are fitted on the published runs in benchmarks/data/, every other
-one is structural and says in its comment what it stands for. Two published tables are kept out of
+Three of them (calibration.FITTED; gemm_fp8 tied to gemm) are fitted on the published runs in
+benchmarks/data/, every other one is structural and says in its comment what it stands for. Two published tables are kept out of
 every fit (and out of the repository) to check that the model generalises: the Megatron-LM README's
 weak-scaling table and Korthikanti et al. 2022's end-to-end runs.
 ``tpkernels plan --measure`` replaces the ceiling, memory and link factors with numbers timed on
@@ -90,10 +90,10 @@ class Efficiency:
         return dataclasses.replace(self, **changes)
 
 
-CALIBRATED_ALL = Efficiency(gemm=0.704, gemm_fp8=0.689, attention=0.371, elementwise_traffic=3.91)
-"""Every generation: gemm, gemm_fp8, attention and elementwise_traffic (calibration.FITTED) fitted on all
-the published runs in benchmarks/data/ (Narayanan et al. 2021 on A100; NeMo 2024 and Megatron-Bridge on
-H100; torchtitan on H100 and H200) by ``calibration.fit_constants`` (the mean over sources of each
+CALIBRATED_ALL = Efficiency(gemm=0.704, gemm_fp8=0.704, attention=0.360, elementwise_traffic=3.95)
+"""Every generation: gemm (= gemm_fp8, calibration.TIED), attention and elementwise_traffic
+(calibration.FITTED) fitted on all the published runs in benchmarks/data/ (Narayanan et al. 2021 on
+A100; NeMo 2024 and Megatron-Bridge on H100; torchtitan on H100 and H200) by ``calibration.fit_constants`` (the mean over sources of each
 source's RMS log error); ``benchmarks/planner_calibration.py`` fits them again without each source in
 turn and reports how well the held-out source is predicted (docs/planner.md). One set for all
 generations: each constant is a share of the GPU's own peak (or a byte count), the generations
