@@ -112,6 +112,14 @@ def test_a_bases_generation_config_is_copied_and_byte_level_gets_its_tokenizer(t
     got = transformers.GenerationConfig.from_pretrained(str(out))  # the base's, with the tokenizer's <|end|> added
     assert (got.eos_token_id, got.temperature) == ([2, 0, 3], 0.6)
 
+    # a base id past the vocabulary is left out, said (the base folder's tokenizer gives its own, <pad> = 1)
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**cfg, "pad_token_id": 97}))
+    with pytest.warns(UserWarning, match=r"sets pad_token_id \(97\), not a token id .* vocab size 97"):
+        assert write_standalone_files(out, base=base, tokenizer=None, vocab_size=97)["special_ids"]["pad_token_id"] \
+            == 1
+    (base / "config.json").write_text(json.dumps(cfg))
+
     # no base, no tokenizer: the run trained on bytes; the export's tokenizer gives the same ids
     (out / "generation_config.json").unlink()
     done = write_standalone_files(out, base=None, tokenizer=None, vocab_size=300)

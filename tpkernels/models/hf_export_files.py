@@ -62,10 +62,13 @@ def _read_json(path: Path) -> dict:
 
 
 def _check_id(key: str, value, vocab_size: int, where: str):
+    """``value`` when it is a token id (or a non-empty list of them) of the vocabulary; else a warning, and None
+    (the export is written all the same: the base's config is data, and an id past the embedding is useless)."""
     ids = value if isinstance(value, list) else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids) or not ids:
-        raise ValueError(f"{where}: {key} ({value!r}) must be a token id (or a non-empty list of them) in "
-                         f"[0, vocab size {vocab_size})")
+        warnings.warn(f"export: {where} sets {key} ({value!r}), not a token id (or a non-empty list of them) in "
+                      f"[0, vocab size {vocab_size}); the export leaves it out", UserWarning, stacklevel=4)
+        return None
     return value
 
 
