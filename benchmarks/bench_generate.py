@@ -4,9 +4,10 @@ same model, side by side in one run: greedy, fp32, the same prompts, the same to
     python benchmarks/bench_generate.py [--layers 8] [--hidden 512] [--batch 1 4] [--prompt 64] [--new 64]
 
 Decode tokens/s = batch × (new − 1) / (time to generate ``new`` tokens − time to generate 1), so the
-prompt's prefill is left out of both sides; each time is the median of ``--reps`` runs. The CPU has
-the same cores for every contender: transformers and our TP1 run with all of this process's threads
-(2 here), our TP2 on two gloo ranks of one thread each. A Llama-shaped model (GQA, SwiGLU, RMSNorm,
+prompt's prefill is left out of both sides; each time is the median of ``--reps`` runs. Transformers
+and our TP1 run in this process with ``--threads`` threads (default 1: on a shared, loaded machine
+two OpenMP threads spin-wait for each other and a 2-thread figure measures the neighbours), our TP2
+on two gloo ranks of one thread each (so it has twice TP1's cores). A Llama-shaped model (GQA, SwiGLU, RMSNorm,
 rotary), random weights, eos off (every run makes exactly ``new`` tokens). Prints a table, writes
 benchmarks/results/generate_<device>.csv ($OUT instead, if set).
 """
@@ -95,7 +96,9 @@ def main(argv=None) -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of transformers and our TP1")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     from tpkernels.parallel.local_ranks import RankPool  # noqa: PLC0415
 
     meta = run_metadata(torch.device("cpu"))
@@ -120,7 +123,8 @@ def main(argv=None) -> None:
                              "vs_transformers": f"{rate / ref_rate:.2f}", "same_tokens": tokens == ref_tokens,
                              **meta})
     print(f"decode tokens/s, Llama {args.layers} layers, hidden {args.hidden}, GQA 8/4, vocab {args.vocab}, fp32, "
-          f"prompt {args.prompt}, {args.new} new tokens, greedy; {meta['device']}, torch {meta['torch']}")
+          f"prompt {args.prompt}, {args.new} new tokens, greedy; {meta['device']} (TP2: 2 ranks x 1 thread), "
+          f"torch {meta['torch']}")
     print_table(rows, ["impl", "tp", "batch", "decode_tok_s", "vs_transformers", "same_tokens"])
     name = "generate_" + device_slug(torch.device("cpu"))
     print(f"wrote {write_csv(name, rows)}")
