@@ -130,8 +130,9 @@ def test_comm_advice_fits_the_run(monkeypatch):
 def test_warnings_are_one_line_in_the_package_voice_once_and_on_rank_0_only(capsys, monkeypatch):
     import warnings
 
-    from tpkernels.train.voice import install_warning_voice
+    from tpkernels.train.voice import SAID_ENV, install_warning_voice
 
+    monkeypatch.setenv(SAID_ENV, "said by the launcher")  # what the parent said before the ranks started
     for rank in (1, 0):
         monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored after the test
         install_warning_voice(rank)
@@ -139,4 +140,5 @@ def test_warnings_are_one_line_in_the_package_voice_once_and_on_rank_0_only(caps
             warnings.simplefilter("always")
             for _ in range(3):
                 warnings.warn("data.source ('x'): 2 sample(s) were dropped", UserWarning, stacklevel=1)
+                warnings.warn("said by the launcher", UserWarning, stacklevel=1)
     assert capsys.readouterr().err.splitlines() == ["warning: data.source ('x'): 2 sample(s) were dropped"]
