@@ -2,7 +2,8 @@
 without Python's ``file.py:90: UserWarning:`` prefix and source line, once per process, by the
 logging rank only (every rank reads the same config and data, so they would all say the same).
 What ``tpkernels train --nproc`` said before launching (the config's warnings) is not said again by
-rank 0: the said messages travel to the ranks in the environment (``TPKERNELS_SAID_WARNINGS``).
+rank 0: the said messages travel to the ranks in the environment (``TPK_TRAIN_SAID_WARNINGS``, internal:
+not a setting).
 
     install_warning_voice(rank)      # tpkernels train calls it in each process it runs
 """
@@ -13,7 +14,7 @@ import os
 import sys
 import warnings
 
-SAID_ENV = "TPKERNELS_SAID_WARNINGS"
+SAID_ENV = "TPK_TRAIN_SAID_WARNINGS"
 _SEP = "\x1e"  # the ASCII record separator: never in a message
 
 
