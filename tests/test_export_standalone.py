@@ -34,11 +34,8 @@ def _base(tmp_path, seed: int, generation: dict | None, family: str = "llama"):
     return folder
 
 
-@pytest.fixture(scope="module")
-def trained_export(tmp_path_factory):
-    """A one-step SFT-free run from the base with the chat tokenizer, and its export-hf folder."""
-    tmp_path = tmp_path_factory.mktemp("export")
-    seed = random.randrange(1000)
+def _trained_export(tmp_path, seed: int):
+    """A one-step run from the base with the chat tokenizer on text of its words, and its export-hf folder."""
     base = _base(tmp_path, seed, None)
     tok = make_tokenizer(tmp_path / "tok")
     rng = random.Random(seed)
@@ -46,17 +43,19 @@ def trained_export(tmp_path_factory):
                                                       for _ in range(40)))
     cfg = TrainConfig.from_values({"model.name": str(base), "model.init_from": str(base), "data.tokenizer": str(tok),
                                    "data.source": str(tmp_path / "corpus.txt"), "data.seq_length": 16,
-                                   "training.steps": 1, "logging.progress": False,
+                                   "training.steps": 1, "training.seed": seed, "logging.progress": False,
                                    "checkpoint.save_dir": str(tmp_path / "ck")})
     Trainer(cfg).train()
-    out = export_hf(tmp_path / "ck", tmp_path / "hf")
-    return base, tok, out
+    return tok, export_hf(tmp_path / "ck", tmp_path / "hf")
 
 
-def test_export_keeps_the_bases_ids_and_carries_the_tokenizer(trained_export):
+def test_the_export_stands_alone_and_pipeline_stops_at_eos(tmp_path, fresh_seed):
+    """The base's ids round-trip (bos 0, eos [2, 0], pad 3), the generation config carries them (and the chat
+    tokenizer's end of turn), the tokenizer and template come along, and transformers' pipeline loads the
+    folder alone and stops at the first EOS."""
     import transformers
 
-    base, tok, out = trained_export
+    tok, out = _trained_export(tmp_path, fresh_seed % 1000)
     config = transformers.AutoConfig.from_pretrained(str(out))
     assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (0, [2, 0], 3)
     gen = transformers.GenerationConfig.from_pretrained(str(out))  # written from the base's ids (it had none)
@@ -68,11 +67,6 @@ def test_export_keeps_the_bases_ids_and_carries_the_tokenizer(trained_export):
     assert ours.apply_chat_template(chat) == theirs.apply_chat_template(chat)
     assert ours("the answer is five")["input_ids"] == theirs("the answer is five")["input_ids"]
 
-
-def test_pipeline_loads_the_export_and_stops_at_eos(trained_export):
-    import transformers
-
-    _, _, out = trained_export
     pipe = transformers.pipeline("text-generation", model=str(out), device="cpu")
     prompt = "hello how are you"
     n_prompt = len(pipe.tokenizer(prompt)["input_ids"])
