@@ -189,3 +189,26 @@ def test_eval_samples_write_what_the_checkpoint_generates(tmp_path, fresh_seed):
                        ({"eval.sample_tokens": 0}, r"eval.sample_tokens \(0\) must be >= 1")):
         with pytest.raises(ValueError, match=msg):
             small(**{**keys, **extra}).check()
+
+
+def test_a_hugging_face_gpt2_folder_with_dropout_generates_as_transformers(tmp_path, fresh_seed):
+    """A GPT-2 config as transformers writes it (dropout 0.1 everywhere) loads for generation (dropout is off
+    at inference) and gives transformers' greedy tokens."""
+    import transformers
+
+    from tpkernels.generate import Generator
+    from tpkernels.train.generate_load import load_for_generation
+
+    cfg = transformers.GPT2Config(vocab_size=89, n_embd=24, n_layer=2, n_head=3, n_positions=40)
+    assert cfg.resid_pdrop > 0 and cfg.attn_pdrop > 0
+    torch.manual_seed(fresh_seed % 1000)
+    model = transformers.GPT2LMHeadModel(cfg).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(str(tmp_path / "gpt2"))
+    prompts = random_prompts(fresh_seed, (5, 2), vocab=89)
+    loaded = load_for_generation(tmp_path / "gpt2", None, dtype="float64")
+    assert loaded.kind == "hf" and loaded.tokenizer is None
+    outs = Generator(loaded.model).generate(prompts, 6)
+    assert [o.ids for o in outs] == hf_greedy(str(tmp_path / "gpt2"), prompts, 6)

@@ -89,7 +89,8 @@ def load_for_generation(path: str | Path, state, *, dtype: str | None = None, de
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     if kind == "hf":
         dt = generation_dtype(dtype, None, device)
-        model = ParallelTransformer.from_hf(str(folder), state, dtype=dt, device=device)
+        # dropout is a training matter: a config that trains with it (GPT-2's 0.1) generates without it
+        model = ParallelTransformer.from_hf(str(folder), state, dtype=dt, device=device, drop_dropout=True)
         tok = str(folder) if any((folder / f).is_file() for f in _TOKENIZER_FILES) else None
         return Loaded(model, tok, "hf", folder, f"{folder} (Hugging Face, {model.config.family}, {_dt(dt)})")
     meta = ckpt.read_meta(folder)
