@@ -11,7 +11,7 @@ import pytest
 from data_checks import WORDS, make_tokenizer, write_jsonl
 from tpkernels.train import TrainConfig
 from tpkernels.train import memory_guard
-from tpkernels.train.memory_guard import GIB, check_memory, host_available_bytes, run_memory
+from tpkernels.train.memory_guard import CPU_PROCESS_BYTES, GIB, check_memory, host_available_bytes, run_memory
 
 TINY = {"model.layers": 3, "model.hidden": 48, "model.heads": 4, "model.kv_heads": 2, "model.ffn": 80,
         "model.vocab": 101, "data.seq_length": 16, "logging.progress": False}
@@ -29,9 +29,11 @@ def test_the_estimate_counts_the_models_parameters(fresh_seed):
     need = run_memory(cfg, 1)
     got = {k: need.breakdown[k] * GIB / n for k in ("weights", "gradients", "optimizer")}
     assert got == pytest.approx({"weights": 2, "gradients": 4, "optimizer": 12}, rel=0.02), got  # vocab padding
-    assert "runtime" not in need.breakdown and need.where == "host" and need.per_rank == need.here
+    assert "runtime" not in need.breakdown and need.breakdown["process"] * GIB == CPU_PROCESS_BYTES
+    assert need.where == "host" and need.per_rank == need.here
+    assert need.per_rank == pytest.approx(sum(need.breakdown.values()) * GIB)
     double = run_memory(cfg.with_values({"training.precision": "fp64"}), 1)
-    assert double.per_rank == pytest.approx(2 * need.per_rank)
+    assert double.per_rank - CPU_PROCESS_BYTES == pytest.approx(2 * (need.per_rank - CPU_PROCESS_BYTES))
     # 4 ranks on this host, TP2 × PP2: two ranks per stage; the host holds each stage's share twice
     even = cfg.with_values({"model.layers": 4})
     need = run_memory(even, 1)
@@ -56,7 +58,7 @@ def test_a_run_that_cannot_fit_is_refused_before_the_model_is_built(monkeypatch,
     assert not built
     assert main(["--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "memory (planner estimate, TP1 PP1 DP1 mbs1): 113." in out and "-- does not fit: tpkernels train refuses" in out
+    assert "memory (planner estimate, TP1 PP1 DP1 mbs1): 114." in out and "-- does not fit: tpkernels train refuses" in out
     cfg = TrainConfig.from_values({"training.check_memory": False})
     assert not check_memory(cfg, 1).fits  # told to start anyway: the estimate is returned, nothing raised
     small = TrainConfig.from_values(TINY)
