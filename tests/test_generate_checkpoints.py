@@ -106,6 +106,9 @@ def test_command_errors_are_named(tmp_path, capsys):
         ([str(folder), "--prompt", "a", "--max-new-tokens", "0"], r"--max-new-tokens \(0\) must be >= 1"),
         ([str(folder), "--prompt", "a", "--dtype", "int8"], r"--dtype \('int8'\) must be auto or one of"),
         ([str(folder), "--prompts", str(tmp_path / "p.jsonl")], r"--prompts \('.*p.jsonl'\) does not exist"),
+        ([str(folder), "--prompt", "a", "--tokenizer", str(folder), "--nproc", "3"],
+         r"--nproc \(3\) is the TP size of generation, which this model cannot take: num_attention_heads \(4\) must "
+         r"be divisible by tp \(3\)"),
     ]
     for argv, msg in cases:
         assert main(["generate", *argv]) == 2, argv

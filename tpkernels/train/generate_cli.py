@@ -59,6 +59,24 @@ def add_parser(sub) -> None:
 
 # ---- the input, checked in the launching process before any rank starts ----
 
+def check_tp(kind: str, folder, tp: int) -> None:
+    """The model must split over ``tp`` ranks (heads, KV heads): said before any rank starts."""
+    from tpkernels.description import ModelConfig  # noqa: PLC0415
+    from tpkernels.parallel import ParallelConfig  # noqa: PLC0415
+    from tpkernels.parallel.config import ParallelConfigError  # noqa: PLC0415
+    from tpkernels.train.checkpoint import read_meta, saved_model  # noqa: PLC0415
+
+    mc = saved_model(read_meta(folder)) if kind == "checkpoint" else ModelConfig.from_hf(str(folder),
+                                                                                         drop_dropout=True)
+    try:
+        ParallelConfig(tp=tp).validate(world_size=tp, **mc.layout_rules())
+    except ParallelConfigError as e:
+        lines = [x.strip().removeprefix("- ") for x in str(e).splitlines()]
+        rules = "; ".join(x for x in lines[1:] if x) or lines[0]
+        raise ValueError(f"--nproc ({tp}) is the TP size of generation, which this model cannot take: {rules}") \
+            from None
+
+
 def options(args) -> dict:
     """The checked options of one generate command (what every rank is given)."""
     from tpkernels.generate.text import TextCodec  # noqa: PLC0415
@@ -71,6 +89,8 @@ def options(args) -> dict:
         raise ValueError("give exactly one input: --prompt TEXT (repeatable), --prompts FILE.jsonl or --chat")
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc ({args.nproc}) must be a positive integer")
+    if args.nproc and args.nproc > 1:
+        check_tp(kind, folder, args.nproc)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens ({args.max_new_tokens}) must be >= 1")
     if args.dtype != "auto" and args.dtype not in DTYPE_NAMES:
