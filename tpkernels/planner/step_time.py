@@ -65,6 +65,13 @@ from tpkernels.planner.workload import TrainingSetup
 # activation and ~6 reshapes/copies around the GEMMs; backward runs each again with about twice the
 # kernels. Only Efficiency.kernel_launch_s (CPUs) makes this count matter.
 ELEMENTWISE_KERNELS_PER_LAYER = 36
+# Trained tensors of one decoder layer (q, k, v, o, gate, up, down weights and two norms; LoRA: an A
+# and a B per adapted linear) and the kernels the optimizer step launches for each (Adam's two
+# moment updates, the bias-corrected step and the weight write; torch's foreach path batches the
+# launches but keeps per-tensor host work). Only Efficiency.op_overhead_s makes these counts matter.
+PARAM_TENSORS_PER_LAYER = 9
+LORA_TENSORS_PER_LAYER = 14
+OPTIMIZER_KERNELS_PER_TENSOR = 4
 # Compute rate of a QLoRA linear's GEMM (NF4/int8 weight dequantised tile by tile in registers, the
 # Triton kernel tpkernels/kernels/triton/nf4_linear.py) relative to a bf16 cuBLAS GEMM of the same
 # shape. 0.8 is the project's target for M ≥ 2048 (issue 34), not a measurement: no GPU has run the
@@ -294,6 +301,9 @@ def step_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, clu
     # them (the stage it waits for launches its kernels meanwhile)
     busy = m * slow["total"]
     ops = m * slow["ops"] * (1.0 + bubble / busy if busy > 0 else 1.0)
+    # and the optimizer's: a few kernels per trained tensor of this stage, and one collective per DP bucket
+    tensors = model.num_layers / cfg.pp * (LORA_TENSORS_PER_LAYER if train.adapters else PARAM_TENSORS_PER_LAYER) + 2
+    ops += tensors * OPTIMIZER_KERNELS_PER_TENSOR
     return StepTime(
         gemm=a * m * slow["gemm"], elementwise=a * m * slow["elementwise"], tp_comm=c * m * slow["tp_comm"],
         tp_exposed=c * m * slow["tp_exposed"], p2p=c * m * slow["p2p"], bubble=a * bubble, dp_comm=c * dp_comm,
