@@ -60,7 +60,7 @@ class Fit:
 
     def describe(self) -> str:
         return (f"compute ×{self.compute_scale:.3g}, communication ×{self.comm_scale:.3g}, "
-                f"+{1e6 * self.op_overhead_s:.3g} µs per kernel (fitted on {self.n} measured layout(s), worst "
+                f"+{1e6 * (self.op_overhead_s or 0.0):.3g} µs per kernel (fitted on {self.n} measured layout(s), worst "
                 f"residual {100 * self.worst_error:.1f}%)")
 
 
