@@ -4,7 +4,8 @@ same model, side by side in one run: greedy, fp32, the same prompts, the same to
     python benchmarks/bench_generate.py [--layers 8] [--hidden 512] [--batch 1 4] [--prompt 64] [--new 64]
 
 Decode tokens/s = batch × (new − 1) / (time to generate ``new`` tokens − time to generate 1), so the
-prompt's prefill is left out of both sides; each time is the median of ``--reps`` runs. Transformers
+prompt's prefill is left out of both sides; the contenders run in turn, rep after rep (a load change
+hits them alike), and each rate is from the median over ``--reps`` of (full − one). Transformers
 and our TP1 run in this process with ``--threads`` threads (default 1: on a shared, loaded machine
 two OpenMP threads spin-wait for each other and a 2-thread figure measures the neighbours), our TP2
 on two gloo ranks of one thread each (so it has twice TP1's cores). A Llama-shaped model (GQA, SwiGLU, RMSNorm,
@@ -44,44 +45,51 @@ def _save_model(folder: str, layers: int, hidden: int, vocab: int, seed: int = 0
     return folder
 
 
-def _median_s(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
-def _ours(rank, world, folder, prompts, new, reps):
-    """(seconds for `new` tokens, seconds for 1, the tokens) at TP ``world``."""
+_MODELS: dict = {}  # the one-process models, built once and reused by every rep
+
+
+def _ours(rank, world, folder, prompts, new):
+    """One rep at TP ``world``: (seconds for `new` tokens, seconds for 1, the tokens)."""
     from tpkernels.generate import Generator  # noqa: PLC0415
     from tpkernels.models import ParallelTransformer  # noqa: PLC0415
     from tpkernels.parallel import ParallelConfig  # noqa: PLC0415
     from tpkernels.parallel.state import ParallelState  # noqa: PLC0415
 
-    state = ParallelState.create(ParallelConfig(tp=world)) if world > 1 else None
-    gen = Generator(ParallelTransformer.from_hf(folder, state))
+    if (folder, world) not in _MODELS or world > 1:  # the rank pool drops its groups after each call
+        state = ParallelState.create(ParallelConfig(tp=world)) if world > 1 else None
+        gen = Generator(ParallelTransformer.from_hf(folder, state))
+        with torch.inference_mode():
+            gen.generate(prompts, 2)  # warm-up
+        _MODELS[(folder, world)] = gen
+    gen = _MODELS[(folder, world)]
     with torch.inference_mode():
-        full = _median_s(lambda: gen.generate(prompts, new), reps)
-        one = _median_s(lambda: gen.generate(prompts, 1), reps)
+        full = _seconds(lambda: gen.generate(prompts, new))
+        one = _seconds(lambda: gen.generate(prompts, 1))
         tokens = [o.ids for o in gen.generate(prompts, new)]
     return full, one, tokens
 
 
-def _hf(folder, prompts, new, reps):
+def _hf(folder, prompts, new):
     import transformers  # noqa: PLC0415
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if folder not in _MODELS:
+        _MODELS[folder] = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = _MODELS[folder]
     ids = torch.tensor(prompts)  # equal lengths: no padding on either side
 
     def run(n):
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        full = _median_s(lambda: run(new), reps)
-        one = _median_s(lambda: run(1), reps)
+        run(2)  # warm-up
+        full = _seconds(lambda: run(new))
+        one = _seconds(lambda: run(1))
         tokens = run(new)[:, ids.shape[1]:].tolist()
     return full, one, tokens
 
@@ -103,25 +111,34 @@ def main(argv=None) -> None:
 
     meta = run_metadata(torch.device("cpu"))
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = _save_model(tmp, args.layers, args.hidden, args.vocab)
-        g = torch.Generator().manual_seed(0)
-        for batch in args.batch:
-            prompts = torch.randint(0, args.vocab, (batch, args.prompt), generator=g).tolist()
-            ref_full, ref_one, ref_tokens = _hf(folder, prompts, args.new, args.reps)
-            ref_rate = batch * (args.new - 1) / (ref_full - ref_one)
-            rows.append({"impl": "transformers generate", "tp": 1, "batch": batch, "decode_tok_s": f"{ref_rate:.1f}",
-                         "vs_transformers": "1.00", "same_tokens": "-", **meta})
-            for tp in args.tp:
-                if tp == 1:
-                    full, one, tokens = _ours(0, 1, folder, prompts, args.new, args.reps)
-                else:
-                    with RankPool(tp, timeout=1800) as pool:
-                        full, one, tokens = pool.run(_ours, folder, prompts, args.new, args.reps)[0]
-                rate = batch * (args.new - 1) / (full - one)
-                rows.append({"impl": "tpkernels generate", "tp": tp, "batch": batch, "decode_tok_s": f"{rate:.1f}",
-                             "vs_transformers": f"{rate / ref_rate:.2f}", "same_tokens": tokens == ref_tokens,
-                             **meta})
+    pools = {tp: RankPool(tp, timeout=1800) for tp in args.tp if tp > 1}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = _save_model(tmp, args.layers, args.hidden, args.vocab)
+            g = torch.Generator().manual_seed(0)
+            for batch in args.batch:
+                prompts = torch.randint(0, args.vocab, (batch, args.prompt), generator=g).tolist()
+                runs: dict = {"hf": []} | {tp: [] for tp in args.tp}
+                for _ in range(args.reps):  # the contenders in turn, rep after rep: load drifts hit all alike
+                    runs["hf"].append(_hf(folder, prompts, args.new))
+                    for tp in args.tp:
+                        one = _ours(0, 1, folder, prompts, args.new) if tp == 1 else \
+                            pools[tp].run(_ours, folder, prompts, args.new)[0]
+                        runs[tp].append(one)
+
+                def rate(rs):
+                    return batch * (args.new - 1) / statistics.median(full - one for full, one, _ in rs)
+                ref_rate, ref_tokens = rate(runs["hf"]), runs["hf"][0][2]
+                rows.append({"impl": "transformers generate", "tp": 1, "batch": batch,
+                             "decode_tok_s": f"{ref_rate:.1f}", "vs_transformers": "1.00", "same_tokens": "-", **meta})
+                for tp in args.tp:
+                    r = rate(runs[tp])
+                    rows.append({"impl": "tpkernels generate", "tp": tp, "batch": batch, "decode_tok_s": f"{r:.1f}",
+                                 "vs_transformers": f"{r / ref_rate:.2f}",
+                                 "same_tokens": all(t == ref_tokens for _, _, t in runs[tp]), **meta})
+    finally:
+        for pool in pools.values():
+            pool.close()
     print(f"decode tokens/s, Llama {args.layers} layers, hidden {args.hidden}, GQA 8/4, vocab {args.vocab}, fp32, "
           f"prompt {args.prompt}, {args.new} new tokens, greedy; {meta['device']} (TP2: 2 ranks x 1 thread), "
           f"torch {meta['torch']}")
