@@ -116,24 +116,34 @@ def _tp_worker(rank, world, folder, prompts, max_new, seed):
     err = float((got - full).abs().max())
     sampled = [o.ids for o in gen.generate(prompts, max_new, Sampling(temperature=0.9, top_k=20, top_p=0.9),
                                            seed=seed)]
-    return greedy, err, sampled
+    with torch.no_grad():  # a broken weight (token 0's head row, rank 0's shard): TP rank 0's refusal is every rank's
+        if rank == 0:
+            model.head.weight[0, 0] = float("nan")
+    try:
+        gen.generate(prompts, 2)
+        failure = None
+    except FloatingPointError as e:
+        failure = str(e)
+    return greedy, err, sampled, failure
 
 
 @pytest.mark.parametrize("world", [4])
 def test_tensor_parallel_greedy_equals_transformers(rank_pool, tmp_path, fresh_seed, world):
     """TP2 (a KV head per rank) and TP4 (2 KV heads over 4 ranks: each rank caches the replicated head its
     query heads read). Sampled tokens are the same on every rank and the same as one process's (TP rank 0
-    samples with the same seeded generator from the same logits)."""
+    samples with the same seeded generator from the same logits). A NaN in the head is refused by TP rank 0
+    and raised on every rank (the others wait in the broadcast: no hang)."""
     folder = save_varied_model("llama", tmp_path / "m", fresh_seed % 1000)
     prompts = random_prompts(fresh_seed, (4, 9, 1))
     want = hf_greedy(folder, prompts, 8)
     results = rank_pool(world).run(_tp_worker, folder, prompts, 8, fresh_seed, timeout=120)
     one = Generator(_ours(folder)).generate(prompts, 8, Sampling(temperature=0.9, top_k=20, top_p=0.9),
                                             seed=fresh_seed)
-    for greedy, err, sampled in results:
+    for greedy, err, sampled, failure in results:
         assert greedy == want
         assert err < 1e-10
         assert sampled == [o.ids for o in one]
+        assert failure is not None and "logits hold NaN or inf at new token 0" in failure
 
 
 def test_sampling_processors_equal_transformers(fresh_seed):

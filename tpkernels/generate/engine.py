@@ -194,23 +194,25 @@ class Generator:
         with cache.attached(model):
             logits = self.prefill(cache, prompts)
             while True:
+                choice = None
                 if self.is_chooser:
-                    rows = torch.tensor(active)
-                    tokens = sampling.next_tokens(logits.cpu() if seen is not None else logits,
-                                                  seen[rows] if seen is not None else None, gen).tolist()
-                    choice = (tokens, [self._reason(outs[r], t, stop_ids, stop_strings, decode)
-                                       for r, t in zip(active, tokens)])
-                else:
-                    choice = None
-                tokens, reasons = control.broadcast_object(choice, 0, self.group)
+                    try:  # what fails here fails on every rank (the others wait in the broadcast)
+                        choice = self._choose(logits, seen, active, outs, sampling, gen, stop_ids, stop_strings,
+                                              decode, len(outs[active[0]].ids))
+                        for r, t in zip(active, choice[0]) if stream is not None else ():
+                            stream(r, t)  # every active row takes its token, the ones that stop included
+                    except Exception as e:  # noqa: BLE001  (sent to every rank, raised there)
+                        choice = e
+                choice = control.broadcast_object(choice, 0, self.group)
+                if isinstance(choice, BaseException):
+                    raise choice
+                tokens, reasons = choice
                 keep = []
                 for j, (r, t, why) in enumerate(zip(active, tokens, reasons)):
                     o = outs[r]
                     o.ids.append(t)
                     if seen is not None:
                         seen[r, t] = True
-                    if stream is not None and self.is_chooser:
-                        stream(r, t)
                     if why is not None:
                         o.finish_reason = why
                     elif len(o.ids) >= max_new_tokens:
@@ -231,6 +233,16 @@ class Generator:
                 if o.finish_reason == "stop_string":
                     o.text = _cut(o.text, stop_strings)
         return outs
+
+    def _choose(self, logits, seen, active, outs, sampling, gen, stop_ids, stop_strings, decode, step):
+        """The chooser's (tokens, stop reasons) of the active rows."""
+        if not bool(torch.isfinite(logits).all()):
+            raise FloatingPointError(f"the model's logits hold NaN or inf at new token {step}: the weights are broken "
+                                     "or overflow in this dtype (try dtype float32)")
+        rows = torch.tensor(active)
+        tokens = sampling.next_tokens(logits.cpu() if seen is not None else logits,
+                                      seen[rows] if seen is not None else None, gen).tolist()
+        return tokens, [self._reason(outs[r], t, stop_ids, stop_strings, decode) for r, t in zip(active, tokens)]
 
     @staticmethod
     def _reason(out: Completion, token: int, stop_ids: set, stop_strings: list, decode) -> str | None:
