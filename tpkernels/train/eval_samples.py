@@ -36,7 +36,11 @@ class EvalSamples:
                 raise ValueError(f"eval.samples: the prompt {p!r} encodes to {len(ids)} ids "
                                  f"{'(none)' if not ids else 'up to ' + str(max(ids))}: each needs at least one id "
                                  f"below the model's vocabulary ({vocab})")
-        self.generator = Generator(model)
+        try:
+            self.generator = Generator(model)
+        except ValueError as e:  # a layout chosen by layout auto after the config check
+            raise ValueError(f"eval.samples cannot run at this run's layout: {e}; leave eval.samples unset, or sample "
+                             "from the checkpoints with tpkernels generate (any TP layout)") from None
 
     def record(self, step: int) -> dict:
         """The greedy continuations (collective over the TP group), as a metrics record."""
