@@ -201,6 +201,8 @@ def test_bad_inputs_are_named(tmp_path, fresh_seed):
         gen.generate([[1, 2], [3] * 64], 4)
     with pytest.raises(ValueError, match=r"prompt 0 holds token id 97.*vocab_size \(97\)"):
         gen.generate([[97]], 4)
+    with pytest.raises(ValueError, match=r"prompt 1 holds 2.5: a prompt is a list of token ids"):
+        gen.generate([[1], [2.5]], 4)
     with pytest.raises(ValueError, match=r"prompt 0 is empty"):
         gen.generate([[]], 4)
     with pytest.raises(ValueError, match=r"max_new_tokens \(0\) must be an integer >= 1"):

@@ -27,6 +27,7 @@ broadcast from TP rank 0 once per call for the same reason.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -169,7 +170,7 @@ class Generator:
             prompts = unpad(prompts, attention_mask)
         elif attention_mask is not None:
             raise ValueError("attention_mask goes with a (batch, seq) tensor of input_ids, not lists of ids")
-        prompts = [list(map(int, p)) for p in prompts]
+        prompts = [_ids(i, p) for i, p in enumerate(prompts)]
         stop_strings = [s for s in stop_strings]
         if any(not isinstance(s, str) or not s for s in stop_strings):
             raise ValueError(f"stop_strings ({stop_strings!r}) must be non-empty strings")
@@ -253,6 +254,20 @@ class Generator:
             if any(s in text for s in stop_strings):
                 return "stop_string"
         return None
+
+
+def _ids(i: int, prompt) -> list[int]:
+    """Prompt ``i`` as a list of Python ints (integers of any kind, or a 1-D integer tensor; anything else is
+    named)."""
+    if isinstance(prompt, Tensor):
+        if prompt.dim() != 1 or prompt.is_floating_point():
+            raise ValueError(f"prompt {i} is a {prompt.dtype} tensor of shape {tuple(prompt.shape)}: a prompt tensor "
+                             "holds 1-D integer token ids")
+        prompt = prompt.tolist()
+    bad = next((t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+    if bad is not None:
+        raise ValueError(f"prompt {i} holds {bad!r}: a prompt is a list of token ids (integers)")
+    return [int(t) for t in prompt]
 
 
 def _reply_text(out: Completion, decode) -> str:
