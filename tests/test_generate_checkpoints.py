@@ -156,6 +156,19 @@ def test_chat_applies_the_template_turn_by_turn(tmp_path, fresh_seed, monkeypatc
     reply = reply.rsplit("\n[", 1)[0]
     assert reply == tok.decode(want, skip_special_tokens=True)
     assert turns[0].rstrip().endswith(f"[{len(want)} tokens, {'stop' if want[-1] == tok.eos_token_id else 'length'}]")
+    # the model folder's generation_config.json eos_token_id stops a reply too (Llama 3 lists end-of-turn ids there)
+    argv = ["generate", str(folder), "--prompt", "hello how are you", "--max-new-tokens", "6", "--json",
+            "--dtype", "float64"]
+    assert main(argv) == 0
+    free = json.loads(capsys.readouterr().out)
+    ids = tok("hello how are you")["input_ids"]
+    reply = hf_greedy(str(folder), [ids], 6)[0]
+    assert free["new_tokens"] == len(reply) or tok.eos_token_id in reply
+    if tok.eos_token_id not in reply[:2]:
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [reply[1], 10 ** 6]}))
+        assert main(argv) == 0
+        stopped = json.loads(capsys.readouterr().out)
+        assert stopped["new_tokens"] == reply.index(reply[1]) + 1 and stopped["finish_reason"] == "stop"
     no_template = make_tokenizer(tmp_path / "plain", template=None)
     assert main(["generate", str(folder), "--chat", "--tokenizer", str(no_template)]) == 2
     assert "--chat needs a tokenizer with a chat template" in capsys.readouterr().err

@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import threading
+from pathlib import Path
 
 from tpkernels.generate.sampling import Sampling
 from tpkernels.generate.text import read_prompts
@@ -52,7 +53,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
     p.add_argument("--dtype", default="auto", help="auto (the run's precision on a GPU, fp32 on the CPU), float32, "
                                                    "bfloat16, float16, float64")
-    p.add_argument("--nproc", type=int, default=None, help="launch this many local ranks: TP size N")
+    p.add_argument("--nproc", type=int, default=None, help="launch this many local ranks: the TP size")
     p.add_argument("--json", action="store_true", help="one JSON line per prompt (prompt, completion, tokens, reason)")
     p.add_argument("--debug", action="store_true", help="show errors with their tracebacks")
 
@@ -75,6 +76,22 @@ def check_tp(kind: str, folder, tp: int) -> None:
         rules = "; ".join(x for x in lines[1:] if x) or lines[0]
         raise ValueError(f"--nproc ({tp}) is the TP size of generation, which this model cannot take: {rules}") \
             from None
+
+
+def generation_eos(folder) -> list[int]:
+    """The ``eos_token_id`` (one or a list) of a Hugging Face folder's generation_config.json (Llama 3 lists its
+    end-of-turn ids there), or none."""
+    if folder is None:
+        return []
+    path = Path(folder) / "generation_config.json"
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        raise ValueError(f"{path} is not a JSON mapping") from None
+    eos = [eos] if isinstance(eos, int) else (eos or [])
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+        raise ValueError(f"{path}: eos_token_id ({eos!r}) must be an integer or a list of them")
+    return list(eos)
 
 
 def options(args) -> dict:
@@ -108,6 +125,7 @@ def options(args) -> dict:
     prompts = list(args.prompt) if args.prompt else (read_prompts(args.prompts) if args.prompts else [])
     if any(isinstance(p, str) and not p for p in prompts):
         raise ValueError("--prompt must not be empty")
+    model_folder = folder if kind == "hf" else config_of(read_meta(folder)).model.init_from
     tokenizer = args.tokenizer
     if tokenizer is None:
         tokenizer = config_of(read_meta(folder)).data.tokenizer if kind == "checkpoint" else (
@@ -119,6 +137,7 @@ def options(args) -> dict:
     if (args.chat or any(isinstance(p, list) for p in prompts)) and not codec.has_chat_template:
         codec.chat([])  # the named error: no chat template
     return {"path": str(folder), "tokenizer": tokenizer, "prompts": prompts, "chat": args.chat,
+            "eos": generation_eos(model_folder),
             "system": args.system, "max_new_tokens": args.max_new_tokens, "sampling": sampling, "stop": list(args.stop),
             "seed": args.seed, "dtype": args.dtype, "json": args.json}
 
@@ -147,8 +166,9 @@ def rank_main(opts: dict, chat_input: str | None = None) -> list[dict] | None:
     return generate_prompts(gen, codec, opts)
 
 
-def _stop_ids(codec) -> set:
-    return set(codec.stop_ids) if codec is not None else set()
+def _stop_ids(codec, opts: dict) -> set:
+    """The tokenizer's EOS and end-of-turn ids, and the model's generation_config.json eos_token_id."""
+    return (set(codec.stop_ids) if codec is not None else set()) | set(opts.get("eos", []))
 
 
 def encode(gen, codec, prompt, opts: dict) -> list[int]:
@@ -167,7 +187,7 @@ def generate_prompts(gen, codec, opts: dict) -> list[dict] | None:
     """Every prompt in one batch; rank 0 prints (plain or JSON lines) and returns the records."""
     prompts = opts["prompts"]
     ids = [encode(gen, codec, p, opts) for p in prompts] if gen.is_chooser else [[0]] * len(prompts)  # broadcast
-    outs = gen.generate(ids, opts["max_new_tokens"], opts["sampling"], stop_ids=_stop_ids(codec),
+    outs = gen.generate(ids, opts["max_new_tokens"], opts["sampling"], stop_ids=_stop_ids(codec, opts),
                         stop_strings=opts["stop"], decode=codec.decode if codec else None, seed=opts["seed"])
     if not gen.is_chooser:
         return None
@@ -221,7 +241,7 @@ def chat_loop(gen, codec, opts: dict, chat_input: str | None) -> None:
             print(text[len(shown[0]):], end="", flush=True)
             shown[0] = text
         try:
-            out = gen.generate(ids, opts["max_new_tokens"], opts["sampling"], stop_ids=_stop_ids(codec),
+            out = gen.generate(ids, opts["max_new_tokens"], opts["sampling"], stop_ids=_stop_ids(codec, opts),
                                stop_strings=opts["stop"], decode=codec.decode if codec else None, seed=opts["seed"],
                                stream=stream if gen.is_chooser else None)[0]
         except ValueError as e:  # the conversation outgrew the context: say so, start over
