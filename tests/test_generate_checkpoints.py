@@ -174,7 +174,14 @@ def test_chat_applies_the_template_turn_by_turn(tmp_path, fresh_seed, monkeypatc
     assert "--chat needs a tokenizer with a chat template" in capsys.readouterr().err
 
 
-def test_eval_samples_write_what_the_checkpoint_generates(tmp_path, fresh_seed):
+def _train_worker(rank, world, keys):
+    from tpkernels.train import Trainer
+
+    Trainer(small(**keys)).train()
+    return rank
+
+
+def test_eval_samples_write_what_the_checkpoint_generates(rank_pool, tmp_path, fresh_seed):
     """eval.samples: the greedy continuations written at the last validation are what tpkernels generate
     gives from the checkpoint saved at that step (a separate path: the checkpoint reloaded). Layouts the
     generator cannot run, a missing file and samples without validations are refused by name."""
@@ -195,6 +202,14 @@ def test_eval_samples_write_what_the_checkpoint_generates(tmp_path, fresh_seed):
     codec = TextCodec.load(None)
     model = load_for_generation(tmp_path / "ck", None, dtype="float64").model
     texts = ["hello", "abc def", "x"]
+    outs = Generator(model).generate([codec.encode(t) for t in texts], 5, stop_ids=codec.stop_ids, decode=codec.decode)
+    assert records[0]["eval/samples"] == [{"prompt": t, "completion": o.text} for t, o in zip(texts, outs)]
+    # at TP2 (the trainer's own layout, every rank generating, TP rank 0 choosing): what its checkpoint gives
+    tp2 = {**keys, "parallel.tp": 2, "logging.metrics_file": str(tmp_path / "m2.jsonl"),
+           "checkpoint.save_dir": str(tmp_path / "ck2")}
+    assert rank_pool(2).run(_train_worker, tp2, timeout=120) == [0, 1]
+    records = [json.loads(line) for line in (tmp_path / "m2.jsonl").read_text().splitlines() if "eval/samples" in line]
+    model = load_for_generation(tmp_path / "ck2", None, dtype="float64").model
     outs = Generator(model).generate([codec.encode(t) for t in texts], 5, stop_ids=codec.stop_ids, decode=codec.decode)
     assert records[0]["eval/samples"] == [{"prompt": t, "completion": o.text} for t, o in zip(texts, outs)]
     for extra, msg in (({"parallel.tp": 2, "parallel.sequence_parallel": True}, r"parallel.sequence_parallel \(True\)"),
