@@ -73,9 +73,9 @@ def _side_pass_worker(rank, world, readme):
 
 
 def test_validation_and_the_learn_timing_leave_training_untouched(rank_pool):
-    from test_fp8_train import README
+    from test_fp8_train import CORPUS
 
-    plain, side, evaluated, learned = rank_pool(2).run(_side_pass_worker, README, timeout=600)[0]
+    plain, side, evaluated, learned = rank_pool(2).run(_side_pass_worker, CORPUS, timeout=600)[0]
     assert evaluated and learned
     assert plain == side
 
