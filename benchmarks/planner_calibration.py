@@ -57,9 +57,9 @@ def summary(lines: list[dict], key: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sources", default="", help="comma-separated source names to hold out (default: each)")
-    ap.add_argument("--data", type=Path, default=None, help="folder of the tables (default: benchmarks/data)")
+    ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parent / "data", help="folder of the tables (default: benchmarks/data)")
     args = ap.parse_args()
-    if args.data is not None and not args.data.is_dir():
+    if not args.data.is_dir():
         raise SystemExit(f"--data ({args.data}) must be a folder of calibration tables (*.csv)")
     by_source = sources(args.data)
     held = [s for s in args.sources.split(",") if s] or list(by_source)

@@ -87,15 +87,6 @@ class Row:
             (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "") + f" DP{c.dp} mbs{c.micro_batch_size}"
 
 
-def data_dir() -> Path:
-    """The repository's ``benchmarks/data`` beside this package (a source checkout)."""
-    d = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
-    if not d.is_dir():
-        raise FileNotFoundError(f"calibration data ({d}) is not a folder: the published tables are in a source "
-                                "checkout's benchmarks/data (pass another folder to calibration.sources)")
-    return d
-
-
 def _read(path: Path) -> list[dict]:
     lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
     return list(csv.DictReader(lines))
@@ -157,11 +148,15 @@ def table_rows_of(path: Path) -> list[Row]:
     return rows
 
 
-def sources(directory: Path | None = None) -> dict[str, list[Row]]:
-    """Every source's rows, by source name (the CSV's stem), in file-name order."""
-    d = directory or data_dir()
+def sources(directory: Path) -> dict[str, list[Row]]:
+    """Every source's rows in ``directory`` (a source checkout's ``benchmarks/data``: the tables are not
+    package data, the planner ships only the constants fitted on them), by source name (the CSV's
+    stem), in file-name order."""
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"calibration data ({directory}) must be a folder of published tables (*.csv), "
+                                "as a source checkout's benchmarks/data")
     out = {}
-    for path in sorted(d.glob("*.csv")):
+    for path in sorted(Path(directory).glob("*.csv")):
         out[path.stem] = narayanan_rows(path) if path.stem == NARAYANAN else table_rows_of(path)
     if not out:
         raise FileNotFoundError(f"no calibration tables (*.csv) in {d}")
