@@ -221,11 +221,12 @@ def run(args) -> int:
     if "RANK" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0":  # one check per host, before any build
         from tpkernels.train.memory_guard import check_memory  # noqa: PLC0415
 
+        # the config's errors (data paths, layout) first, once, before the estimate and any rank start
+        dry_run(cfg, _world(args), read_data=False)
         check_memory(cfg, _world(args))
     if args.nproc:
         from tpkernels.train.launch import launch  # noqa: PLC0415
 
-        dry_run(cfg, args.nproc, read_data=False)  # the config's errors here, once, before any rank starts
         history = launch(rank_main, args.nproc, cfg, candidates, max_restarts=args.max_restarts,
                          quiet=not args.debug)[0]
         if args.verify_step0:
