@@ -10,7 +10,7 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "python").glob("*.py"))
 # shorter runs of the longest examples (each still checks itself: its loss falls, its resume and export
 # agree); finetune_lora runs as QLoRA here (its LoRA path is the default users run)
 ARGS = {"dpo.py": ["--steps", "12"], "sft_chat.py": ["--steps", "16"], "train_llama_from_scratch.py": ["--steps", "8"],
-        "finetune_lora.py": ["--steps", "6", "--quant", "nf4"], "long_context.py": ["--seq-len", "4096"]}
+        "finetune_lora.py": ["--steps", "6", "--quant", "nf4"], "long_context.py": ["--seq-len", "1024"]}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
