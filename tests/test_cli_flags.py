@@ -13,14 +13,16 @@ from tpkernels.cli import main
 from tpkernels.train import TrainConfig
 
 
-@pytest.mark.parametrize("flag, hint", [
-    ("--stepz", "did you mean '--steps', i.e. training.steps?"),
-    ("--parallel.seq_parallel", "did you mean '--parallel.sequence_parallel'?"),
-    ("--training.stepz", "did you mean '--training.steps'?"),
+@pytest.mark.parametrize("command, flag, hint", [
+    (["train"], "--stepz", "did you mean '--steps', i.e. training.steps?"),
+    (["train"], "--parallel.seq_parallel", "did you mean '--parallel.sequence_parallel'?"),
+    (["train"], "--training.stepz", "did you mean '--training.steps'?"),
+    (["plan", "--model", "Llama-3-8B"], "--gpux", "did you mean '--gpu', i.e. cluster.gpu?"),
+    (["generate", "no/such/checkpoint"], "--max-new-tokenz", "did you mean '--max-new-tokens'?"),
 ])
-def test_an_unknown_flag_names_the_nearest(flag, hint, capsys):
+def test_an_unknown_flag_names_the_nearest(command, flag, hint, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["train", flag, "3", "--dry-run"])
+        main([*command, flag, "3", "--dry-run"] if command == ["train"] else [*command, flag, "3"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"unknown flag '{flag}' ({hint})" in err, err
     assert "usage:" not in err and len(err.splitlines()) == 1  # one line, not argparse's screen of usage

@@ -372,8 +372,8 @@ def unknown_flag_message(flags: list[str], parser: argparse.ArgumentParser) -> s
             dest = known[near[0]]
             hint = f" (did you mean {near[0]!r}" + (f", i.e. {dest}" if "." in dest and dest not in near[0] else "") + "?)"
         said.append(f"{name!r}{hint}")
-    return (f"unknown flag{'s' if len(said) > 1 else ''} {'; '.join(said)}; --help lists every flag (each config "
-            "key is a --section.key flag)")
+    keys = " (each config key is a --section.key flag)" if any("." in d for d in known.values()) else ""
+    return f"unknown flag{'s' if len(said) > 1 else ''} {'; '.join(said)}; --help lists every flag{keys}"
 
 
 def suggest_unknown_flags(parser: argparse.ArgumentParser) -> None:

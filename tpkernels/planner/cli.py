@@ -124,6 +124,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML or TOML file of plan keys (flags override it)")
     options.add_flags(ap, PlanConfig, ALIASES)
+    options.suggest_unknown_flags(ap)  # '--gpus' -> did you mean '--gpu', as tpkernels train says
     return ap
 
 

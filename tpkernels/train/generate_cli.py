@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
     p.add_argument("--nproc", type=int, default=None, help="launch this many local ranks: the TP size")
     p.add_argument("--json", action="store_true", help="one JSON line per prompt (prompt, completion, tokens, reason)")
     p.add_argument("--debug", action="store_true", help="show errors with their tracebacks")
+    from tpkernels.options import suggest_unknown_flags  # noqa: PLC0415
+
+    suggest_unknown_flags(p)  # '--promptt' -> did you mean '--prompt', as tpkernels train says
 
 
 # ---- the input, checked in the launching process before any rank starts ----
