@@ -12,17 +12,14 @@ import shutil
 
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # a pinned requirement
+from tensorboard.util import tensor_util
 
-pytest.importorskip("tensorboard")
+from tpkernels.train import TrainConfig, Trainer
+from tpkernels.train.metrics import MetricsFile
+from tpkernels.train.experiment_log import close_logs, wandb_available
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-from tensorboard.util import tensor_util  # noqa: E402
-
-from tpkernels.train import TrainConfig, Trainer  # noqa: E402
-from tpkernels.train.metrics import MetricsFile  # noqa: E402
-from tpkernels.train.experiment_log import close_logs, wandb_available  # noqa: E402
-
-from test_train import small  # noqa: E402
+from test_train import small
 
 
 def read_events(folder) -> tuple[dict, dict]:
