@@ -3,14 +3,16 @@
 Both ``tpkernels plan --model X`` and ``tpkernels train --model X`` read a file through
 :func:`read_fields`, so they agree on it: the same model, the same refusals, the same messages.
 
-Families transformers knows (GPT-2, Llama, Qwen2, Qwen3, Mistral) are read through
+Families transformers knows (GPT-2, Llama, Qwen2, Qwen3, Mistral, and the mixture-of-experts
+Mixtral, Qwen2-MoE, Qwen3-MoE) are read through
 ``transformers.AutoConfig``, so that every config.json spelling transformers accepts arrives
 normalised (its class defaults for missing keys; ``rope_scaling`` + ``rope_theta`` of older files,
 ``rope_parameters`` of 5.x; Qwen2's ``layer_types``). Qwen (v1), which transformers only loads as
 remote code, is read from its JSON keys. What no part of the package can use raises a ValueError
-naming the config field: other model types, mixture-of-experts, unknown rope types, partial
-rotary, other activations. What only the models cannot build yet (Qwen3's q/k norms, Qwen v1's
-weight names, dropout) is recorded and left to ``ModelConfig.build_errors``.
+naming the config field: other model types, experts in other families (a Llama config with
+``num_experts``), unknown rope types, partial rotary, other activations. What only the models
+cannot build yet (Qwen3's q/k norms, Qwen v1's weight names, dropout, Mixtral's router jitter) is
+recorded and left to ``ModelConfig.build_errors``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tpkernels.description.families import MODEL_TYPES, ROPE_TYPES
+from tpkernels.description.families import MODEL_TYPES, MOE_TYPES, ROPE_TYPES
 
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -138,12 +140,13 @@ def _llama_like(cfg, kind: str, name: str) -> dict:
     window, window_layers = None, None
     if kind == "mistral" and getattr(cfg, "sliding_window", None):
         window = int(cfg.sliding_window)
-    if kind in ("qwen2", "qwen3") and getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+    qwen = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+    if kind in qwen and getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
         window = int(cfg.sliding_window)
     layer_types = getattr(cfg, "layer_types", None)
     if window is not None and layer_types:
         window_layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
-        if kind in ("qwen2", "qwen3") and not window_layers:
+        if kind in qwen and not window_layers:
             window = None
     attention_bias = bool(getattr(cfg, "attention_bias", False))
     head_dim = getattr(cfg, "head_dim", None)
@@ -156,10 +159,42 @@ def _llama_like(cfg, kind: str, name: str) -> dict:
         head_dim=head_dim, norm="rmsnorm", norm_eps=cfg.rms_norm_eps, positions="rotary",
         max_position_embeddings=cfg.max_position_embeddings, rope_theta=theta, rope_scaling=scaling,
         activation="swiglu", qkv_bias=kind == "qwen2" or attention_bias, out_bias=attention_bias and kind != "qwen2",
-        mlp_bias=bool(getattr(cfg, "mlp_bias", False)), qk_norm=kind == "qwen3",
+        mlp_bias=bool(getattr(cfg, "mlp_bias", False)), qk_norm=kind in ("qwen3", "qwen3_moe"),
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         sliding_window=window, sliding_window_layers=window_layers,
         initializer_range=getattr(cfg, "initializer_range", 0.02), name=name, **_dropout(cfg, kind))
+
+
+def _moe(cfg, kind: str, fields: dict) -> dict:
+    """Mixtral / Qwen2-MoE / Qwen3-MoE: the dense fields of :func:`_llama_like` plus the experts."""
+    L = fields["num_layers"]
+    if kind == "mixtral":
+        # Mixtral: every layer has experts; intermediate_size is each expert's width; no bias anywhere
+        fields.update(qkv_bias=False, out_bias=False, num_experts=int(cfg.num_local_experts),
+                      experts_per_token=int(cfg.num_experts_per_tok), router_normalize=True,
+                      router_jitter=float(getattr(cfg, "router_jitter_noise", 0.0) or 0.0))
+        if getattr(cfg, "sliding_window", None):
+            fields.update(sliding_window=int(cfg.sliding_window), sliding_window_layers=None)
+    else:
+        step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+        if step < 1:
+            raise ValueError(f"decoder_sparse_step ({step}) must be a positive integer")
+        layers = tuple(i for i in range(L) if i not in dense and (i + 1) % step == 0)
+        shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0) if kind == "qwen2_moe" else 0
+        fields.update(num_experts=int(cfg.num_experts), experts_per_token=int(cfg.num_experts_per_tok),
+                      moe_ffn_hidden_size=int(cfg.moe_intermediate_size), shared_expert_ffn_hidden_size=shared,
+                      shared_expert_gate=shared > 0, router_normalize=bool(getattr(cfg, "norm_topk_prob", False)),
+                      moe_layers=None if len(layers) == L else layers)
+        if kind == "qwen2_moe":
+            fields.update(qkv_bias=bool(getattr(cfg, "qkv_bias", True)), out_bias=False)
+        if not layers:  # experts on no layer: a dense model
+            fields.update(num_experts=0, experts_per_token=0, moe_ffn_hidden_size=None,
+                          shared_expert_ffn_hidden_size=0, shared_expert_gate=False, moe_layers=None,
+                          router_normalize=True)
+            return fields
+    fields["router_aux_loss_coef"] = float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0)
+    return fields
 
 
 def read_fields(config, what: str = "config") -> dict:
@@ -170,15 +205,18 @@ def read_fields(config, what: str = "config") -> dict:
     kind = cfg.model_type
     if kind not in MODEL_TYPES:
         raise ValueError(f"model_type ({kind!r}) is not supported; supported: {', '.join(MODEL_TYPES)}")
-    for f in _MOE_FIELDS:
-        if getattr(cfg, f, None):
-            raise ValueError(f"{f} ({getattr(cfg, f)}): mixture-of-experts models are not supported")
+    if kind not in MOE_TYPES:
+        for f in _MOE_FIELDS:
+            if getattr(cfg, f, None):
+                raise ValueError(f"{f} ({getattr(cfg, f)}): experts in a {kind!r} config are not supported; "
+                                 f"mixture-of-experts models are read as model_type {', '.join(MOE_TYPES)}")
     name = name or kind
     if kind == "gpt2":
         return _gpt2(cfg, name)
     if kind == "qwen":
         return _qwen_v1(cfg, name)
-    return _llama_like(cfg, kind, name)
+    fields = _llama_like(cfg, kind, name)
+    return _moe(cfg, kind, fields) if kind in MOE_TYPES else fields
 
 
 def config_to_hf(mc):
@@ -202,18 +240,48 @@ def config_to_hf(mc):
                   rope_parameters=rope, tie_word_embeddings=mc.tied_embeddings,
                   initializer_range=mc.initializer_range, attention_dropout=0.0)
     if mc.model_type == "qwen2":
-        layer_types = None
-        if mc.sliding_window is not None:
-            layers = mc.sliding_window_layers if mc.sliding_window_layers is not None else range(mc.num_layers)
-            layer_types = ["sliding_attention" if i in layers else "full_attention" for i in range(mc.num_layers)]
-        return transformers.Qwen2Config(**common, use_sliding_window=mc.sliding_window is not None,
-                                        sliding_window=mc.sliding_window, layer_types=layer_types,
-                                        architectures=["Qwen2ForCausalLM"])
+        return transformers.Qwen2Config(**common, **_qwen_windows(mc), architectures=["Qwen2ForCausalLM"])
+    if mc.model_type in MOE_TYPES:
+        return _moe_to_hf(mc, common)
     if mc.model_type == "mistral":
         return transformers.MistralConfig(**common, sliding_window=mc.sliding_window,
                                           architectures=["MistralForCausalLM"])
     return transformers.LlamaConfig(**common, attention_bias=mc.qkv_bias, mlp_bias=mc.mlp_bias,
                                     architectures=["LlamaForCausalLM"])
+
+
+def _qwen_windows(mc) -> dict:
+    """Qwen2's sliding-window keys: the window and which layers have it (``layer_types``)."""
+    layer_types = None
+    if mc.sliding_window is not None:
+        layers = mc.sliding_window_layers if mc.sliding_window_layers is not None else range(mc.num_layers)
+        layer_types = ["sliding_attention" if i in layers else "full_attention" for i in range(mc.num_layers)]
+    return dict(use_sliding_window=mc.sliding_window is not None, sliding_window=mc.sliding_window,
+                layer_types=layer_types)
+
+
+def _moe_to_hf(mc, common: dict):
+    import transformers  # noqa: PLC0415
+
+    moe = dict(num_experts_per_tok=mc.experts_per_token, router_aux_loss_coef=mc.router_aux_loss_coef,
+               output_router_logits=False)
+    if mc.model_type == "mixtral":
+        if mc.moe_layers is not None or mc.shared_expert_ffn_hidden_size or not mc.router_normalize:
+            raise ValueError("model_type 'mixtral' has experts on every layer, no shared expert and normalised "
+                             "top-k weights; this config is not one")
+        return transformers.MixtralConfig(**{**common, "intermediate_size": mc.expert_ffn}, **moe,
+                                          num_local_experts=mc.num_experts, router_jitter_noise=mc.router_jitter,
+                                          sliding_window=mc.sliding_window, architectures=["MixtralForCausalLM"])
+    # Qwen2-/Qwen3-MoE: the MoE layers as mlp_only_layers (the dense ones), decoder_sparse_step 1
+    dense = [] if mc.moe_layers is None else [i for i in range(mc.num_layers) if i not in mc.moe_layers]
+    moe.update(num_experts=mc.num_experts, moe_intermediate_size=mc.expert_ffn, norm_topk_prob=mc.router_normalize,
+               decoder_sparse_step=1, mlp_only_layers=dense)
+    if mc.model_type == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**common, **moe, **_qwen_windows(mc), qkv_bias=mc.qkv_bias,
+                                           shared_expert_intermediate_size=mc.shared_expert_ffn_hidden_size,
+                                           architectures=["Qwen2MoeForCausalLM"])
+    return transformers.Qwen3MoeConfig(**common, **moe, **_qwen_windows(mc), attention_bias=mc.qkv_bias,
+                                       architectures=["Qwen3MoeForCausalLM"])
 
 
 __all__ = ["config_to_hf", "read_fields"]

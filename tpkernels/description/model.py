@@ -10,7 +10,10 @@ Family differences are fields, not subclasses: ``norm`` ("layernorm" | "rmsnorm"
 ``activation`` ("gelu_tanh" | "gelu" | "swiglu"), biases (``qkv_bias``, ``out_bias``,
 ``mlp_bias``: GPT-2 all three, Qwen2 q/k/v only), tied embeddings, a sliding window (Mistral,
 Qwen2 with ``use_sliding_window``), optionally on some layers only, per-head q/k norms (Qwen3)
-and dropout.
+and dropout. Mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE) is fields too: ``num_experts`` > 0
+routed SwiGLU experts of width ``moe_ffn_hidden_size``, ``experts_per_token`` of them per token,
+on the layers ``moe_layers`` (the others keep the dense MLP of ``ffn_hidden_size``), optionally a
+shared expert (``shared_expert_ffn_hidden_size``) with Qwen2-MoE's sigmoid gate.
 
 What ``tpkernels.models`` cannot build yet is said in one place, :meth:`ModelConfig.build_errors`:
 the planner plans such a model (and prints the reasons), the model and ``tpkernels train`` refuse
@@ -19,7 +22,9 @@ it with the same messages.
 Counting (the planner's parameters, FLOPs; the trainer's MFU): one decoder layer = attention
 (q: heads·head_dim, k/v: kv_heads·head_dim, output projection) + MLP (GeLU: two matrices; SwiGLU:
 three) + two norms. Counting every weight this way reproduces the published parameter counts
-(Llama-3-8B: 8,030,261,248).
+(Llama-3-8B: 8,030,261,248). A MoE layer holds the router (E × hidden), E experts and the shared
+expert: :meth:`num_params` counts them all, :meth:`num_active_params` the weights one token passes
+through (k of the E experts), and the FLOPs count the active ones (Mixtral-8x7B: 46.7B / 12.9B).
 
 Padding rule: the vocabulary is padded to a multiple of ``vocab_pad_multiple × tp`` (every TP
 shard a whole number of GEMM tiles, Megatron's ``make_vocab_size_divisible_by``); the padding rows
@@ -37,7 +42,7 @@ from tpkernels.description import hf_config, presets
 from tpkernels.description.families import BUILDABLE_TYPES, MODEL_TYPES, PLAN_ONLY_TYPES, ROPE_TYPES
 
 _CHOICES = {"norm": ("layernorm", "rmsnorm"), "positions": ("learned", "rotary"),
-            "activation": ("gelu_tanh", "gelu", "swiglu")}
+            "activation": ("gelu_tanh", "gelu", "swiglu"), "router_score": ("softmax", "sigmoid")}
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,18 @@ class ModelConfig:
     dropout: the largest dropout probability of the Hugging Face config (``dropout_source`` names
         its field): the planner counts the masks it stores; the models train without dropout and
         refuse a config with dropout > 0 unless it is dropped (``from_hf(drop_dropout=True)``).
+
+    Mixture of experts (``num_experts`` 0: a dense model, every other MoE field at its default):
+    num_experts: routed experts per MoE layer (E). experts_per_token: top-k (1 ≤ k ≤ E).
+    moe_ffn_hidden_size: each routed expert's SwiGLU width (None: ``ffn_hidden_size``, Mixtral's case).
+    shared_expert_ffn_hidden_size: the always-on shared expert's width (0: none); shared_expert_gate:
+        its output times sigmoid(x · w) (Qwen2-MoE). router_score: "softmax" (Mixtral, Qwen) or
+        "sigmoid" (DeepSeek-V3). router_normalize: the k weights divided by their sum (Mixtral always,
+        Qwen ``norm_topk_prob``). moe_layers: the layers with experts (None: every layer; Qwen2-MoE's
+        ``decoder_sparse_step`` / ``mlp_only_layers``). router_aux_loss_coef / router_z_loss_coef: the
+        load-balancing and z-loss coefficients. capacity_factor: None = dropless; else each expert keeps
+        at most ceil(cf · T · k / E) assignments. router_jitter: Mixtral's multiplicative input noise
+        in training (read so the planner sees it; the models refuse it, like dropout).
     """
 
     model_type: str
@@ -81,6 +98,18 @@ class ModelConfig:
     vocab_pad_multiple: int = 128
     name: str = ""
     dropout_source: str = field(default="", compare=False)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn_hidden_size: int | None = None
+    shared_expert_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = False
+    router_score: str = "softmax"
+    router_normalize: bool = True
+    moe_layers: tuple[int, ...] | None = None
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+    capacity_factor: float | None = None
+    router_jitter: float = 0.0
 
     def __post_init__(self):
         errs = []
@@ -114,11 +143,58 @@ class ModelConfig:
             raise ValueError(f"norm_eps ({self.norm_eps!r}) must be > 0")
         if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
             raise ValueError(f"dropout ({self.dropout!r}) must be in [0, 1)")
+        self._check_moe()
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if rope_type not in ROPE_TYPES:
                 raise ValueError(f"rope_scaling.rope_type ({rope_type!r}) is not supported; supported: "
                                  f"{', '.join(ROPE_TYPES)}")
+
+    def _check_moe(self) -> None:
+        """The MoE fields' rules, one named message each (a dense model leaves them at their defaults)."""
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        e, k = self.num_experts, self.experts_per_token
+        if not is_int(e) or e < 0:
+            raise ValueError(f"num_experts ({e!r}) must be a non-negative integer (0: a dense model)")
+        if not is_int(k) or k < 0:
+            raise ValueError(f"experts_per_token ({k!r}) must be a non-negative integer")
+        for f in ("router_aux_loss_coef", "router_z_loss_coef", "router_jitter"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{f} ({v!r}) must be a finite number >= 0")
+        if not is_int(self.shared_expert_ffn_hidden_size) or self.shared_expert_ffn_hidden_size < 0:
+            raise ValueError(f"shared_expert_ffn_hidden_size ({self.shared_expert_ffn_hidden_size!r}) must be a "
+                             "non-negative integer (0: no shared expert)")
+        if e == 0:
+            moe_set = [f for f in ("experts_per_token", "moe_ffn_hidden_size", "shared_expert_ffn_hidden_size",
+                                   "moe_layers", "capacity_factor") if getattr(self, f) not in (0, None)]
+            if moe_set:
+                raise ValueError(f"{', '.join(f'{f} ({getattr(self, f)!r})' for f in moe_set)} set on a dense model: "
+                                 "num_experts (0) must be > 0 for mixture-of-experts fields")
+            return
+        if self.activation != "swiglu":
+            raise ValueError(f"activation ({self.activation!r}) must be 'swiglu' with num_experts ({e}) > 0: the "
+                             "experts are SwiGLU MLPs")
+        if not 1 <= k <= e:
+            raise ValueError(f"experts_per_token ({k}) must be between 1 and num_experts ({e})")
+        if self.moe_ffn_hidden_size is not None and (not is_int(self.moe_ffn_hidden_size)
+                                                     or self.moe_ffn_hidden_size < 1):
+            raise ValueError(f"moe_ffn_hidden_size ({self.moe_ffn_hidden_size!r}) must be a positive integer or None")
+        if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
+            raise ValueError("shared_expert_gate (True) needs a shared expert: shared_expert_ffn_hidden_size (0) "
+                             "must be > 0")
+        if self.moe_layers is not None:
+            layers = self.moe_layers
+            if (not isinstance(layers, tuple) or not all(is_int(i) and 0 <= i < self.num_layers for i in layers)
+                    or list(layers) != sorted(set(layers))):
+                raise ValueError(f"moe_layers ({layers!r}) must be a sorted tuple of distinct layer ids in "
+                                 f"[0, num_layers ({self.num_layers})), or None for every layer")
+        cf = self.capacity_factor
+        if cf is not None and not (isinstance(cf, (int, float)) and not isinstance(cf, bool) and math.isfinite(cf)
+                                   and cf > 0):
+            raise ValueError(f"capacity_factor ({cf!r}) must be a finite number > 0, or None (dropless)")
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -136,6 +212,15 @@ class ModelConfig:
             errs.append(f"{self.dropout_source or 'dropout'} ({self.dropout}) > 0: tpkernels models train without "
                         "dropout; pass drop_dropout=True (tpkernels train: model.drop_dropout true) to load the "
                         "model and train it without (as LLM pre-training usually does)")
+        if self.num_experts:  # the MoE layer (tpkernels/models/moe.py) is being built (issue 42)
+            errs.append(f"num_experts ({self.num_experts}): tpkernels.models does not build mixture-of-experts "
+                        "layers yet (the planner plans them)")
+        if self.router_jitter > 0:
+            errs.append(f"router_jitter_noise ({self.router_jitter}) > 0: tpkernels models route without input "
+                        "jitter; set it to 0 in the config to train without (Mixtral's published checkpoints do)")
+        if self.num_experts and self.router_score != "softmax":
+            errs.append(f"router_score ({self.router_score!r}): tpkernels.models builds softmax routers only (the "
+                        "sigmoid scores of DeepSeek-V3 are a routing option of tpkernels.functional.moe_router)")
         return errs
 
     def require_buildable(self) -> "ModelConfig":
@@ -183,6 +268,23 @@ class ModelConfig:
         """The Hugging Face weight naming: "gpt2", or "llama" (Llama, Qwen2, Mistral)."""
         return "gpt2" if self.model_type == "gpt2" else "llama"
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        """Each routed expert's SwiGLU width (0 for a dense model)."""
+        return (self.moe_ffn_hidden_size or self.ffn_hidden_size) if self.num_experts else 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer ``layer`` has routed experts (else the dense MLP of ``ffn_hidden_size``)."""
+        return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
     def padded_vocab(self, tp: int) -> int:
         """Vocabulary rows of the embedding and head tables at tensor-parallel size ``tp``."""
         m = self.vocab_pad_multiple * tp
@@ -199,32 +301,77 @@ class ModelConfig:
         """The keyword arguments of ``ParallelConfig.validate`` that tie a layout to this model."""
         rules = dict(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
                      num_kv_heads=self.kv_heads, ffn_hidden_size=self.ffn_hidden_size)
+        if self.num_experts:  # ParallelConfig's expert rules (ep divides E; expert and shared FFN over tp)
+            rules.update(num_experts=self.num_experts, experts_per_token=self.experts_per_token,
+                         moe_ffn_hidden_size=self.expert_ffn,
+                         shared_expert_ffn_hidden_size=self.shared_expert_ffn_hidden_size)
         if seq_length is not None:
             rules["seq_length"] = seq_length
         return rules
 
     # ------------------------------------------------------------------ parameters
-    def linear_weights_per_layer(self) -> int:
-        """Weights of the GEMMs of one layer (what FLOPs scale with)."""
+    def _attention_weights(self) -> int:
         h = self.hidden_size
-        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
-        return attn + self.mlp_matrices * h * self.ffn_hidden_size
+        return h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+
+    def _attention_extras(self) -> int:
+        """Biases and q/k norms of the attention."""
+        n = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
+        n += self.hidden_size if self.out_bias else 0
+        return n + (2 * self.dhead if self.qk_norm else 0)
+
+    def _dense_mlp_params(self, layer: int) -> tuple[int, int]:
+        """(GEMM weights, biases) of layer ``layer``'s dense MLP (0 on a MoE layer)."""
+        if self.is_moe_layer(layer):
+            return 0, 0
+        h, f = self.hidden_size, self.ffn_hidden_size
+        return self.mlp_matrices * h * f, (f * (self.mlp_matrices - 1) + h if self.mlp_bias else 0)
+
+    def moe_params(self, layer: int) -> dict[str, int]:
+        """Parameters of layer ``layer``'s MoE block by kind: router (E × hidden), experts (E SwiGLU MLPs),
+        shared (the shared expert and its gate). Empty on a dense layer."""
+        if not self.is_moe_layer(layer):
+            return {}
+        h, e, s = self.hidden_size, self.num_experts, self.shared_expert_ffn_hidden_size
+        return dict(router=e * h, experts=e * 3 * h * self.expert_ffn,
+                    shared=3 * h * s + (h if self.shared_expert_gate else 0))
+
+    def layer_params(self, layer: int, *, active: bool = False) -> int:
+        """Parameters of decoder layer ``layer``; ``active``: those one token passes through (k of the E
+        experts)."""
+        moe = self.moe_params(layer)
+        experts = moe.get("experts", 0)
+        if active and experts:
+            experts = experts // self.num_experts * self.experts_per_token
+        dense_w, dense_b = self._dense_mlp_params(layer)
+        return (self._attention_weights() + self._attention_extras() + 2 * self.norm_params() + dense_w + dense_b
+                + moe.get("router", 0) + moe.get("shared", 0) + experts)
+
+    def linear_weights_per_layer(self) -> float:
+        """GEMM weights one token passes through in a layer (what FLOPs scale with), the mean over the
+        layers: attention, the dense MLP or, on a MoE layer, the router, k of the E experts and the
+        shared expert. An integer for a dense model."""
+        total = 0
+        for i in range(self.num_layers):
+            dense_w, _ = self._dense_mlp_params(i)
+            moe = self.moe_params(i)
+            active = moe.get("experts", 0) // max(1, self.num_experts) * self.experts_per_token
+            total += self._attention_weights() + dense_w + moe.get("router", 0) + active + moe.get("shared", 0)
+        return total // self.num_layers if total % self.num_layers == 0 else total / self.num_layers
 
     def norm_params(self) -> int:
         return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
 
-    def params_per_layer(self) -> int:
-        h, f = self.hidden_size, self.ffn_hidden_size
-        n = self.linear_weights_per_layer() + 2 * self.norm_params()
-        if self.qkv_bias:
-            n += self.q_dim + 2 * self.kv_dim
-        if self.out_bias:
-            n += h
-        if self.mlp_bias:
-            n += f * (self.mlp_matrices - 1) + h  # up (and gate), down
-        if self.qk_norm:
-            n += 2 * self.dhead
-        return n
+    def params_per_layer(self) -> float:
+        """Parameters of one decoder layer, the mean over the layers (an integer when every layer is
+        alike: a dense model, or experts on every layer)."""
+        total = sum(self.layer_params(i) for i in range(self.num_layers))
+        return total // self.num_layers if total % self.num_layers == 0 else total / self.num_layers
+
+    def expert_params_per_layer(self) -> float:
+        """Routed-expert parameters of one layer, the mean over the layers (what EP shards)."""
+        total = sum(self.moe_params(i).get("experts", 0) for i in range(self.num_layers))
+        return total // self.num_layers if total % self.num_layers == 0 else total / self.num_layers
 
     def embedding_params(self) -> int:
         """Input embedding + learned positions (first pipeline stage), without vocabulary padding."""
@@ -235,24 +382,49 @@ class ModelConfig:
         return self.norm_params() + (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
 
     def num_params(self) -> int:
-        return self.num_layers * self.params_per_layer() + self.embedding_params() + self.head_params()
+        """Every parameter (all experts of a MoE model), without vocabulary padding."""
+        return sum(self.layer_params(i) for i in range(self.num_layers)) + self.embedding_params() + \
+            self.head_params()
+
+    def num_active_params(self) -> int:
+        """The parameters one token passes through: :meth:`num_params` with k of the E experts of each
+        MoE layer (the equal of num_params for a dense model)."""
+        return sum(self.layer_params(i, active=True) for i in range(self.num_layers)) + self.embedding_params() + \
+            self.head_params()
 
     def num_non_embedding_params(self) -> int:
         return self.num_params() - self.embedding_params() - (0 if self.tied_embeddings else
                                                               self.vocab_size * self.hidden_size)
 
-    def lora_params_per_layer(self, rank: int) -> int:
-        """LoRA adapters (A: in×r, B: r×out) on every linear layer of one decoder layer."""
-        h, f = self.hidden_size, self.ffn_hidden_size
-        shapes = [(h, self.q_dim), (h, self.kv_dim), (h, self.kv_dim), (self.q_dim, h)]
-        shapes += [(h, f)] * (self.mlp_matrices - 1) + [(f, h)]
-        return sum(rank * (i + o) for i, o in shapes)
+    def lora_params_per_layer(self, rank: int) -> float:
+        """LoRA adapters (A: in×r, B: r×out) on every linear layer of one decoder layer (the mean over
+        the layers): attention, the dense MLP or each routed expert's gate, up and down and the shared
+        expert's (not the router, nor the shared expert's gate)."""
+        h = self.hidden_size
+        attn = [(h, self.q_dim), (h, self.kv_dim), (h, self.kv_dim), (self.q_dim, h)]
+
+        def mlp(f):
+            return [(h, f)] * (self.mlp_matrices - 1) + [(f, h)]
+
+        total = 0
+        for i in range(self.num_layers):
+            shapes = list(attn)
+            if self.is_moe_layer(i):
+                shapes += mlp(self.expert_ffn) * self.num_experts
+                if self.shared_expert_ffn_hidden_size:
+                    shapes += mlp(self.shared_expert_ffn_hidden_size)
+            else:
+                shapes += mlp(self.ffn_hidden_size)
+            total += sum(rank * (a + b) for a, b in shapes)
+        return total // self.num_layers if total % self.num_layers == 0 else total / self.num_layers
 
     # ------------------------------------------------------------------ FLOPs
     def forward_flops_per_layer(self, batch: int, seq: int) -> tuple[float, float]:
         """(GEMM FLOPs of the linear layers, FLOPs of the attention core QK^T and PV) of one
-        layer's forward over ``batch`` sequences of ``seq`` tokens. A multiply-add is 2 FLOPs;
-        the attention core is counted in full (no causal halving), as Megatron's formula does."""
+        layer's forward over ``batch`` sequences of ``seq`` tokens, the mean over the layers. A
+        multiply-add is 2 FLOPs; the attention core is counted in full (no causal halving), as
+        Megatron's formula does. A MoE layer counts the router and the k active experts of each
+        token (:meth:`linear_weights_per_layer`), not the E it holds."""
         tokens = batch * seq
         return 2.0 * tokens * self.linear_weights_per_layer(), 4.0 * batch * seq * seq * self.q_dim
 
@@ -261,7 +433,8 @@ class ModelConfig:
 
     def model_flops_per_step(self, global_batch: int, seq: int) -> float:
         """Forward + backward FLOPs of one step without recompute: for GPT shapes this is
-        72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) (Narayanan et al. 2021)."""
+        72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) (Narayanan et al. 2021); a MoE model counts its active
+        experts and router (the MFU convention of Megatron-Core and torchtitan)."""
         lin, core = self.forward_flops_per_layer(global_batch, seq)
         return 3.0 * (self.num_layers * (lin + core) + self.logits_forward_flops(global_batch, seq))
 
@@ -271,7 +444,8 @@ class ModelConfig:
         built for (``tpkernels.pipeline.schedules.zb_h1``; the planner times the same split). B is the
         input gradient (the linear layers' dX GEMMs and the attention core's whole backward, which
         FlashAttention runs at 2.5× its forward since it recomputes the scores), W the linear
-        layers' weight gradients."""
+        layers' weight gradients. MoE layers count their active experts (an EP rank computes, on
+        average, its tokens' share of the experts' work)."""
         lin, core = self.forward_flops_per_layer(micro_batch, seq)
         bwd_core = (2.5 if flash_attention else 2.0) * core
         return (lin + core) / tp, (lin + bwd_core) / tp, lin / tp
@@ -279,9 +453,14 @@ class ModelConfig:
     def describe(self) -> str:
         kv = f", {self.kv_heads} KV heads" if self.kv_heads != self.num_attention_heads else ""
         mlp = "swiglu" if self.gated_mlp else "gelu"
+        moe = ""
+        if self.num_experts:
+            shared = f" + shared {self.shared_expert_ffn_hidden_size}" if self.shared_expert_ffn_hidden_size else ""
+            moe = (f", {self.num_experts} experts of ffn {self.expert_ffn} top-{self.experts_per_token}{shared} "
+                   f"({self.num_active_params() / 1e9:.2f}B active)")
         return (f"{self.name or self.model_type}: {self.num_params() / 1e9:.2f}B params, {self.num_layers} layers, "
                 f"hidden {self.hidden_size}, {self.num_attention_heads} heads{kv}, ffn {self.ffn_hidden_size} ({mlp}), "
-                f"vocab {self.vocab_size}")
+                f"vocab {self.vocab_size}{moe}")
 
     # ------------------------------------------------------------------ constructors
     @classmethod

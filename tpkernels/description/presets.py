@@ -23,6 +23,19 @@ def _gpt(name, layers, hidden, heads, vocab=51200, seq=2048) -> dict:
                 tied_embeddings=True, name=name)
 
 
+def _moe(name, kind, layers, hidden, heads, kv, ffn, vocab, experts, k, *, expert_ffn=None, shared=0, normalize=True,
+         head_dim=None, seq=32768, theta=1e6, eps=1e-6, aux=0.001) -> dict:
+    """Mixtral / Qwen-MoE shapes: Llama's attention and norms, experts on every layer. ``ffn`` is the dense
+    MLP width (HF ``intermediate_size``); Mixtral's experts are that wide, Qwen's ``expert_ffn``
+    (``moe_intermediate_size``)."""
+    return dict(model_type=kind, num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_kv_heads=kv,
+                head_dim=head_dim, ffn_hidden_size=ffn, vocab_size=vocab, max_position_embeddings=seq,
+                rope_theta=theta, norm_eps=eps, qkv_bias=kind == "qwen2_moe", qk_norm=kind == "qwen3_moe",
+                num_experts=experts, experts_per_token=k, moe_ffn_hidden_size=expert_ffn,
+                shared_expert_ffn_hidden_size=shared, shared_expert_gate=shared > 0, router_normalize=normalize,
+                router_aux_loss_coef=aux, name=name)
+
+
 # (heads, hidden, layers) of the GPT models of Narayanan et al. 2021, Table 1 (vocab 51200, seq 2048)
 NARAYANAN_2021_GPT = {
     "1.7B": (24, 2304, 24), "3.6B": (32, 3072, 30), "7.5B": (32, 4096, 36), "18B": (48, 6144, 40),
@@ -43,6 +56,16 @@ PRESETS: dict[str, dict] = {
         _llama("Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064, qkv_bias=True, seq=32768, theta=1e6, eps=1e-6),
         _llama("Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064, qkv_bias=True, seq=32768, theta=1e6, eps=1e-6),
         _llama("Qwen2.5-72B", 80, 8192, 64, 8, 29568, 152064, qkv_bias=True, seq=32768, theta=1e6, eps=1e-6),
+        # Mixture of experts, from each model's config.json on the Hub; total / active parameters as published:
+        # Mixtral 46.7B / 12.9B and 141B / 39B, Qwen2 57B / 14B, Qwen3 30.5B / 3.3B and 235B / 22B
+        _moe("Mixtral-8x7B", "mixtral", 32, 4096, 32, 8, 14336, 32000, 8, 2, eps=1e-5, aux=0.02),
+        _moe("Mixtral-8x22B", "mixtral", 56, 6144, 48, 8, 16384, 32768, 8, 2, seq=65536, eps=1e-5),
+        _moe("Qwen2-57B-A14B", "qwen2_moe", 28, 3584, 28, 4, 18944, 151936, 64, 8, expert_ffn=2560, shared=20480,
+             normalize=False),
+        _moe("Qwen3-30B-A3B", "qwen3_moe", 48, 2048, 32, 4, 6144, 151936, 128, 8, expert_ffn=768, head_dim=128,
+             seq=40960),
+        _moe("Qwen3-235B-A22B", "qwen3_moe", 94, 4096, 64, 4, 12288, 151936, 128, 8, expert_ffn=1536, head_dim=128,
+             seq=40960),
         _gpt("GPT-3-175B", 96, 12288, 96, vocab=50257),
         *(_gpt(f"GPT-{size}", layers, hidden, heads) for size, (heads, hidden, layers) in NARAYANAN_2021_GPT.items()),
     )

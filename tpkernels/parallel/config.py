@@ -9,6 +9,13 @@ the ``parallel.`` prefix through ``key_prefix``).
 Rank order (Megatron-Core's tp-cp-dp-pp): tensor-parallel ranks vary fastest, then context-parallel,
 then data-parallel, then pipeline stages, so a TP group is ``tp`` consecutive ranks (inside one
 node), a CP group strides by ``tp`` and a DP group by ``tp · cp``.
+
+Expert parallelism (``ep``, mixture-of-experts models) folds into data × context parallelism, as
+Megatron-Core does: ``ep`` divides ``dp · cp`` and the world size stays tp · cp · pp · dp. An EP group
+is ``ep`` consecutive ranks of one (tp rank, pipeline stage)'s DP × CP ranks (so on one node first);
+each holds E / ep of every MoE layer's experts, TP-split like the dense MLP. The ``dp · cp / ep``
+ranks that hold the same experts form the expert-data-parallel group, over which the experts'
+gradients are reduced (the other weights over DP × CP as without EP).
 """
 
 from __future__ import annotations
@@ -99,6 +106,9 @@ class ParallelConfig:
                                                  "(zigzag chunks), attention across them"})
     cp_algo: str = field(default="ring", metadata={"help": "context-parallel attention: ring, allgather or a2a",
                                                    "choices": CP_ALGOS})
+    ep: int = field(default=1, metadata={"help": "expert-parallel size (mixture-of-experts models): each MoE layer's "
+                                                 "experts split over ep ranks of the dp · cp ranks (ep divides "
+                                                 "dp · cp; the world size stays tp · cp · pp · dp)"})
 
     # ------------------------------------------------------------------ derived
     @property
@@ -132,10 +142,11 @@ class ParallelConfig:
         return self.replace(dp=max(1, world_size // (self.tp * self.cp * self.pp)) if not self.layout_errors() else 1)
 
     def short(self) -> str:
-        """Compact label, e.g. ``TP4 PP2 DP8 v2 mbs1 SP rc=selective ZeRO1``."""
+        """Compact label, e.g. ``TP4 PP2 DP8 v2 mbs1 SP rc=selective ZeRO1`` (``EP4`` after DP with experts split)."""
         parts = [f"TP{self.tp}"] + ([f"CP{self.cp}" + ("" if self.cp_algo == "ring" else f"-{self.cp_algo}")]
                                      if self.cp > 1 else []) + \
-            [f"PP{self.pp}", f"DP{self.dp if self.dp is not None else 'auto'}"]
+            [f"PP{self.pp}", f"DP{self.dp if self.dp is not None else 'auto'}"] + \
+            ([f"EP{self.ep}"] if self.ep != 1 else [])
         if self.virtual_stages > 1:
             parts.append(f"v{self.virtual_stages}")
         parts.append(f"mbs{self.micro_batch_size}")
@@ -153,7 +164,7 @@ class ParallelConfig:
         (e.g. "parallel.")."""
         k = key_prefix
         sizes = dict(tp=self.tp, cp=self.cp, pp=self.pp, virtual_stages=self.virtual_stages,
-                     micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches)
+                     micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches, ep=self.ep)
         if self.dp is not None:
             sizes["dp"] = self.dp
         errs = positive_int_errors(**{k + name: v for name, v in sizes.items()})
@@ -173,7 +184,18 @@ class ParallelConfig:
             )
         errs += pipeline_errors(self.pp, self.virtual_stages, self.num_microbatches, k)
         errs += self.schedule_errors(k)
+        if self.dp is not None:
+            errs += self.expert_layout_errors(self.dp, k)
         return errs
+
+    def expert_layout_errors(self, dp: int, key_prefix: str = "") -> list[str]:
+        """EP folds into DP × CP: ``ep`` must divide ``dp · cp``."""
+        k = key_prefix
+        if (dp * self.cp) % self.ep:
+            cp = f" × {k}cp ({self.cp}) = {dp * self.cp}" if self.cp > 1 else ""
+            return [f"{k}ep ({self.ep}) must divide {k}dp ({dp}){cp}: expert parallelism splits the experts over "
+                    f"the data-parallel{' and context-parallel' if self.cp > 1 else ''} ranks"]
+        return []
 
     def schedule_errors(self, key_prefix: str = "") -> list[str]:
         k = key_prefix
@@ -191,11 +213,15 @@ class ParallelConfig:
 
     def model_errors(self, *, num_layers: int, num_attention_heads: int, num_kv_heads: int | None = None,
                      ffn_hidden_size: int | None = None, seq_length: int | None = None,
-                     layer_counts=None, key_prefix: str = "") -> list[str]:
+                     layer_counts=None, num_experts: int | None = None, experts_per_token: int | None = None,
+                     moe_ffn_hidden_size: int | None = None, shared_expert_ffn_hidden_size: int | None = None,
+                     key_prefix: str = "") -> list[str]:
         """Rules that tie the layout to a model's shape. ``layer_counts`` (layers per virtual stage, in
-        pipeline order) replaces the even-split rule for uneven pipelines."""
+        pipeline order) replaces the even-split rule for uneven pipelines. The expert fields
+        (``ModelConfig.layout_rules`` passes them for a MoE model) tie ``ep`` and ``tp`` to the experts."""
         k = key_prefix
-        errs = []
+        errs = self._expert_model_errors(num_experts, experts_per_token, moe_ffn_hidden_size,
+                                         shared_expert_ffn_hidden_size, k)
         tp, pp, v = self.tp, self.pp, self.virtual_stages
         if num_attention_heads % tp:
             errs.append(f"num_attention_heads ({num_attention_heads}) must be divisible by {k}tp ({tp})")
@@ -229,6 +255,25 @@ class ParallelConfig:
                             f"per TP rank ({kv_local}) divisible by {k}cp ({cp}); use 'ring' or 'allgather'")
         return errs
 
+    def _expert_model_errors(self, num_experts, experts_per_token, moe_ffn, shared_ffn, k: str) -> list[str]:
+        ep, tp = self.ep, self.tp
+        if not num_experts:
+            if ep > 1:
+                return [f"{k}ep ({ep}) > 1 needs a mixture-of-experts model (num_experts > 0); this model is dense"]
+            return []
+        errs = []
+        if num_experts % ep:
+            errs.append(f"num_experts ({num_experts}) must be divisible by {k}ep ({ep}): each EP rank holds "
+                        "num_experts / ep whole experts")
+        if experts_per_token is not None and not 1 <= experts_per_token <= num_experts:
+            errs.append(f"experts_per_token ({experts_per_token}) must be between 1 and num_experts ({num_experts})")
+        if moe_ffn is not None and moe_ffn % tp:
+            errs.append(f"moe_ffn_hidden_size ({moe_ffn}) must be divisible by {k}tp ({tp}): each expert's FFN "
+                        "columns are split over the TP ranks")
+        if shared_ffn and shared_ffn % tp:
+            errs.append(f"shared_expert_ffn_hidden_size ({shared_ffn}) must be divisible by {k}tp ({tp})")
+        return errs
+
     def job_errors(self, *, world_size: int | None = None, global_batch_size: int | None = None,
                    key_prefix: str = "") -> list[str]:
         k = key_prefix
@@ -239,6 +284,8 @@ class ParallelConfig:
                 cp = f"{k}cp ({self.cp}) × " if self.cp > 1 else ""
                 errs.append(f"world_size ({world_size}) must be divisible by {k}tp ({self.tp}) × {cp}{k}pp ({self.pp}) "
                             f"= {model}")
+            elif world_size is not None:
+                errs += self.expert_layout_errors(world_size // model, k)
             return errs
         if world_size is not None and world_size != self.world_size:
             cp = f"{k}cp ({self.cp}) × " if self.cp > 1 else ""
@@ -261,15 +308,18 @@ class ParallelConfig:
     def validate(self, *, world_size: int | None = None, global_batch_size: int | None = None,
                  num_layers: int | None = None, num_attention_heads: int | None = None,
                  num_kv_heads: int | None = None, ffn_hidden_size: int | None = None,
-                 seq_length: int | None = None, layer_counts=None, key_prefix: str = "") -> "ParallelConfig":
-        """Raise ParallelConfigError listing every broken rule; return self when all hold."""
+                 seq_length: int | None = None, layer_counts=None, key_prefix: str = "",
+                 **experts) -> "ParallelConfig":
+        """Raise ParallelConfigError listing every broken rule; return self when all hold. ``experts``:
+        the expert keywords of :meth:`model_errors` (num_experts, experts_per_token, ...)."""
         errs = self.layout_errors(key_prefix)
         if not errs:
             errs += self.job_errors(world_size=world_size, global_batch_size=global_batch_size, key_prefix=key_prefix)
             if num_layers is not None and num_attention_heads is not None:
                 errs += self.model_errors(num_layers=num_layers, num_attention_heads=num_attention_heads,
                                           num_kv_heads=num_kv_heads, ffn_hidden_size=ffn_hidden_size,
-                                          seq_length=seq_length, layer_counts=layer_counts, key_prefix=key_prefix)
+                                          seq_length=seq_length, layer_counts=layer_counts, key_prefix=key_prefix,
+                                          **experts)
         if errs:
             raise ParallelConfigError(errs)
         return self

@@ -3,6 +3,7 @@
     dist.init_process_group("nccl")                       # torchrun (env://) or any other init
     state = ParallelState.create(ParallelConfig(tp=4, pp=2, dp=8))
     state.tp_group, state.pp_group, state.dp_group        # this rank's groups
+    state.ep_group, state.edp_group                       # with experts (ep > 1): EP and expert-DP groups
     state.tp_rank, state.pp_rank, state.dp_rank           # this rank's coordinates
     state.device_mesh                                     # DeviceMesh ("pp", "dp", "tp") for DTensor code
 
@@ -14,6 +15,10 @@ validates it; a broken rule raises the same :class:`ParallelConfigError` on ever
 group exists, so no rank is left waiting in ``new_group`` for a rank that raised. Without an
 initialised ``torch.distributed`` (a plain script) a world of one rank gets ``None`` groups,
 which every layer of the package treats as a group of one.
+
+Expert parallelism folds into DP × CP (ParallelConfig's module docstring): an EP group is ``ep``
+consecutive ranks of a "dp_cp" group, the expert-data-parallel ("edp") group the ranks of that
+"dp_cp" group at the same EP rank (stride ``ep``): they hold the same experts.
 
 The embedding group joins the first and last pipeline stage of each pipeline (same TP and DP
 rank): tied input/output embeddings live on both and their gradients are summed over it.
@@ -57,8 +62,10 @@ def _agree_on_config(config: ParallelConfig, model_rules: dict) -> None:
 
 def layout_ranks(config: ParallelConfig) -> dict[str, list[list[int]]]:
     """Every group of the layout, as lists of global ranks: "tp", "cp", "dp", "pp", "dp_cp" (the
-    replicas of a weight: gradients are reduced over DP and CP together) and "embedding". Rank
-    order tp-cp-dp-pp: ``rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank``."""
+    replicas of a weight: gradients are reduced over DP and CP together), "ep" (``ep`` consecutive
+    ranks of a dp_cp group: they split the experts), "edp" (the dp_cp ranks at one EP rank: the
+    replicas of an expert shard) and "embedding". Rank order tp-cp-dp-pp:
+    ``rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank``."""
     tp, cp, dp, pp = config.tp, config.cp, config.dp, config.pp
 
     def rank(p, d, c, t):
@@ -71,8 +78,14 @@ def layout_ranks(config: ParallelConfig) -> dict[str, list[list[int]]]:
         "pp": [[rank(p, d, c, t) for p in range(pp)] for d in range(dp) for c in range(cp) for t in range(tp)],
         "dp_cp": [[rank(p, d, c, t) for d in range(dp) for c in range(cp)] for p in range(pp) for t in range(tp)],
     }
+    ep = config.ep
+    groups["ep"] = [g[i:i + ep] for g in groups["dp_cp"] for i in range(0, len(g), ep)]
+    groups["edp"] = [g[j::ep] for g in groups["dp_cp"] for j in range(ep)]
     groups["embedding"] = [[g[0], g[-1]] if pp > 1 else [g[0]] for g in groups["pp"]]
     return groups
+
+
+GROUP_NAMES = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp", "embedding")
 
 
 @dataclass
@@ -91,6 +104,8 @@ class ParallelState:
     dp_cp_group: object = None
     pp_group: object = None
     embedding_group: object = None
+    ep_group: object = None
+    edp_group: object = None
     backend: str | None = None
     _ranks: dict = field(default_factory=dict, repr=False)
     _mesh: object = field(default=None, repr=False)
@@ -116,8 +131,10 @@ class ParallelState:
         state._ranks = layout_ranks(config)
         if not _initialised():
             return state
-        for name in ("tp", "cp", "dp", "pp", "dp_cp", "embedding"):
+        for name in GROUP_NAMES:
             if name in ("cp", "dp_cp") and config.cp == 1:  # the same ranks as none / dp: no new groups
+                continue
+            if name in ("ep", "edp") and config.ep == 1:  # none / dp_cp's ranks
                 continue
             mine = None
             for ranks in state._ranks[name]:  # every rank creates every group, in the same order
@@ -127,6 +144,8 @@ class ParallelState:
             setattr(state, f"{name}_group", mine)
         if config.cp == 1:
             state.dp_cp_group = state.dp_group
+        if config.ep == 1:
+            state.edp_group = state.dp_cp_group
         return state
 
     # ---- coordinates ----
@@ -145,6 +164,20 @@ class ParallelState:
     @property
     def pp_rank(self) -> int:
         return self.rank // (self.config.tp * self.config.cp * self.config.dp)
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its EP group: its experts are ep_rank · E/ep ... (ep_rank + 1) · E/ep - 1."""
+        return (self.dp_rank * self.config.cp + self.cp_rank) % self.config.ep
+
+    @property
+    def ep_size(self) -> int:
+        return self.config.ep
+
+    @property
+    def edp_size(self) -> int:
+        """Replicas of each expert shard (dp · cp / ep)."""
+        return self.config.dp * self.config.cp // self.config.ep
 
     @property
     def cp_size(self) -> int:
@@ -171,9 +204,9 @@ class ParallelState:
         return self.pp_rank == self.config.pp - 1
 
     def group_ranks(self, name: str) -> list[int]:
-        """The global ranks of this rank's ``name`` group ("tp", "dp", "pp" or "embedding")."""
-        if name not in ("tp", "cp", "dp", "pp", "dp_cp", "embedding"):
-            raise ValueError(f"name ({name!r}) must be one of tp, cp, dp, pp, dp_cp, embedding")
+        """The global ranks of this rank's ``name`` group (one of :data:`GROUP_NAMES`)."""
+        if name not in GROUP_NAMES:
+            raise ValueError(f"name ({name!r}) must be one of {', '.join(GROUP_NAMES)}")
         ranks = self._ranks or layout_ranks(self.config)
         return next(g for g in ranks[name] if self.rank in g)
 
@@ -211,8 +244,9 @@ class ParallelState:
 
     def describe(self) -> str:
         cp = f", cp {self.cp_rank}/{self.cp_size}" if self.cp_size > 1 else ""
+        cp += f", ep {self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else ""
         return (f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size}{cp}, dp {self.dp_rank}/{self.dp_size}, "
                 f"pp {self.pp_rank}/{self.pp_size} ({self.config.short()})")
 
 
-__all__ = ["ParallelState", "layout_ranks"]
+__all__ = ["GROUP_NAMES", "ParallelState", "layout_ranks"]
