@@ -535,3 +535,63 @@ def nf4_linear_bwd(dy: Tensor, packed: Tensor, absmax_q: Tensor, absmax_scale: T
                    k: int) -> Tensor:
     """dy (M, N) -> dx (M, k) = dy · W, W dequantised in dy's dtype."""
     return dy @ _nf4_weight(packed, absmax_q, absmax_scale, absmax_offset, dy.shape[1], k, dy.dtype)
+
+
+# ==== MoE (issue 42): token permutation and grouped GEMM. Pure PyTorch, any device. ====
+# Permutation views: a token copy i of the expert-sorted rows came from assignment slot row_map[i] = t·k + j
+# (token t, its j-th expert); pos (T, k) is the inverse map, the sorted row of slot (t, j) or -1 (dropped).
+
+def moe_gather_rows(src: Tensor, index: Tensor, scale: Tensor | None = None) -> Tensor:
+    """out[i] = scale[i] · src[index[i]]: src (T, H), index (N,), scale (N,) or None -> (N, H), dtype of src."""
+    out = src.index_select(0, index)
+    if scale is None:
+        return out
+    return (_opmath(out) * _opmath(scale)[:, None]).to(src.dtype)
+
+
+def moe_combine_rows(y: Tensor, pos: Tensor, weights: Tensor | None = None) -> Tensor:
+    """out[t] = Σ_j w[t, j] · y[pos[t, j]] over the slots with pos >= 0: y (N, H), pos (T, k), weights
+    (T, k) or None (1) -> (T, H), dtype of y; math in fp32 (fp64 for fp64)."""
+    valid = pos >= 0
+    rows = _opmath(y.index_select(0, pos.clamp_min(0).reshape(-1))).view(*pos.shape, y.shape[1])
+    w = valid.to(rows.dtype) if weights is None else torch.where(valid, _opmath(weights).to(rows.dtype), 0.0)
+    return (rows * w[..., None]).sum(1).to(y.dtype)
+
+
+def moe_combine_wgrad(dout: Tensor, y: Tensor, pos: Tensor) -> Tensor:
+    """dw[t, j] = dout[t] · y[pos[t, j]] (0 where pos < 0): dout (T, H), y (N, H), pos (T, k) -> (T, k) fp32
+    (fp64 for fp64)."""
+    rows = _opmath(y.index_select(0, pos.clamp_min(0).reshape(-1))).view(*pos.shape, y.shape[1])
+    dw = (rows * _opmath(dout)[:, None, :]).sum(-1)
+    return torch.where(pos >= 0, dw, 0.0)
+
+
+def grouped_gemm(x: Tensor, w: Tensor, counts: list[int], trans_w: bool = False) -> Tensor:
+    """x (N, K) rows grouped by expert, w (E, K, M) (or (E, M, K) read transposed when ``trans_w``),
+    counts: E ints summing to N -> (N, M) in x's dtype: one matmul per expert."""
+    m = w.shape[1] if trans_w else w.shape[2]
+    out = x.new_empty(x.shape[0], m)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            out[start:start + c] = x[start:start + c] @ (w[e].T if trans_w else w[e])
+        start += c
+    return out
+
+
+def grouped_gemm_wgrad(x: Tensor, dy: Tensor, counts: list[int]) -> Tensor:
+    """dW_e = x_eᵀ · dy_e: x (N, K), dy (N, M) -> (E, K, M) in x's dtype, zero for an empty expert."""
+    out = x.new_zeros(len(counts), x.shape[1], dy.shape[1])
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            out[e] = x[start:start + c].T @ dy[start:start + c]
+        start += c
+    return out
+
+
+def grouped_swiglu_gemm(x: Tensor, w_gate_up: Tensor, counts: list[int]) -> Tensor:
+    """silu(gate) · up of gu = grouped_gemm(x, w_gate_up), w_gate_up (E, H, 2F) = [gate | up] -> (N, F)."""
+    f = w_gate_up.shape[2] // 2
+    gu = grouped_gemm(x, w_gate_up, counts)
+    return swiglu_fwd(gu[:, :f], gu[:, f:])

