@@ -44,6 +44,8 @@ DATA_PLANE = {
     "tpkernels/functional/linear_cross_entropy.py": {"_all_reduce", "_chunk_pass"},
     "tpkernels/functional/vocab_parallel.py": {"_all_reduce"},
     "tpkernels/functional/context_parallel_algos.py": {"_exchange", "_direct", "_all_to_all"},
+    # MoE token rows and, in the same transfer, the per-expert counts, on the model's device
+    "tpkernels/functional/moe_dispatch.py": {"_all_to_all"},
     "tpkernels/models/grad_sync.py": {"coalesced_all_reduce", "_launch"},
     "tpkernels/pipeline/p2p.py": {"*"},  # the pipeline's P2P engine: activations and gradients
     # the TP agreement of FP8 amaxes: device tensors, in the middle of a linear's forward or backward (the

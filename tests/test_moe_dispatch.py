@@ -1,0 +1,195 @@
+"""Expert-parallel dispatch/combine (``tpkernels.functional.moe_dispatch``) on gloo at world 1–4: outputs,
+input gradients and expert-weight gradients against a one-process float64 reference, chunks 1/2/3 bit for
+bit equal to each other (the expert MLP is row-wise), skewed routing, empty experts, a rank that sends
+nothing, receive buffers poisoned with NaN; the overlap by construction (order of the traced events);
+bad inputs named on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tpkernels.functional.gemm_comm import poison_receive_buffers
+from tpkernels.functional.moe_dispatch import dispatch_combine
+from tpkernels.parallel.trace import CommTrace
+from tpkernels.testing.errors import error_messages
+
+H, F, H_OUT = 6, 5, 3
+
+
+def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """A per-expert MLP written with index ops (no loop over experts): rows grouped by expert per
+    ``counts`` (len(w1) entries); row i uses w1[e], w2[e] of its expert e. Row-wise: one (1, H) GEMM per row."""
+    e = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts.to(x.device),
+                                output_size=x.shape[0])
+    h = torch.tanh(torch.bmm(x[:, None], w1[e])[:, 0])
+    return torch.bmm(h[:, None], w2[e])[:, 0]
+
+
+def _routing(g: torch.Generator, world: int, E: int, case: str) -> list[torch.Tensor]:
+    """Per-rank counts (E,) for ``case``: "skewed" (expert 0 takes most rows, two experts empty),
+    "silent" (the last rank sends nothing; an expert empty), "uniform"."""
+    out = []
+    for r in range(world):
+        n = int(torch.randint(5, 30, (1,), generator=g)) | 1  # odd: never a multiple of 2 chunks
+        if case == "silent" and r == world - 1:
+            n = 0
+        p = torch.rand(E, generator=g, dtype=torch.float64) + 0.1
+        major = 0
+        if case == "skewed":  # expert 0 takes 80% of the rows, experts 1 and 2 none
+            major = n - n // 5
+            p[0] = 0.0
+            if E > 3:
+                p[1:3] = 0.0
+        elif case == "silent":
+            p[-1] = 0.0
+        rest = n - major
+        idx = torch.multinomial(p, rest, replacement=True, generator=g) if rest else torch.zeros(0, dtype=torch.int64)
+        c = torch.bincount(idx, minlength=E)
+        c[0] += major
+        out.append(c)
+    return out
+
+
+def _reference(xs, counts, g_outs, w1, w2):
+    """Every rank's rows through one process in float64: (outputs, x grads, w1 grad, w2 grad) of
+    Σ_r <y_r, g_r>."""
+    xs = [x.clone().requires_grad_() for x in xs]
+    w1, w2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    ys = [expert_mlp(x, c, w1, w2) for x, c in zip(xs, counts)]
+    sum((y * go).sum() for y, go in zip(ys, g_outs)).backward()
+    return [y.detach() for y in ys], [x.grad for x in xs], w1.grad, w2.grad
+
+
+def _case_worker(rank, world, seed, cases):
+    group = dist.group.WORLD if world > 1 else None
+    g = torch.Generator().manual_seed(seed)  # the same draws on every rank: each can build the reference
+    report = []
+    for case, L in cases:
+        E = world * L
+        counts = _routing(g, world, E, case)
+        xs = [torch.randn(int(c.sum()), H, generator=g, dtype=torch.float64) for c in counts]
+        g_outs = [torch.randn(x.shape[0], H_OUT, generator=g, dtype=torch.float64) for x in xs]
+        w1 = torch.randn(E, H, F, generator=g, dtype=torch.float64)
+        w2 = torch.randn(E, F, H_OUT, generator=g, dtype=torch.float64)
+        ref_y, ref_dx, ref_dw1, ref_dw2 = _reference(xs, counts, g_outs, w1, w2)
+        mine = slice(rank * L, (rank + 1) * L)
+        results = {}
+        for chunks in (1, 2, 3):
+            x = xs[rank].clone().requires_grad_()
+            lw1, lw2 = w1[mine].clone().requires_grad_(), w2[mine].clone().requires_grad_()
+            with poison_receive_buffers():
+                y = dispatch_combine(x, counts[rank], lambda rows, lc: expert_mlp(rows, lc, lw1, lw2), group,
+                                     num_local_experts=L, chunks=chunks)
+                (y * g_outs[rank]).sum().backward()
+            assert y.shape == (x.shape[0], H_OUT) and y.dtype == torch.float64
+            what = f"{case} L={L} chunks={chunks} rank {rank}"
+            torch.testing.assert_close(y, ref_y[rank], rtol=1e-12, atol=1e-12, msg=f"y: {what}")
+            torch.testing.assert_close(x.grad, ref_dx[rank], rtol=1e-12, atol=1e-12, msg=f"dx: {what}")
+            # the expert weights' gradients sum rows of every rank: reduction order differs by chunk
+            torch.testing.assert_close(lw1.grad, ref_dw1[mine], rtol=1e-11, atol=1e-11, msg=f"dw1: {what}")
+            torch.testing.assert_close(lw2.grad, ref_dw2[mine], rtol=1e-11, atol=1e-11, msg=f"dw2: {what}")
+            results[chunks] = (y.detach(), x.grad)
+        for chunks in (2, 3):  # row-wise expert_fn: every chunking computes each row the same way
+            assert torch.equal(results[chunks][0], results[1][0]), f"y differs at chunks={chunks} ({case})"
+            assert torch.equal(results[chunks][1], results[1][1]), f"dx differs at chunks={chunks} ({case})"
+        report.append((case, L, [int(c) for c in counts[rank]]))
+    return report
+
+
+CASES = [("skewed", 3), ("silent", 2), ("uniform", 1)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_dispatch_combine_matches_one_process(rank_pool, fresh_seed, world):
+    reports = rank_pool(world).run(_case_worker, fresh_seed, CASES)
+    # the cases are what they say: expert 0 takes most rows, the last rank of "silent" sends nothing
+    skewed = [r[0][2] for r in reports]
+    assert all(c[0] > sum(c) / 2 for c in skewed)
+    if world > 1:
+        assert sum(reports[-1][1][2]) == 0
+
+
+def _overlap_worker(rank, world, chunks):
+    g = torch.Generator().manual_seed(100 + rank)
+    L = 2
+    counts = torch.tensor([7, 0, 12, 5, 3, 9][:world * L])
+    x = torch.randn(int(counts.sum()), H, generator=g, requires_grad=True)
+    w1 = torch.randn(L, H, F, generator=g, requires_grad=True)
+    w2 = torch.randn(L, F, H_OUT, generator=g, requires_grad=True)
+    with CommTrace() as tr:
+        y = dispatch_combine(x, counts, lambda rows, lc: expert_mlp(rows, lc, w1, w2), dist.group.WORLD,
+                             num_local_experts=L, chunks=chunks)
+        y.sum().backward()
+
+    def starts(name, cat):
+        spans = sorted((s for s in tr.spans if s.name == name and s.cat == cat), key=lambda s: s.args["chunk"])
+        assert [s.args["chunk"] for s in spans] == list(range(chunks)), name
+        return [s.start for s in spans], [s.end for s in spans]
+
+    out = {}
+    for phase, comm, ret, fn in (("forward", "moe dispatch all_to_all", "moe dispatch return all_to_all",
+                                  "moe expert_fn"),
+                                 ("backward", "moe grad all_to_all", "moe grad return all_to_all",
+                                  "moe expert_fn backward")):
+        (post, arrived), (ret_post, _) = starts(comm, "comm"), starts(ret, "comm")
+        (run, ran), _ = starts(fn, "gemm"), None
+        out[phase] = {
+            # chunk i+1's transfer was posted before expert_fn (or its backward) of chunk i started
+            "next_posted_first": all(post[i + 1] < run[i] for i in range(chunks - 1)),
+            # ... and was still travelling after chunk i's own transfer was complete
+            "own_arrived_first": all(arrived[i] <= run[i] for i in range(chunks)),
+            # chunk i's return trip was posted before chunk i+1 computed
+            "return_posted_before_next": all(ret_post[i] < run[i + 1] for i in range(chunks - 1)),
+            "return_after_own": all(ran[i] <= ret_post[i] for i in range(chunks)),
+        }
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_next_chunk_is_in_flight_while_expert_fn_runs(rank_pool, world):
+    for per_rank in rank_pool(world).run(_overlap_worker, 3):
+        for phase, facts in per_rank.items():
+            assert all(facts.values()), (phase, facts)
+
+
+def _errors_worker(rank, world):
+    L = 2
+    fn = lambda rows, lc: rows  # noqa: E731
+    lonely = dist.new_group([0])  # every rank must create it; rank 1 is not a member
+    good = torch.tensor([1, 2] * world)
+    msgs = error_messages([
+        # rank 0 alone passes counts that do not sum to its rows: every rank raises, naming rank 0
+        lambda: dispatch_combine(torch.randn(3 + 4 * (rank == 0), 4) if rank == 0 else torch.randn(3 * world, 4),
+                                 good, fn, dist.group.WORLD, num_local_experts=L),
+        lambda: dispatch_combine(torch.randn(3 * world, 4), good, fn, dist.group.WORLD, num_local_experts=3),
+        lambda: dispatch_combine(torch.randn(3 * world, 4), good, fn, dist.group.WORLD, num_local_experts=L,
+                                 chunks=0),
+        lambda: dispatch_combine(torch.randn(3 * world, 4), good.float(), fn, dist.group.WORLD, num_local_experts=L),
+        lambda: dispatch_combine(torch.randn(3 * world, 4), good, lambda r, c: r[:1], dist.group.WORLD,
+                                 num_local_experts=L),
+        lambda: dispatch_combine(torch.randn(5, 4), torch.tensor([2, 2]), fn, None, num_local_experts=2),
+    ])
+    if rank == 1:
+        msgs += error_messages([lambda: dispatch_combine(torch.randn(3, 4), torch.tensor([1, 2]), fn, lonely,
+                                                         num_local_experts=2)])
+    return msgs
+
+
+def test_bad_inputs_are_named_on_every_rank(rank_pool):
+    world = 2
+    out = rank_pool(world).run(_errors_worker, timeout=60)
+    for rank, msgs in enumerate(out):
+        assert msgs[0].startswith("dispatch_combine: rank 0 of the expert-parallel group passed invalid counts: "
+                                  "counts must sum to the number of rows of x_sorted"), msgs[0]
+        assert ("here: counts [1, 2, 1, 2] sum to 6, x_sorted has 7 rows" in msgs[0]) == (rank == 0), msgs[0]
+        assert msgs[1] == ("num_local_experts (3) × the expert-parallel group size (2) must equal len(counts) (4): "
+                           "counts has one entry per global expert, and each rank of the group holds "
+                           "num_local_experts of them")
+        assert msgs[2] == "chunks (0) must be a positive int"
+        assert msgs[3].startswith("counts must be a 1-D integer tensor (rows per expert), got shape (4,) torch.float32")
+        assert msgs[4].startswith("expert_fn must return (M, H_out) for its M = ")
+        assert msgs[5] == ("counts must be non-negative and sum to the number of rows of x_sorted (5), got counts "
+                           "summing to 4: [2, 2]")
+    assert out[1][6].startswith("rank 1 is not a member of the given process group (its global ranks: [0])")
