@@ -111,6 +111,70 @@ def test_dispatch_combine_matches_one_process(rank_pool, fresh_seed, world):
         assert sum(reports[-1][1][2]) == 0
 
 
+def _autograd_worker(rank, world, seed):
+    """What a model does besides ``.backward()`` with leaf weights: no grad mode, ``torch.autograd.grad``,
+    weights read through a cast made outside expert_fn (a non-leaf shared by the chunks), explicit params,
+    an input that needs no gradient, 16-bit rows with float32 expert-weight gradient sums."""
+    group, L = dist.group.WORLD, 2
+    g = torch.Generator().manual_seed(seed)
+    E = world * L
+    counts = _routing(g, world, E, "skewed")
+    xs = [torch.randn(int(c.sum()), H, generator=g, dtype=torch.float64) for c in counts]
+    g_outs = [torch.randn(x.shape[0], H_OUT, generator=g, dtype=torch.float64) for x in xs]
+    w1 = torch.randn(E, H, F, generator=g, dtype=torch.float64)
+    w2 = torch.randn(E, F, H_OUT, generator=g, dtype=torch.float64)
+    ref_y, ref_dx, ref_dw1, ref_dw2 = _reference(xs, counts, g_outs, w1, w2)
+    mine = slice(rank * L, (rank + 1) * L)
+    x, go = xs[rank], g_outs[rank]
+    tol = dict(rtol=1e-11, atol=1e-11)
+    lw1, lw2 = w1[mine].clone().requires_grad_(), w2[mine].clone().requires_grad_()
+    fn = lambda rows, lc: expert_mlp(rows, lc, lw1, lw2)  # noqa: E731
+
+    with torch.no_grad():  # inference: no graph anywhere
+        y = dispatch_combine(x, counts[rank], fn, group, num_local_experts=L, chunks=2)
+    assert y.grad_fn is None and not y.requires_grad
+    torch.testing.assert_close(y, ref_y[rank], **tol)
+
+    xr = x.clone().requires_grad_()
+    y = dispatch_combine(xr, counts[rank], fn, group, num_local_experts=L, chunks=3)
+    dx, dw2 = torch.autograd.grad(y, [xr, lw2], go)  # returned, not accumulated; lw1 not asked for
+    torch.testing.assert_close(dx, ref_dx[rank], **tol)
+    torch.testing.assert_close(dw2, ref_dw2[mine], **tol)
+    assert lw1.grad is None and lw2.grad is None
+
+    # the weights cast outside expert_fn (as a model casting for its compute dtype would): a non-leaf
+    # shared by every chunk; the input needs no gradient
+    a1, a2 = lw1 * 1.0, lw2 * 1.0
+    y = dispatch_combine(x, counts[rank], lambda rows, lc: expert_mlp(rows, lc, a1, a2), group,
+                         num_local_experts=L, chunks=3)
+    (y * go).sum().backward()
+    torch.testing.assert_close(lw1.grad, ref_dw1[mine], **tol)
+    torch.testing.assert_close(lw2.grad, ref_dw2[mine], **tol)
+
+    # explicit params (no graph search): only those get gradients
+    lw1.grad = lw2.grad = None
+    y = dispatch_combine(x, counts[rank], fn, group, num_local_experts=L, chunks=2, params=[lw1])
+    (y * go).sum().backward()
+    torch.testing.assert_close(lw1.grad, ref_dw1[mine], **tol)
+    assert lw2.grad is None
+
+    # bfloat16 rows and weights: gradients of the weights summed over chunks in float32, returned in bfloat16
+    b1, b2 = (w[mine].to(torch.bfloat16).requires_grad_() for w in (w1, w2))
+    xb = x.to(torch.bfloat16).requires_grad_()
+    y = dispatch_combine(xb, counts[rank], lambda rows, lc: expert_mlp(rows, lc, b1, b2), group,
+                         num_local_experts=L, chunks=3)
+    (y.float() * go.float()).sum().backward()
+    assert y.dtype == xb.grad.dtype == b1.grad.dtype == torch.bfloat16
+    err = float((b1.grad.double() - ref_dw1[mine]).abs().max() / ref_dw1[mine].abs().max())
+    assert err < 0.05, err  # bf16 inputs, weights and products: a few bf16 ulps, not a wrong gradient
+    return True
+
+
+@pytest.mark.parametrize("world", [3])
+def test_autograd_uses(rank_pool, fresh_seed, world):
+    assert rank_pool(world).run(_autograd_worker, fresh_seed) == [True] * world
+
+
 def _overlap_worker(rank, world, chunks):
     g = torch.Generator().manual_seed(100 + rank)
     L = 2

@@ -201,10 +201,10 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, gro
 class _Transfer:
     """One posted all-to-all of a chunk: its handle and its trace span."""
 
-    __slots__ = ("handle", "span", "out")
+    __slots__ = ("handle", "span", "out", "inp")
 
     def __init__(self, name: str, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group, chunk: int):
-        self.out = out
+        self.out, self.inp = out, inp  # the input too: alive (not reused by the allocator) until the transfer is done
         self.span = CommSpan(name, out.device.type, chunk=chunk,
                              bytes=(inp.numel() + out.numel()) * inp.element_size())
         self.handle = _all_to_all(out, inp, out_splits, in_splits, group, async_op=True)
@@ -212,7 +212,7 @@ class _Transfer:
     def wait(self) -> torch.Tensor:
         if self.handle is not None:
             self.handle.wait()
-            self.handle = None
+            self.handle, self.inp = None, None
             self.span.done()
         return self.out
 
