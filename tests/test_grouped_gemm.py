@@ -8,7 +8,7 @@ import torch
 from tpkernels.functional.grouped_gemm import grouped_gemm, grouped_swiglu_mlp
 from tpkernels.testing.tolerance import assert_fa_close
 
-BACKENDS = ["reference"]  # triton: with its kernels
+BACKENDS = ["reference", "triton"]
 # (rows per expert; 0 = an empty expert), K, M
 CASES = [([1], 17, 33), ([5, 0, 12], 17, 33), ([0, 3, 1, 0, 40, 7, 0], 16, 9)]
 
@@ -113,3 +113,52 @@ def test_fullgraph_compile_and_opcheck():
 def test_bad_inputs_are_named(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_triton_tile_table_and_nan_poisoned_outputs():
+    """Every output element is written (NaN-filled buffers come back finite), empty experts own no tile and
+    get a zero dW, and the transposed read (dX) and the SwiGLU epilogue match the per-expert math."""
+    from tpkernels.kernels import reference
+    from tpkernels.kernels.triton import grouped_gemm as tk
+
+    counts = [0, 3, 1, 0, 40, 7, 0]
+    c = torch.tensor(counts)
+    tile_expert, tile_row, ends, slots = tk.tile_table(c, sum(counts), 16)
+    live = tile_expert >= 0
+    assert slots == 4 + 7 and tile_expert[live].tolist() == [1, 2, 4, 4, 4, 5]
+    assert tile_row[live].tolist() == [0, 3, 4, 20, 36, 44] and ends.tolist() == [0, 3, 4, 4, 44, 51, 51]
+    n, k, m = sum(counts), 17, 10
+    x, w = torch.randn(n, k), torch.randn(7, k, m)
+    out = tk.grouped_gemm(x, w, c, out=torch.full((n, m), float("nan")))
+    torch.testing.assert_close(out, reference.grouped_gemm(x, w, counts), rtol=1e-5, atol=1e-5)
+    dy = torch.randn(n, m)
+    dx = tk.grouped_gemm(dy, w, c, trans_w=True, out=torch.full((n, k), float("nan")))
+    torch.testing.assert_close(dx, reference.grouped_gemm(dy, w, counts, trans_w=True), rtol=1e-5, atol=1e-5)
+    dw = tk.grouped_wgrad(x, dy, c, out=torch.full((7, k, m), float("nan")))
+    torch.testing.assert_close(dw, reference.grouped_gemm_wgrad(x, dy, counts), rtol=1e-5, atol=1e-5)
+    assert torch.equal(dw[[0, 3, 6]], torch.zeros(3, k, m))
+    h = tk.grouped_gemm(x, w, c, swiglu=True, out=torch.full((n, m // 2), float("nan")))
+    torch.testing.assert_close(h, reference.grouped_swiglu_gemm(x, w, counts), rtol=1e-5, atol=1e-5)
+
+
+def test_the_dispatch_rule(monkeypatch):
+    """Argument > TPKERNELS_BACKEND (op entry > bare name) > default; a choice that cannot run is named."""
+    from tpkernels import backends
+    from tpkernels.backends import BackendUnavailableError
+
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for op in ("grouped_gemm", "moe_permute"):
+        assert backends.select(op, cpu, dtype=torch.float32) == "reference"  # CPU default: no C++ kernel
+        assert backends.select(op, cuda, dtype=torch.bfloat16) == "triton"
+    # float32 CUDA tensors: cuBLAS per expert (a Triton fp32 dot would be TF32 or FMA)
+    assert backends.select("grouped_gemm", cuda, dtype=torch.float32) == "reference"
+    assert "bfloat16" in backends.why_not("triton", "grouped_gemm", cuda, torch.float32)
+    x, w, c = torch.randn(4, 3), torch.randn(2, 3, 5), torch.tensor([1, 3])
+    monkeypatch.setenv(backends.ENV_VAR, "grouped_gemm=triton")
+    ref = grouped_gemm(x, w, c, backend="reference")
+    torch.testing.assert_close(grouped_gemm(x, w, c), ref)  # runs the interpreter's kernel
+    with pytest.raises(BackendUnavailableError, match=r"TPKERNELS_BACKEND=grouped_gemm=triton cannot run .*float64"):
+        grouped_gemm(x.double(), w.double(), c)
+    with pytest.raises(BackendUnavailableError, match=r"op grouped_gemm has no cpp implementation"):
+        grouped_gemm(x, w, c, backend="cpp")

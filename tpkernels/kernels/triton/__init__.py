@@ -10,4 +10,5 @@ KERNEL_MODULES = ("tpkernels.kernels.triton.bias_gelu", "tpkernels.kernels.trito
                   "tpkernels.kernels.triton.rotary", "tpkernels.kernels.triton.cross_entropy",
                   "tpkernels.kernels.triton.ag_matmul", "tpkernels.kernels.triton.matmul_signal",
                   "tpkernels.kernels.triton.tile_reduce",
-                  "tpkernels.kernels.triton.nf4_linear")
+                  "tpkernels.kernels.triton.nf4_linear",
+                  "tpkernels.kernels.triton.moe_permute", "tpkernels.kernels.triton.grouped_gemm")
