@@ -23,6 +23,10 @@ Public API (this release):
     tpkernels.apply_rotary(q, k, cos, sin, ...)       rotary embedding (half-split or interleaved, packed)
     tpkernels.rotary_cache(head_dim, max_pos, theta, scaling)  cos/sin as Hugging Face computes them
     tpkernels.linear_cross_entropy(hidden, weight, target, tp_group=...)  LM head + loss, no logits
+    tpkernels.route(logits, top_k, ...)               MoE router (Mixtral / Qwen-MoE / DeepSeek-V3), capacity
+    tpkernels.load_balancing_loss / z_loss            the router's aux losses, rank shares over a group
+    tpkernels.permute / unpermute                     token copies grouped by expert, and the weighted sum back
+    tpkernels.grouped_gemm / grouped_swiglu_mlp       every expert's rows times its weights in one launch
     tpkernels.parallel.mappings                        copy/reduce/scatter/gather autograd mappings
     tpkernels.parallel.trace.CommTrace                 chrome trace of comm/GEMM overlap
     tpkernels.pipeline                                 schedules as data, simulator, P2P engine, runtime, timeline
@@ -45,17 +49,25 @@ from tpkernels.functional import (
     bias_gelu,
     flash_attn_func,
     flash_attn_varlen_func,
+    grouped_gemm,
+    grouped_swiglu_mlp,
     layer_norm,
     linear_cross_entropy,
+    load_balancing_loss,
     matmul_all_reduce,
     matmul_reduce_scatter,
     nf4_linear,
+    permute,
     rms_norm,
     rotary_cache,
+    route,
     swiglu,
+    unpermute,
     vocab_parallel_cross_entropy,
+    z_loss,
 )
 
 __all__ = ["__version__", "all_gather_matmul", "apply_rotary", "backends", "bias_gelu", "build_info", "flash_attn_func",
-           "flash_attn_varlen_func", "layer_norm", "linear_cross_entropy", "matmul_all_reduce", "matmul_reduce_scatter", "nf4_linear", "nn", "rms_norm", "rotary_cache", "swiglu",
-           "vocab_parallel_cross_entropy"]
+           "flash_attn_varlen_func", "grouped_gemm", "grouped_swiglu_mlp", "layer_norm", "linear_cross_entropy",
+           "load_balancing_loss", "matmul_all_reduce", "matmul_reduce_scatter", "nf4_linear", "nn", "permute", "rms_norm",
+           "rotary_cache", "route", "swiglu", "unpermute", "vocab_parallel_cross_entropy", "z_loss"]
