@@ -43,12 +43,12 @@ weight gradients are sums over chunks (accumulated in float32 for 16-bit weights
 
 Autograd: the forward runs expert_fn per chunk on leaves cut from the graph (rows that require grad
 when x_sorted does), and one autograd node (:class:`_DispatchCombineFunction`) takes x_sorted and the
-tensors that expert_fn differentiates (``params``: by default the leaf tensors requiring grad found in
-expert_fn's graph; pass them to skip the search). Its backward runs the chunked schedule above with
+tensors that expert_fn differentiates (the leaf tensors requiring grad found in expert_fn's graph, after any
+``params`` given). Its backward runs the chunked schedule above with
 ``torch.autograd.grad`` per chunk and returns the gradients of x_sorted and of every param, so
 ``loss.backward()``, ``torch.autograd.grad`` and gradient hooks see ordinary gradients. A non-leaf
 tensor requiring grad that expert_fn reads (a weight cast outside it, say) is differentiated through
-once per chunk. Double backward is not supported.
+once per chunk, unless it is passed in ``params``. Double backward is not supported.
 
 Every rank of the group must call with the same H, dtype, L, chunks, grad mode and H_out (with
 ``TPKERNELS_CHECK_RANKS=1`` a mismatch is named instead of hanging).
@@ -330,10 +330,15 @@ class _DispatchCombineFunction(torch.autograd.Function):
         return (None, dx, *out_p)
 
 
-def _find_params(outputs: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-    """Leaf tensors requiring grad that ``outputs``' graphs reach (other than ``leaves``), in first-seen order."""
+def _find_params(outputs: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor | None],
+                 given: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+    """``given``, then the leaf tensors requiring grad that ``outputs``' graphs reach (other than ``leaves``
+    and those behind a non-leaf of ``given``: its gradient reaches them through the outer graph once)."""
+    given = list(given)
     ours = {id(t) for t in leaves if t is not None}
-    seen, found, found_ids = set(), [], set()
+    found_ids = {id(t) for t in given}
+    seen = {id(t.grad_fn) for t in given if t.grad_fn is not None}  # stop at a given non-leaf
+    found = []
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
         node = stack.pop()
@@ -347,7 +352,7 @@ def _find_params(outputs: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor 
                 found.append(var)
             continue
         stack.extend(fn for fn, _ in node.next_functions)
-    return found
+    return given + found
 
 
 def _check(x_sorted: torch.Tensor, counts: torch.Tensor, num_local_experts, chunks, world: int) -> None:
@@ -389,7 +394,9 @@ def dispatch_combine(x_sorted: torch.Tensor, counts: torch.Tensor, expert_fn: Ex
       group: the expert-parallel process group (P ranks); None or one rank: ``expert_fn(x_sorted, counts)``.
       num_local_experts: experts per rank, L.
       chunks: C ≥ 1, the pieces the exchange is cut into for the overlap (see the module docstring).
-      params: the tensors expert_fn differentiates; default: the leaves requiring grad of its graph.
+      params: tensors expert_fn differentiates whose gradients this node returns (a weight cast outside
+        expert_fn, say: its cast is then differentiated once, not per chunk); the leaves requiring grad
+        that expert_fn's graph reaches otherwise are found and added, so no gradient is lost.
     Returns:
       (N, H_out) in x_sorted's row order, dtype of expert_fn's output.
     """
@@ -436,7 +443,7 @@ def dispatch_combine(x_sorted: torch.Tensor, counts: torch.Tensor, expert_fn: Ex
     y = _scatter_back(back, plan.send_order)
     if not any(t.requires_grad for t in st.outputs):
         return y
-    st.params = list(params) if params is not None else _find_params(st.outputs, st.leaves)
+    st.params = _find_params(st.outputs, st.leaves, params or ())
     st.y = y
     return _DispatchCombineFunction.apply(st, x_sorted, *st.params)
 
