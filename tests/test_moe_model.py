@@ -8,6 +8,7 @@ import torch
 
 from tpkernels.description import MODEL_PRESETS, ModelConfig
 from tpkernels.description.hf_config import config_to_hf
+from tpkernels.parallel import ParallelConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -126,3 +127,122 @@ def test_flops_count_active_experts_and_router():
     assert W == lin * 4096 / 2
     r = 8
     assert mc.lora_params_per_layer(r) == r * (2 * (h + 4096) + 2 * (h + 1024)) + e * 3 * r * (h + f)
+
+
+# ---- the model against transformers in float64: one process and EP / TP layouts on gloo ----
+
+VOCAB = 61
+# (family, experts, extra config): Mixtral every layer MoE; Qwen2-MoE a dense layer (mlp_only_layers), a shared
+# expert with its sigmoid gate, un-normalised top-k weights and q/k/v biases
+FAMILIES = {
+    "mixtral": dict(num_local_experts=4),
+    "qwen2_moe": dict(num_experts=6, moe_intermediate_size=14, shared_expert_intermediate_size=18,
+                      mlp_only_layers=[1], norm_topk_prob=False),
+}
+
+
+def _hf_moe(kind: str, seed: int, **extra):
+    torch.manual_seed(seed)
+    cfg = tiny(kind, **{**FAMILIES[kind], **extra, "num_hidden_layers": 3, "vocab_size": VOCAB,
+                        "router_aux_loss_coef": 0.37, "output_router_logits": True, "bos_token_id": None,
+                        "eos_token_id": None, "pad_token_id": None})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                                          experts_implementation="eager").double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.3)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+                p[0] *= 3.0  # skewed routing: expert 0 takes most tokens
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def _reference(model, ids):
+    """(logits, CE + coef · aux, aux, {checkpoint name: grad}) of transformers' model."""
+    from tpkernels.models.hf_checkpoint import unfuse_experts
+
+    out = model(ids, labels=ids)
+    model.zero_grad()
+    out.loss.backward()
+    grads = unfuse_experts({n: p.grad.clone() for n, p in model.named_parameters()}, model.config.model_type)
+    return out.logits.detach(), out.loss.detach(), out.aux_loss.detach(), grads
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    cache = {}
+
+    def get(kind, seed):
+        if kind not in cache:
+            folder = tmp_path_factory.mktemp(kind)
+            model = _hf_moe(kind, seed % 10_000)
+            model.save_pretrained(str(folder))
+            ids = torch.randint(0, VOCAB, (4, 10), generator=torch.Generator().manual_seed(seed))
+            cache[kind] = (str(folder), ids, _reference(model, ids))
+        return cache[kind]
+
+    return get
+
+
+def _moe_parity_worker(rank, world, folder, layout, ids, reference):
+    import torch.distributed as dist
+
+    from model_checks import all_stages
+    from tpkernels.models import ParallelTransformer, next_token_targets
+    from tpkernels.parallel import ParallelConfig
+    from tpkernels.parallel.state import ParallelState
+
+    ref_logits, ref_loss, ref_aux, ref_grads = reference  # routing scores are fp32 on both sides: ~1e-7 noise
+    state = ParallelState.create(ParallelConfig(**layout))
+    pc = state.config
+    model = ParallelTransformer.from_hf(folder, state, dtype=torch.float64)
+    d = pc.dp * pc.cp
+    rows = slice(state.dp_rank * ids.shape[0] // pc.dp, (state.dp_rank + 1) * ids.shape[0] // pc.dp)
+    logits = model(ids[rows])
+    torch.testing.assert_close(logits, ref_logits[rows], rtol=1e-6, atol=1e-6)
+    ce = model(ids[rows], target=next_token_targets(ids[rows]))  # this replica's token mean (equal counts)
+    aux = model.moe_losses.aux_loss("transformers")  # this rank's share: summed over TP × DP, transformers' aux
+    # the DP reduction averages over dp · cp, so a rank's share enters × dp · cp, as its token mean does
+    (ce + model.config.router_aux_loss_coef * d * aux).backward()
+    model.finish_grad_sync()
+    values = torch.stack([ce.detach() / (pc.tp * d), aux.detach().double()])
+    if world > 1:
+        dist.all_reduce(values)
+    torch.testing.assert_close(values[1], ref_aux.double(), rtol=1e-6, atol=1e-9)  # transformers: fp32
+    torch.testing.assert_close(values[0] + model.config.router_aux_loss_coef * values[1], ref_loss.double(), rtol=1e-6,
+                               atol=1e-9)
+    grads = all_stages(model.to_hf_state_dict("grad"))
+    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
+    for name, want in ref_grads.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    counts = torch.stack([c for c in model.moe_losses.expert_load().values()])
+    return counts.tolist()
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_one_process_matches_transformers(moe_checkpoints, fresh_seed, kind):
+    folder, ids, ref = moe_checkpoints(kind, fresh_seed)
+    counts = _moe_parity_worker(0, 1, folder, {}, ids, ref)
+    assert all(sum(layer) == ids.numel() * 2 for layer in counts)  # T · k assignments per MoE layer
+
+
+PARITY_LAYOUTS = {
+    "ep2": dict(dp=2, ep=2),
+    "ep2-tp2-sp": dict(tp=2, dp=2, ep=2, sequence_parallel=True),
+    "ep2-tp2": dict(tp=2, dp=2, ep=2),
+    "ep4": dict(dp=4, ep=4),
+}
+
+
+@pytest.mark.parametrize("kind, case", [("mixtral", "ep2"), ("mixtral", "ep2-tp2-sp"), ("mixtral", "ep4"),
+                                        ("qwen2_moe", "ep2-tp2")])
+def test_expert_parallel_layouts_match_transformers(rank_pool, moe_checkpoints, fresh_seed, kind, case):
+    folder, ids, ref = moe_checkpoints(kind, fresh_seed)
+    layout = PARITY_LAYOUTS[case]
+    world = ParallelConfig(**layout).world_size
+    rank_pool(world).run(_moe_parity_worker, folder, layout, ids, ref, timeout=120)

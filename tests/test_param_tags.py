@@ -103,8 +103,11 @@ def test_tags_are_made_where_the_parameters_are():
 def test_tag_rules():
     p = tag(nn.Parameter(torch.zeros(4, 2)), split_dim=0)
     assert retag(p, kv_replica_rows=(1, 3), kv_replicas=2).tp_tag.kv_replica_rows == (1, 3)
-    with pytest.raises(ValueError, match=r"split_dim \(2\) must be None, 0 or 1"):
+    with pytest.raises(ValueError, match=r"split_dim \(3\) must be None, 0, 1 or 2"):
+        tag(nn.Parameter(torch.zeros(1)), split_dim=3)
+    with pytest.raises(ValueError, match=r"split_dim \(2\) is for stacked experts"):
         tag(nn.Parameter(torch.zeros(1)), split_dim=2)
+    assert tag(nn.Parameter(torch.zeros(2, 3, 4)), split_dim=2, expert_parallel=True).tp_tag.expert_parallel
     with pytest.raises(ValueError, match="partial_grad is for replicated parameters"):
         tag(nn.Parameter(torch.zeros(1)), split_dim=0, partial_grad=True)
     with pytest.raises(ValueError, match="kv_replica_rows need split_dim=0"):

@@ -212,9 +212,6 @@ class ModelConfig:
             errs.append(f"{self.dropout_source or 'dropout'} ({self.dropout}) > 0: tpkernels models train without "
                         "dropout; pass drop_dropout=True (tpkernels train: model.drop_dropout true) to load the "
                         "model and train it without (as LLM pre-training usually does)")
-        if self.num_experts:  # the MoE layer (tpkernels/models/moe.py) is being built (issue 42)
-            errs.append(f"num_experts ({self.num_experts}): tpkernels.models does not build mixture-of-experts "
-                        "layers yet (the planner plans them)")
         if self.router_jitter > 0:
             errs.append(f"router_jitter_noise ({self.router_jitter}) > 0: tpkernels models route without input "
                         "jitter; set it to 0 in the config to train without (Mixtral's published checkpoints do)")

@@ -5,7 +5,7 @@ output and the stream before it, so both adds of a layer happen inside a norm ke
 
     y, h = norm1(delta, residual)       h = residual + delta      (the first layer: h = embeddings)
     y2, h2 = norm2(attention(y), h)     h2 = h + attention(y)
-    return mlp(y2), h2
+    return mlp(y2), h2         (a MoE layer's mlp: tpkernels.models.moe.MoE)
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 from tpkernels.models.attention import SelfAttention
 from tpkernels.models.context import LayerContext
 from tpkernels.models.mlp import MLP
+from tpkernels.models.moe import MoE
 from tpkernels.models.norm import ResidualNorm
 from tpkernels.models.recompute import recomputed
 from tpkernels.models.sequence import SequenceInfo
@@ -30,7 +31,7 @@ class TransformerBlock(nn.Module):
         self.norm1 = ResidualNorm(ctx, "norm1", layer)
         self.attention = SelfAttention(ctx, layer)
         self.norm2 = ResidualNorm(ctx, "norm2", layer)
-        self.mlp = MLP(ctx, layer)
+        self.mlp = MoE(ctx, layer) if ctx.mc.is_moe_layer(layer) else MLP(ctx, layer)
 
     def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, info: SequenceInfo,
                 rope) -> tuple[torch.Tensor, torch.Tensor]:

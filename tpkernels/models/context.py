@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tpkernels.description import ModelConfig
-from tpkernels.models.hf_names import HF_NAMES, TRANSPOSED
+from tpkernels.models.hf_names import HF_NAMES, MOE_NAMES, TRANSPOSED
 from tpkernels.parallel.param_tags import tag
 
 
@@ -32,6 +32,11 @@ class LayerContext:
     cp_size: int = 1
     cp_algo: str = "ring"
     quant: str | None = None  # the layers' TP linears hold a frozen quantised base ("nf4", "int8"; QLoRA)
+    ep_group: object = None  # expert parallelism: this rank holds experts ep_rank·E/ep ... of each MoE layer
+    ep_rank: int = 0
+    ep_size: int = 1
+    dp_cp_group: object = None  # the ranks whose tokens the router's balancing losses average over
+    moe_losses: object = None  # the model's RouterLosses (tpkernels.models.moe), shared by its MoE layers
 
     @property
     def names(self) -> dict[str, str]:
@@ -43,6 +48,10 @@ class LayerContext:
 
     def hf(self, role: str, layer: int | None = None, param: str = "weight") -> str:
         return self.names[role].format(i=layer) + "." + param
+
+    def moe_hf(self, role: str, layer: int, expert: int | None = None, param: str = "weight") -> str:
+        """The HF name of a MoE block's tensor (``MOE_NAMES``): ``expert`` for the routed experts'."""
+        return MOE_NAMES[self.mc.model_type][role].format(i=layer, e=expert) + "." + param
 
     def tp_kwargs(self) -> dict:
         """Keyword arguments of Column/RowParallelLinear for this layout (batch-first: sequence dim 1)."""

@@ -14,6 +14,12 @@ or zero rows (vocabulary padding). The same parts serve three uses:
   at its part's rectangle (``assemble``).
 * initialisation: :class:`RandomInit` is a source that makes each full tensor from a seed and
   its name, so a model initialised at TP2×PP2 equals the one initialised at TP1×PP1.
+
+A MoE layer's stacked experts, (E/ep, in, out) (``p.hf_view == "experts"``), are described by the
+parts of their (E/ep · out, in) view (:func:`experts_view`): expert by expert, the TP slice of each
+HF tensor of that expert, so a rank reads only its experts' slices. A ``transformers`` module holds
+its experts fused (``experts.gate_up_proj``): :func:`open_source` splits them into the checkpoint
+names first (:func:`unfuse_experts`), as transformers' own save does.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from tpkernels.models.hf_names import OPTIONAL_PREFIXES
+from tpkernels.models.hf_names import MODULE_MOE_NAMES, MOE_NAMES, OPTIONAL_PREFIXES
 
 
 @dataclass(frozen=True)
@@ -248,12 +254,57 @@ class RandomInit(TensorSource):
         return t.to(dtype) if dtype is not None else t.clone()
 
 
+def experts_view(t: torch.Tensor) -> torch.Tensor:
+    """Stacked experts (E, in, out) as their HF parts concatenate: (E · out, in) (each expert's (out, in))."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])
+
+
+def from_experts_view(v: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+    """The inverse of :func:`experts_view`: (E · out, in) -> (E, in, out) (a view)."""
+    e, i, o = shape
+    return v.reshape(e, o, i).transpose(1, 2)
+
+
+def unfuse_experts(sd: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """A ``transformers`` MoE module's state dict under its checkpoint names: the fused ``gate_up_proj``
+    (E, 2F, H) and ``down_proj`` (E, H, F) split into each expert's gate / up / down (views), the router
+    renamed where the files name it otherwise (Mixtral's ``block_sparse_moe``)."""
+    import re  # noqa: PLC0415
+
+    names = MOE_NAMES[model_type]
+    out = {}
+    pattern = {role: re.compile("^" + tpl.replace(".", r"\.").replace("{i}", r"(\d+)") + "$")
+               for role, tpl in MODULE_MOE_NAMES.items()}
+    for key, t in sd.items():
+        for role, rx in pattern.items():
+            m = rx.match(key) or rx.match("model." + key)
+            if m is None:
+                continue
+            i = int(m.group(1))
+            if role == "router":
+                out[names["router"].format(i=i) + ".weight"] = t
+            elif role == "gate_up":
+                f = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[names["expert_gate"].format(i=i, e=e) + ".weight"] = t[e, :f]
+                    out[names["expert_up"].format(i=i, e=e) + ".weight"] = t[e, f:]
+            else:
+                for e in range(t.shape[0]):
+                    out[names["expert_down"].format(i=i, e=e) + ".weight"] = t[e]
+            break
+        else:
+            out[key] = t
+    return out
+
+
 def open_source(obj) -> TensorSource:
     """A TensorSource for a checkpoint folder, a state dict or a ``torch.nn.Module``."""
     if isinstance(obj, TensorSource):
         return obj
     if isinstance(obj, torch.nn.Module):
-        return StateDictSource(obj.state_dict())
+        kind = getattr(getattr(obj, "config", None), "model_type", None)
+        sd = obj.state_dict()
+        return StateDictSource(unfuse_experts(sd, kind) if kind in MOE_NAMES else sd)
     if isinstance(obj, dict):
         return StateDictSource(obj)
     return SafetensorsSource(obj)
@@ -287,4 +338,5 @@ def assemble(pieces: list[tuple[Part, torch.Tensor]]) -> dict[str, torch.Tensor]
     return full
 
 
-__all__ = ["Part", "RandomInit", "SafetensorsSource", "StateDictSource", "TensorSource", "assemble", "open_source"]
+__all__ = ["Part", "RandomInit", "SafetensorsSource", "StateDictSource", "TensorSource", "assemble", "experts_view",
+           "from_experts_view", "open_source", "unfuse_experts"]

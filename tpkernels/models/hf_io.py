@@ -22,7 +22,16 @@ from torch import nn
 
 from tpkernels.description import ModelConfig
 from tpkernels.functional.quantized_weight import QuantizedWeight
-from tpkernels.models.hf_checkpoint import Part, RandomInit, StateDictSource, TensorSource, assemble, open_source
+from tpkernels.models.hf_checkpoint import (
+    Part,
+    RandomInit,
+    StateDictSource,
+    TensorSource,
+    assemble,
+    experts_view,
+    from_experts_view,
+    open_source,
+)
 from tpkernels.parallel import control
 from tpkernels.parallel.mappings import all_gather_dim
 from tpkernels.parallel.param_tags import tag_of
@@ -41,12 +50,14 @@ def from_hf(cls, source, state=None, *, config: ModelConfig | None = None, drop_
     return model
 
 
-def param_parts(model, tp_rank: int | None = None, tp_size: int | None = None) -> dict[str, list[Part]]:
+def param_parts(model, tp_rank: int | None = None, tp_size: int | None = None,
+                ep_rank: int | None = None) -> dict[str, list[Part]]:
     """Our parameter name → the HF parts it is made of, for TP rank ``tp_rank`` (default: this rank) of a
     layout of TP size ``tp_size`` (default: the model's; another describes that layout's shards, e.g. for
-    an export that rebuilds them in one process)."""
+    an export that rebuilds them in one process); ``ep_rank``: whose experts (default this rank's)."""
     r = model.ctx.tp_rank if tp_rank is None else tp_rank
-    return {f"chunks.{c}.{k}": v for c, chunk in enumerate(model.chunks) for k, v in chunk.parts(r, tp_size).items()}
+    return {f"chunks.{c}.{k}": v for c, chunk in enumerate(model.chunks)
+            for k, v in chunk.parts(r, tp_size, ep_rank).items()}
 
 
 def _shapes(model) -> dict[str, tuple[int, ...]]:
@@ -112,6 +123,8 @@ def _read(src, name: str, parts: list[Part], like: torch.Tensor) -> tuple[torch.
     """This rank's value of parameter ``name`` (shape and dtype of ``like``) and the rows of each part."""
     pieces = [src.read(part, like.dtype) for part in parts]
     value = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    if like.dim() == 3 and value.dim() == 2 and value.numel() == like.numel():  # stacked experts
+        value = from_experts_view(value, tuple(like.shape))
     if value.shape != like.shape:
         raise ValueError(f"{name}: the checkpoint gives shape {tuple(value.shape)}, the model at this "
                          f"layout needs {tuple(like.shape)} (parts {parts})")
@@ -144,8 +157,9 @@ def to_hf_state_dict(model, which: str = "data") -> dict[str, torch.Tensor]:
     ``which="grad"``: the gradients instead, in the same names (zeros where there is none)."""
     if which not in ("data", "grad"):
         raise ValueError(f"which ({which!r}) must be 'data' or 'grad'")
-    tp = model.ctx.tp_size
-    all_parts = [param_parts(model, r) for r in range(tp)]
+    tp, ep = model.ctx.tp_size, model.ctx.ep_size
+    # [tp rank][ep rank]: a MoE layer's experts differ over EP (gathered below), the rest is the same there
+    all_parts = [[param_parts(model, r, ep_rank=q) for q in range(ep)] for r in range(tp)]
     pieces = []
     # a quantised base counts as its dequantised values (no gradient: zeros)
     tensors = [(name, p, p.detach() if which == "data" else p.grad) for name, p in model.named_parameters()]
@@ -153,17 +167,25 @@ def to_hf_state_dict(model, which: str = "data") -> dict[str, torch.Tensor]:
                 for name, m in quantized_layers(model).items()]
     for name, p, t in tensors:
         tt = tag_of(p)
-        if (tt is not None and tt.tied == "copy") or name not in all_parts[0]:  # LoRA adapters: merge_lora_ first
+        if (tt is not None and tt.tied == "copy") or name not in all_parts[0][0]:  # LoRA adapters: merge_lora_ first
             continue
         t = t if t is not None else torch.zeros(p.shape, dtype=p.dtype, device=model._device())
         shards = [t] if tp == 1 else list(all_gather_dim(t.contiguous(), 0, model.ctx.tp_group).chunk(tp, dim=0))
-        for r, shard in enumerate(shards):
-            offset = 0
-            for part in all_parts[r][name]:
-                rows = part.zero_shape[0] if part.name is None else (
-                    part.rows[1] - part.rows[0] if part.rows else shard.shape[0])
-                pieces.append((part, shard[offset:offset + rows].cpu()))
-                offset += rows
+        expert = tt is not None and tt.expert_parallel
+        for r, tp_shard in enumerate(shards):
+            if expert and ep > 1:
+                ep_shards = enumerate(all_gather_dim(tp_shard.contiguous(), 0, model.ctx.ep_group).chunk(ep, dim=0))
+            else:
+                ep_shards = [(model.ctx.ep_rank, tp_shard)]
+            for q, shard in ep_shards:
+                if shard.dim() == 3:
+                    shard = experts_view(shard)
+                offset = 0
+                for part in all_parts[r][q][name]:
+                    rows = part.zero_shape[0] if part.name is None else (
+                        part.rows[1] - part.rows[0] if part.rows else shard.shape[0])
+                    pieces.append((part, shard[offset:offset + rows].cpu()))
+                    offset += rows
     return assemble(pieces)
 
 

@@ -39,9 +39,39 @@ HF_NAMES: dict[str, dict[str, str]] = {
     },
 }
 
+# Mixture-of-experts blocks (``{e}`` = expert index), as the checkpoints on the Hub and transformers'
+# save_pretrained name them: one tensor per expert (transformers 5 fuses them into ``experts.gate_up_proj``
+# (E, 2F, H) and ``experts.down_proj`` (E, H, F) in memory, its conversion mapping splitting / joining
+# them at save / load: :func:`tpkernels.models.hf_checkpoint.unfuse_experts` does the same for a module).
+# Attention, norms, embedding and head keep the "llama" names.
+_QWEN_MOE = {
+    "router": "model.layers.{i}.mlp.gate",
+    "expert_gate": "model.layers.{i}.mlp.experts.{e}.gate_proj",
+    "expert_up": "model.layers.{i}.mlp.experts.{e}.up_proj",
+    "expert_down": "model.layers.{i}.mlp.experts.{e}.down_proj",
+    "shared_gate": "model.layers.{i}.mlp.shared_expert.gate_proj",
+    "shared_up": "model.layers.{i}.mlp.shared_expert.up_proj",
+    "shared_down": "model.layers.{i}.mlp.shared_expert.down_proj",
+    "shared_expert_gate": "model.layers.{i}.mlp.shared_expert_gate",
+}
+MOE_NAMES: dict[str, dict[str, str]] = {
+    "mixtral": {
+        "router": "model.layers.{i}.block_sparse_moe.gate",
+        "expert_gate": "model.layers.{i}.block_sparse_moe.experts.{e}.w1",
+        "expert_up": "model.layers.{i}.block_sparse_moe.experts.{e}.w3",
+        "expert_down": "model.layers.{i}.block_sparse_moe.experts.{e}.w2",
+    },
+    "qwen2_moe": _QWEN_MOE,
+    "qwen3_moe": _QWEN_MOE,
+}
+# transformers' in-memory module names of the MoE block (the router and fused experts; Mixtral's block is
+# ``mlp`` there, ``block_sparse_moe`` in files)
+MODULE_MOE_NAMES = {"router": "model.layers.{i}.mlp.gate.weight", "gate_up": "model.layers.{i}.mlp.experts.gate_up_proj",
+                    "down": "model.layers.{i}.mlp.experts.down_proj"}
+
 TRANSPOSED = {"gpt2": True, "llama": False}  # Conv1D stores (in, out)
 # older GPT-2 checkpoints (the Hub's "gpt2") have no "transformer." prefix
 OPTIONAL_PREFIXES = ("transformer.", "model.")
 
 
-__all__ = ["HF_NAMES", "OPTIONAL_PREFIXES", "TRANSPOSED"]
+__all__ = ["HF_NAMES", "MODULE_MOE_NAMES", "MOE_NAMES", "OPTIONAL_PREFIXES", "TRANSPOSED"]

@@ -21,20 +21,25 @@ from tpkernels.parallel.param_tags import tag
 
 
 class MLP(nn.Module):
-    """forward(x (batch, seq[/TP], hidden)) -> like x."""
+    """forward(x (batch, seq[/TP], hidden)) -> like x.
 
-    def __init__(self, ctx: LayerContext, layer: int):
+    ffn_hidden_size / hf_name: another width and HF naming than the model's dense MLP (a MoE block's
+    shared expert: ``hf_name(role, layer, param)`` with role "gate", "up" or "down")."""
+
+    def __init__(self, ctx: LayerContext, layer: int, *, ffn_hidden_size: int | None = None, hf_name=None):
         super().__init__()
         mc = ctx.mc
         self.ctx, self.layer, self.kind = ctx, layer, mc.activation
-        self.f = mc.ffn_hidden_size // ctx.tp_size
+        self.ffn = ffn_hidden_size or mc.ffn_hidden_size
+        self._hf = hf_name or ctx.hf
+        self.f = self.ffn // ctx.tp_size
         kw = ctx.tp_kwargs()
         if mc.activation == "swiglu":
-            self.gate_up = ColumnParallelLinear(mc.hidden_size, 2 * mc.ffn_hidden_size, bias=mc.mlp_bias, **kw)
+            self.gate_up = ColumnParallelLinear(mc.hidden_size, 2 * self.ffn, bias=mc.mlp_bias, **kw)
         else:
-            self.up = ColumnParallelLinear(mc.hidden_size, mc.ffn_hidden_size, bias=False, **kw)
+            self.up = ColumnParallelLinear(mc.hidden_size, self.ffn, bias=False, **kw)
             self.up_bias = tag(nn.Parameter(torch.zeros(self.f, **ctx.factory())), split_dim=0) if mc.mlp_bias else None
-        self.down = RowParallelLinear(mc.ffn_hidden_size, mc.hidden_size, bias=mc.mlp_bias, **kw)
+        self.down = RowParallelLinear(self.ffn, mc.hidden_size, bias=mc.mlp_bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
@@ -46,32 +51,32 @@ class MLP(nn.Module):
 
     def hf_parts(self, tp_rank: int, tp_size: int | None = None) -> dict[str, list[Part]]:
         """Rank ``tp_rank``'s parts at TP size ``tp_size`` (default the model's)."""
-        ctx, i = self.ctx, self.layer
-        f = ctx.mc.ffn_hidden_size // (tp_size or ctx.tp_size)
+        ctx, i, hf = self.ctx, self.layer, self._hf
+        f = self.ffn // (tp_size or ctx.tp_size)
         t = ctx.transposed
         rows, cols = (tp_rank * f, (tp_rank + 1) * f), (tp_rank * f, (tp_rank + 1) * f)
-        parts = {"down.weight": [Part(ctx.hf("down", i), cols=cols, transpose=t)]}
+        parts = {"down.weight": [Part(hf("down", i), cols=cols, transpose=t)]}
         if self.down.bias is not None:
-            parts["down.bias"] = [Part(ctx.hf("down", i, "bias"))]
+            parts["down.bias"] = [Part(hf("down", i, "bias"))]
         if self.kind == "swiglu":
-            parts["gate_up.weight"] = [Part(ctx.hf(r, i), rows=rows, transpose=t) for r in ("gate", "up")]
+            parts["gate_up.weight"] = [Part(hf(r, i), rows=rows, transpose=t) for r in ("gate", "up")]
             if self.gate_up.bias is not None:
-                parts["gate_up.bias"] = [Part(ctx.hf(r, i, "bias"), rows=rows) for r in ("gate", "up")]
+                parts["gate_up.bias"] = [Part(hf(r, i, "bias"), rows=rows) for r in ("gate", "up")]
         else:
-            parts["up.weight"] = [Part(ctx.hf("up", i), rows=rows, transpose=t)]
+            parts["up.weight"] = [Part(hf("up", i), rows=rows, transpose=t)]
             if self.up_bias is not None:
-                parts["up_bias"] = [Part(ctx.hf("up", i, "bias"), rows=rows)]
+                parts["up_bias"] = [Part(hf("up", i, "bias"), rows=rows)]
         return parts
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        mc, ctx, i = self.ctx.mc, self.ctx, self.layer
-        h, f = mc.hidden_size, mc.ffn_hidden_size
-        shapes = {ctx.hf("down", i): (h, f)}
+        mc, i, hf = self.ctx.mc, self.layer, self._hf
+        h, f = mc.hidden_size, self.ffn
+        shapes = {hf("down", i): (h, f)}
         ups = ("gate", "up") if self.kind == "swiglu" else ("up",)
         for r in ups:
-            shapes[ctx.hf(r, i)] = (f, h)
+            shapes[hf(r, i)] = (f, h)
             if mc.mlp_bias:
-                shapes[ctx.hf(r, i, "bias")] = (f,)
+                shapes[hf(r, i, "bias")] = (f,)
         if mc.mlp_bias:
-            shapes[ctx.hf("down", i, "bias")] = (h,)
+            shapes[hf("down", i, "bias")] = (h,)
         return shapes

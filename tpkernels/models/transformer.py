@@ -33,13 +33,15 @@ from tpkernels.models.block import TransformerBlock
 from tpkernels.description import ModelConfig
 from tpkernels.models.context import LayerContext
 from tpkernels.models.embedding import Embedding
-from tpkernels.models.grad_sync import DataParallelGradReduce, finish_grad_sync
+from tpkernels.models.grad_sync import DataParallelGradReduce, finish_grad_sync, grad_of
 from tpkernels.models.head import LMHead
 from tpkernels.models.hf_checkpoint import Part
 from tpkernels.models.inputs import StageInput
+from tpkernels.models.moe import RouterLosses
 from tpkernels.models.sequence import SequenceInfo
 from tpkernels.parallel import control
 from tpkernels.parallel.config import ParallelConfig
+from tpkernels.parallel.param_tags import tag_of
 from tpkernels.parallel.state import ParallelState
 from tpkernels.pipeline.runtime import PipelineRuntime
 from tpkernels.pipeline.schedules import forward_only, stage_owner
@@ -84,13 +86,16 @@ class TransformerChunk(nn.Module):
             return self.head(delta, residual)
         return StageInput((delta, residual), inp.position_ids, info.documents).astuple()
 
-    def parts(self, tp_rank: int, tp_size: int | None = None) -> dict[str, list[Part]]:
+    def parts(self, tp_rank: int, tp_size: int | None = None, ep_rank: int | None = None) -> dict[str, list[Part]]:
+        """Our parameter name -> its HF parts at (``tp_rank``, ``ep_rank``: a MoE block's experts; default
+        this rank's)."""
         out = {}
         if self.embedding is not None:
             out.update({f"embedding.{k}": v for k, v in self.embedding.hf_parts(tp_rank, tp_size).items()})
         for j, block in enumerate(self.layers):
             for child, mod in block.children_with_parts().items():
-                out.update({f"layers.{j}.{child}.{k}": v for k, v in mod.hf_parts(tp_rank, tp_size).items()})
+                kw = dict(ep_rank=ep_rank) if getattr(mod, "expert_parallel", False) else {}
+                out.update({f"layers.{j}.{child}.{k}": v for k, v in mod.hf_parts(tp_rank, tp_size, **kw).items()})
         if self.head is not None:
             out.update({f"head.{k}": v for k, v in self.head.hf_parts(tp_rank, tp_size).items()})
         return out
@@ -100,6 +105,12 @@ class TransformerChunk(nn.Module):
             [m for b in self.layers for m in b.children_with_parts().values()] + \
             ([self.head] if self.head is not None else [])
         return {k: v for m in mods for k, v in m.hf_shapes().items()}
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """A MoE layer's routed-expert parameter (different on each EP rank)."""
+    t = tag_of(p)
+    return t is not None and t.expert_parallel
 
 
 def stage_layers(num_layers: int, pp: int, v: int, layer_counts=None) -> list[list[int]]:
@@ -131,11 +142,16 @@ class ParallelTransformer(nn.Module):
         pc = state.config
         pc.validate(world_size=pc.world_size, **config.layout_rules(), layer_counts=layer_counts)
         self.config, self.state = config, state
+        # the router losses of the MoE layers, for the trainer (tpkernels.models.moe.RouterLosses)
+        self.moe_losses = RouterLosses(config.num_experts, config.router_aux_loss_coef, config.router_z_loss_coef,
+                                       config.num_moe_layers) if config.num_experts else None
         self.ctx = LayerContext(mc=config, tp_group=state.tp_group, tp_rank=state.tp_rank, tp_size=pc.tp,
                                 sequence_parallel=pc.sequence_parallel, overlap_comm=overlap_comm, algo=algo,
                                 device=None if device is None else torch.device(device), dtype=dtype,
                                 recompute=pc.recompute, cp_group=state.cp_group, cp_rank=state.cp_rank,
-                                cp_size=pc.cp, cp_algo=pc.cp_algo, quant=quant)
+                                cp_size=pc.cp, cp_algo=pc.cp_algo, quant=quant, ep_group=state.ep_group,
+                                ep_rank=state.ep_rank, ep_size=pc.ep, dp_cp_group=state.dp_cp_group,
+                                moe_losses=self.moe_losses)
         self.num_virtual = pc.pp * pc.virtual_stages
         self.stage_layers = stage_layers(config.num_layers, pc.pp, pc.virtual_stages, layer_counts)
         self.chunks = nn.ModuleList()
@@ -313,7 +329,16 @@ class ParallelTransformer(nn.Module):
         finish_grad_sync(params, tp_group=st.tp_group, kv_group=self.kv_group,
                          embedding_group=st.embedding_group if tied else None)
         if reduce_dp and st.dp_size * st.cp_size > 1:  # CP ranks are replicas too: one reduction over both
-            DataParallelGradReduce(params, st.dp_cp_group, overlap=False).finish()
+            experts = [p for p in params if is_expert(p)] if st.ep_size > 1 else []
+            DataParallelGradReduce([p for p in params if not (experts and is_expert(p))], st.dp_cp_group,
+                                   overlap=False).finish()
+            if experts:
+                # an expert's gradient already sums its EP group's tokens (the combine's backward): summed over
+                # the other EP groups' copies and divided by dp · cp, it is the average the others get
+                DataParallelGradReduce(experts, st.edp_group, overlap=False).finish()
+                for p in experts:
+                    if grad_of(p) is not None:
+                        grad_of(p).div_(st.ep_size)
 
     def extra_repr(self) -> str:
         st = self.state

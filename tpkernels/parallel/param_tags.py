@@ -34,17 +34,25 @@ class TPTag:
     kv_replica_rows: (lo, hi) rows of a split weight that hold a KV head shared by ``kv_replicas``
         TP ranks (TP > KV heads): their gradients are summed over those ranks, counted once.
     tied: "embedding" (the input embedding, tied to a head on another stage) or "copy" (that head's
-        copy of it): both summed over the embedding group; the copy counts 0 in the norm."""
+        copy of it): both summed over the embedding group; the copy counts 0 in the norm.
+    expert_parallel: this EP rank's routed experts of a MoE layer (stacked along dim 0; split_dim 1 or
+        2 is their TP split): the EP ranks hold different experts, so the norm sums their squares over
+        the EP group too, the DP reduction runs over the expert-data-parallel group (the other EP
+        groups' copies of the same experts; sum / (dp · cp), see ParallelTransformer.finish_grad_sync)
+        and checkpoints gather them over EP."""
 
     split_dim: int | None = None
     partial_grad: bool = False
     kv_replica_rows: tuple[int, int] | None = None
     kv_replicas: int = 1
     tied: str | None = None
+    expert_parallel: bool = False
 
     def __post_init__(self):
-        if self.split_dim not in (None, 0, 1):
-            raise ValueError(f"split_dim ({self.split_dim!r}) must be None, 0 or 1")
+        if self.split_dim not in (None, 0, 1, 2):
+            raise ValueError(f"split_dim ({self.split_dim!r}) must be None, 0, 1 or 2 (2: stacked experts)")
+        if self.split_dim == 2 and not self.expert_parallel:
+            raise ValueError("split_dim (2) is for stacked experts (E, in, out): it needs expert_parallel=True")
         if self.tied not in TIED:
             raise ValueError(f"tied ({self.tied!r}) must be one of {TIED}")
         if self.kv_replica_rows is not None and self.split_dim != 0:

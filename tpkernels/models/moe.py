@@ -1,0 +1,267 @@
+"""The mixture-of-experts block (Mixtral, Qwen2-MoE) at any TP × EP layout, and its router losses.
+
+    y = moe(x)          # x, y: (batch, seq[/TP], hidden), in place of the dense MLP of a MoE layer
+
+One layer, in order (T = the tokens of this rank's (batch, seq) after the SP gather):
+
+1. Enter the TP region: with SP the tokens are all-gathered over TP (backward: reduce-scatter), else
+   copied (backward: all-reduce), as the dense MLP's column-parallel GEMM does. Every TP rank then
+   routes the same T tokens.
+2. Router: a replicated linear (E × hidden) in the model's dtype, scores in float32
+   (:func:`tpkernels.functional.moe_router.route`, transformers' Mixtral / Qwen2-MoE routing step for
+   step). Its gradient is a partial sum on each TP rank (the combine weights multiply this rank's
+   partial expert outputs, step 5): tagged ``partial_grad`` and summed over TP like an SP norm weight.
+3. Permutation (:func:`~tpkernels.functional.moe_permute.permute`): the T·k token copies grouped by
+   global expert; capacity-dropped copies are left out.
+4. Experts: :func:`~tpkernels.functional.moe_dispatch.dispatch_combine` sends each copy to the EP rank
+   that holds its expert (``ep`` = 1: a direct call), which runs the grouped SwiGLU MLP
+   (:func:`~tpkernels.functional.grouped_gemm.grouped_swiglu_mlp`) over its E/ep local experts. The
+   experts are stacked parameters ``w_gate_up`` (E/ep, hidden, 2F/tp) = [gate | up] and ``w_down``
+   (E/ep, F/tp, hidden), TP-split like the dense MLP (columns of gate/up, rows of down), so each TP
+   rank's output is a partial sum.
+5. Combine (:func:`~tpkernels.functional.moe_permute.unpermute`): each token's k rows weighted by the
+   router weights; the shared expert (a dense :class:`~tpkernels.models.mlp.MLP` times Qwen2-MoE's
+   sigmoid gate) is added; one reduction over TP (SP: reduce-scatter; else all-reduce) leaves the layer.
+
+Router losses (:class:`RouterLosses`, one per model, ``model.moe_losses``): each MoE layer records this
+rank's share of its load-balancing and z-loss statistics on every forward. Shares and the global
+objective: the tokens of a micro-batch are split over the DP × CP ranks (and, under SP, the TP ranks,
+which the gather of step 1 puts back together); f_e (the fraction of assignments expert e got) is
+all-reduced over DP × CP without gradient; P_e's sum over this rank's tokens is divided by the global
+token count; every TP rank computes the same values, so a rank's share is divided by tp. The shares of
+all the ranks of a pipeline stage (TP × DP × CP) therefore sum to the micro-batch's global loss and
+gradient, whatever the layout; under DP gradient averaging (``DataParallelGradReduce`` divides by
+dp · cp) a rank backpropagates dp · cp × its share, as it does its token-loss share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpkernels.functional.grouped_gemm import grouped_swiglu_mlp
+from tpkernels.functional.moe_dispatch import dispatch_combine
+from tpkernels.functional.moe_permute import permute, unpermute
+from tpkernels.functional.moe_router import route
+from tpkernels.models.context import LayerContext, replicated
+from tpkernels.models.hf_checkpoint import Part
+from tpkernels.models.mlp import MLP
+from tpkernels.parallel import control
+from tpkernels.parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
+)
+from tpkernels.parallel.param_tags import tag
+
+AUX_STYLES = ("per_layer", "transformers")
+
+
+@dataclass
+class LayerRouterStats:
+    """One MoE layer's router statistics of the last forward on this rank.
+
+    f: (E,) fraction of the micro-batch's global tokens routed to each expert (top-k assignments /
+        tokens, summing to k), no gradient. p: (E,) this rank's share of the mean router score of each
+        expert (its tokens' sum / the global token count / tp), with gradient. z: this rank's share of
+        the z-loss (mean over the global tokens of logsumexp(logits)², / tp), with gradient.
+    counts: (E,) assignments this rank's tokens made to each expert (int64, no gradient).
+    dropped: assignments dropped by the capacity limit on this rank (0 when dropless)."""
+
+    f: torch.Tensor
+    p: torch.Tensor
+    z: torch.Tensor
+    counts: torch.Tensor
+    dropped: int = 0
+
+
+@dataclass
+class RouterLosses:
+    """The router losses of a model's MoE layers for the trainer: read after a forward, reset before the
+    next (a recomputed forward overwrites its layer's record with the same values).
+
+    aux_coef, z_coef: ``router_aux_loss_coef`` and ``router_z_loss_coef``. ``aux_style``:
+      "per_layer": the mean over the MoE layers of each layer's switch loss E · Σ_e f_e · P_e (what
+          :func:`tpkernels.functional.moe_router.load_balancing_loss` gives per layer; Megatron-Core's
+          definition, reported as the mean over layers). Each layer's share is its own: it works on any
+          pipeline stage.
+      "transformers": transformers' ``load_balancing_loss_func`` (Mixtral, Qwen2-MoE): the tokens of
+          every layer pooled, E · Σ_e mean_l(f_le) · mean_l(P_le). The layers of one stage only see
+          their own f, so this style needs every MoE layer on this rank (pp = 1); at pp > 1 it is
+          refused by name (use "per_layer").
+    Both are linear in the P shares, so the shares of a stage's ranks sum to the global value."""
+
+    num_experts: int
+    aux_coef: float = 0.0
+    z_coef: float = 0.0
+    num_moe_layers: int = 0
+    records: dict[int, LayerRouterStats] = field(default_factory=dict)
+
+    def record(self, layer: int, stats: LayerRouterStats) -> None:
+        self.records[layer] = stats
+
+    def reset(self) -> None:
+        self.records = {}
+
+    def aux_loss(self, style: str = "per_layer") -> torch.Tensor:
+        """This rank's share of the load-balancing loss (without its coefficient), a 0-d tensor."""
+        if style not in AUX_STYLES:
+            raise ValueError(f"style ({style!r}) must be one of {', '.join(AUX_STYLES)}")
+        recs = [self.records[k] for k in sorted(self.records)]
+        if not recs:
+            return torch.zeros(())
+        e = self.num_experts
+        if style == "per_layer":
+            return sum(e * torch.sum(r.f * r.p) for r in recs) / max(self.num_moe_layers, len(recs))
+        if len(recs) != self.num_moe_layers:
+            raise ValueError(f"style 'transformers' pools the tokens of every MoE layer ({self.num_moe_layers}), but "
+                             f"this rank ran {len(recs)} of them (pipeline parallelism: each stage sees its own "
+                             "layers); use style 'per_layer'")
+        n = len(recs)
+        f = torch.stack([r.f for r in recs]).sum(0) / n
+        return e * torch.sum(f * torch.stack([r.p for r in recs]).sum(0) / n)
+
+    def z_loss(self) -> torch.Tensor:
+        """This rank's share of the router z-loss, the mean over the MoE layers (without its coefficient)."""
+        recs = list(self.records.values())
+        if not recs:
+            return torch.zeros(())
+        return sum(r.z for r in recs) / max(self.num_moe_layers, len(recs))
+
+    def loss(self, style: str = "per_layer") -> torch.Tensor:
+        """aux_coef · aux + z_coef · z: this rank's share of what the router adds to the objective."""
+        return self.aux_coef * self.aux_loss(style) + self.z_coef * self.z_loss()
+
+    def expert_load(self) -> dict[int, torch.Tensor]:
+        """Assignments per expert of each layer's last forward on this rank (metrics: sum them over DP)."""
+        return {k: r.counts for k, r in sorted(self.records.items())}
+
+
+def _stats(scores: torch.Tensor, logits: torch.Tensor, experts: torch.Tensor, num_experts: int, group,
+           tp_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(f, p share, z share, local counts) of one layer (see :class:`LayerRouterStats`). One all-reduce of
+    E + 1 values over ``group`` (the DP × CP ranks), as load_balancing_loss and z_loss do."""
+    t = scores.shape[0]
+    valid = experts >= 0
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=scores.device).scatter_add_(
+        0, experts.clamp_min(0).reshape(-1), valid.reshape(-1).to(torch.int64))
+    stats = torch.cat([counts.to(scores.dtype), torch.tensor([float(t)], dtype=scores.dtype, device=scores.device)])
+    stats = control.all_reduce_(stats.detach(), group=group)
+    n = stats[-1].clamp_min(1.0)
+    f = stats[:-1] / n
+    probs = scores / scores.sum(dim=-1, keepdim=True)  # a no-op for softmax scores
+    p = probs.sum(0) / n / tp_size
+    z = torch.logsumexp(logits, dim=-1).square().sum() / n / tp_size
+    return f, p, z, counts
+
+
+class MoE(nn.Module):
+    """forward(x (batch, seq[/TP], hidden)) -> like x: a MoE layer's feed-forward block (module docstring).
+
+    Parameters: ``router`` (E, hidden) replicated; ``w_gate_up`` (E/ep, hidden, 2F/tp) and ``w_down``
+    (E/ep, F/tp, hidden), this EP rank's experts ep_rank·E/ep …; ``shared`` (an MLP of the shared
+    expert's width) and ``shared_gate`` (1, hidden) when the model has them."""
+
+    expert_parallel = True  # its hf_parts take ep_rank (TransformerChunk.parts)
+
+    def __init__(self, ctx: LayerContext, layer: int):
+        super().__init__()
+        mc = ctx.mc
+        self.ctx, self.layer = ctx, layer
+        self.num_experts, self.top_k = mc.num_experts, mc.experts_per_token
+        self.num_local = mc.num_experts // ctx.ep_size
+        self.f = mc.expert_ffn // ctx.tp_size
+        h, kw = mc.hidden_size, ctx.factory()
+        # the router's gradient is partial over TP whether or not SP is on (step 2 of the module docstring)
+        self.router = tag(nn.Parameter(torch.empty(mc.num_experts, h, **kw)), partial_grad=ctx.tp_size > 1)
+        self.w_gate_up = tag(nn.Parameter(torch.empty(self.num_local, h, 2 * self.f, **kw)), split_dim=2,
+                             expert_parallel=True)
+        self.w_down = tag(nn.Parameter(torch.empty(self.num_local, self.f, h, **kw)), split_dim=1,
+                          expert_parallel=True)
+        for p in (self.w_gate_up, self.w_down):
+            p.hf_view = "experts"  # its HF parts are those of (E/ep · out, in): hf_checkpoint.experts_view
+        s = mc.shared_expert_ffn_hidden_size
+        self.shared = None
+        if s:
+            self.shared = MLP(ctx, layer, ffn_hidden_size=s,
+                              hf_name=lambda role, i, param="weight": ctx.moe_hf(f"shared_{role}", i, param=param))
+        self.shared_gate = replicated(nn.Parameter(torch.empty(1, h, **kw)), ctx) if mc.shared_expert_gate else None
+        self.losses = ctx.moe_losses
+        self.chunks = 1  # dispatch_combine's overlap pieces (tpkernels.functional.moe_dispatch)
+
+    # ---- forward ----
+    def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts over ``rows`` (M, hidden) grouped by local expert -> (M, hidden), partial over TP."""
+        return grouped_swiglu_mlp(rows, self.w_gate_up, self.w_down, counts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx, mc = self.ctx, self.ctx.mc
+        sp = ctx.sequence_parallel and ctx.tp_size > 1
+        full = gather_from_sequence_parallel(x, ctx.tp_group, dim=1) if sp else copy_to_tensor_parallel(x, ctx.tp_group)
+        b, s, h = full.shape
+        tokens = full.reshape(b * s, h)
+        logits = F.linear(tokens, self.router)
+        r = route(logits, self.top_k, score=mc.router_score, normalize=mc.router_normalize,
+                  capacity_factor=mc.capacity_factor)
+        experts = r.experts if r.dropped is None else r.experts.masked_fill(r.dropped, -1)
+        if self.losses is not None:
+            f, p, z, counts = _stats(r.scores, r.logits, experts, self.num_experts, ctx.dp_cp_group, ctx.tp_size)
+            dropped = int(r.dropped.sum()) if r.dropped is not None else 0
+            self.losses.record(self.layer, LayerRouterStats(f, p, z, counts, dropped))
+        x_sorted, counts, row_map = permute(tokens, experts, self.num_experts)
+        y_sorted = dispatch_combine(x_sorted, counts, self._experts, ctx.ep_group if ctx.ep_size > 1 else None,
+                                    num_local_experts=self.num_local, chunks=self.chunks,
+                                    params=[self.w_gate_up, self.w_down])
+        y = unpermute(y_sorted, row_map, r.weights, b * s).view(b, s, h)
+        if self.shared is not None:
+            shared = self.shared(x)  # the dense MLP: its own SP gather and reduction, full on return
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            # added after the routed experts' reduction: the shared output is complete already
+        y = reduce_scatter_to_sequence_parallel(y, ctx.tp_group, dim=1) if sp else \
+            reduce_from_tensor_parallel(y, ctx.tp_group)
+        return y + shared if self.shared is not None else y
+
+    # ---- Hugging Face parts (tpkernels.models.hf_checkpoint) ----
+    def hf_parts(self, tp_rank: int, tp_size: int | None = None, ep_rank: int | None = None) -> dict[str, list[Part]]:
+        """Rank (``tp_rank``, ``ep_rank``)'s parts (defaults: this layout's TP size, this rank's EP rank).
+        The stacked experts' parts are those of their (E/ep · out, in) view (``p.hf_view``)."""
+        ctx, i = self.ctx, self.layer
+        tp = tp_size or ctx.tp_size
+        f = ctx.mc.expert_ffn // tp
+        q = ctx.ep_rank if ep_rank is None else ep_rank
+        rows = (tp_rank * f, (tp_rank + 1) * f)
+        local = range(q * self.num_local, (q + 1) * self.num_local)
+        parts = {"router": [Part(ctx.moe_hf("router", i))],
+                 "w_gate_up": [Part(ctx.moe_hf(r, i, e), rows=rows) for e in local for r in ("expert_gate", "expert_up")],
+                 "w_down": [Part(ctx.moe_hf("expert_down", i, e), rows=(0, ctx.mc.hidden_size), cols=rows) for e in local]}
+        if self.shared is not None:
+            parts.update({f"shared.{k}": v for k, v in self.shared.hf_parts(tp_rank, tp_size).items()})
+        if self.shared_gate is not None:
+            parts["shared_gate"] = [Part(ctx.moe_hf("shared_expert_gate", i))]
+        return parts
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        ctx, mc, i = self.ctx, self.ctx.mc, self.layer
+        h, f = mc.hidden_size, mc.expert_ffn
+        shapes = {ctx.moe_hf("router", i): (mc.num_experts, h)}
+        for e in range(mc.num_experts):
+            shapes.update({ctx.moe_hf("expert_gate", i, e): (f, h), ctx.moe_hf("expert_up", i, e): (f, h),
+                           ctx.moe_hf("expert_down", i, e): (h, f)})
+        if self.shared is not None:
+            shapes.update(self.shared.hf_shapes())
+        if self.shared_gate is not None:
+            shapes[ctx.moe_hf("shared_expert_gate", i)] = (1, h)
+        return shapes
+
+    def extra_repr(self) -> str:
+        c = self.ctx
+        return (f"experts {self.num_experts} (this rank: {self.num_local} from {c.ep_rank * self.num_local}), "
+                f"top-{self.top_k}, ffn {self.ctx.mc.expert_ffn} (/tp {c.tp_size})")
+
+
+__all__ = ["AUX_STYLES", "LayerRouterStats", "MoE", "RouterLosses"]
