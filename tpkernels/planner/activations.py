@@ -20,6 +20,25 @@ local tokens, except the scores (local queries × all keys, so a·s/h keeps the 
 ``allgather`` algorithm keeps the gathered K/V of the whole sequence for the backward (cp × the
 local K/V); ``ring`` holds two K/V blocks in flight and fp32 dK/dV accumulators, ``a2a`` the
 head-sharded copies of q, k, v and the output, both only while the layer's attention runs.
+
+A mixture-of-experts layer (``moe=True``) keeps the attention terms and replaces the dense MLP's by
+its MoE block (:func:`moe_block_activations`): T = b·s/cp tokens on the rank, k copies of each routed
+to experts; with expert parallelism the busiest EP rank receives ρ·T·k of the EP group's rows
+(ρ: :func:`moe_peak_imbalance`). Bytes, 16-bit activations:
+
+  stored    the rows the experts received, 2·ρTk·h (every TP rank holds whole rows and F/tp columns
+            of each expert, as the dense MLP): the only tensor tpkernels.functional.grouped_gemm's
+            grouped_swiglu_mlp keeps, its backward recomputes gate|up; the expert outputs combined
+            back on this rank 2·Tk·h (the combine weights' gradient reads them), the router's fp32
+            logits and scores 8·T'·E (T' = T/tp with SP), the routing metadata (fp32 weights, int64
+            expert ids and row map: 20·Tk), and the shared expert as a dense MLP of its width.
+  produced  stored + the SwiGLU gate|up output and product 2·ρTk·3F/tp, the permuted copy 2·Tk·h
+            and the expert outputs 2·ρTk·h (written once per forward: the SwiGLU's and the
+            permutation's memory-bound passes).
+  transient the experts' gate|up output and product, 2·ρTk·3F/tp, while their GEMMs run (forward,
+            and again in the backward that recomputes them), and at ep > 1 the all-to-all's send
+            buffers (the permuted copy before dispatch, the expert outputs before the combine),
+            2·h·(Tk + ρTk); the larger of the two (the exchange waits while the GEMMs hold theirs).
 """
 
 from __future__ import annotations
@@ -43,14 +62,16 @@ class LayerActivations:
     recompute_peak: float
 
 
-def layer_activation_terms(model: ModelConfig, *, dropout: bool, flash_attention: bool) -> dict[str, float]:
+def layer_activation_terms(model: ModelConfig, *, dropout: bool, flash_attention: bool,
+                           mlp: bool = True) -> dict[str, float]:
     """The coefficients of s·b·h, per GPU before TP division: {"replicated", "split", "scores"},
-    with "scores" multiplying a·s/h."""
+    with "scores" multiplying a·s/h. ``mlp=False`` leaves the dense MLP's tensors of ffn width out (a
+    MoE layer, whose block is counted by :func:`moe_block_activations`)."""
     h = model.hidden_size
     replicated = 4.0 + 2.0 + 2.0 + (2.0 if dropout else 0.0)
     attn = 2.0 * model.q_dim / h + 2.0 * 2.0 * model.kv_dim / h + 2.0 * model.q_dim / h
     tensors_of_ffn_width = 3 if model.gated_mlp else 2  # gate, up, product | GeLU in, GeLU out
-    mlp = 2.0 * tensors_of_ffn_width * model.ffn_hidden_size / h
+    mlp = 2.0 * tensors_of_ffn_width * model.ffn_hidden_size / h if mlp else 0.0
     if flash_attention:
         scores = 0.0  # only the log-sum-exp (4·a·s·b bytes) is kept: negligible
     else:
@@ -59,9 +80,24 @@ def layer_activation_terms(model: ModelConfig, *, dropout: bool, flash_attention
 
 
 def layer_activations(model: ModelConfig, *, seq: int, micro_batch: int, tp: int, sequence_parallel: bool,
-                      recompute: str, flash_attention: bool, cp: int = 1, cp_algo: str = "ring") -> LayerActivations:
-    """``seq`` is the whole sequence; with ``cp`` > 1 this rank holds seq / cp of it."""
-    terms = layer_activation_terms(model, dropout=model.dropout > 0, flash_attention=flash_attention)
+                      recompute: str, flash_attention: bool, cp: int = 1, cp_algo: str = "ring", moe: bool = False,
+                      ep: int = 1, imbalance: float = 1.0, mlp: bool = True) -> LayerActivations:
+    """``seq`` is the whole sequence; with ``cp`` > 1 this rank holds seq / cp of it. ``moe``: a MoE
+    layer of ``model`` with expert parallelism ``ep`` and the busiest EP rank at ``imbalance`` × its
+    balanced share of rows (:func:`moe_block_activations` in place of the dense MLP). ``mlp=False``:
+    without any MLP (the attention part alone)."""
+    if moe:
+        kw = dict(seq=seq, micro_batch=micro_batch, tp=tp, sequence_parallel=sequence_parallel,
+                  recompute=recompute, flash_attention=flash_attention, cp=cp, cp_algo=cp_algo)
+        rest = layer_activations(model, mlp=False, **kw)
+        block = moe_block_activations(model, seq=seq, micro_batch=micro_batch, tp=tp, cp=cp, ep=ep,
+                                      sequence_parallel=sequence_parallel, recompute=recompute, imbalance=imbalance)
+        # full recompute rebuilds the whole layer at once; otherwise the attention's transients (scores,
+        # CP buffers) and the block's dispatch buffers are alive at different times
+        peak = (rest.recompute_peak + block.recompute_peak if recompute == "full"
+                else max(rest.recompute_peak, block.recompute_peak))
+        return LayerActivations(rest.stored + block.stored, rest.produced + block.produced, peak)
+    terms = layer_activation_terms(model, dropout=model.dropout > 0, flash_attention=flash_attention, mlp=mlp)
     sbh = float(seq) / cp * micro_batch * model.hidden_size
     a_s_over_h = model.num_attention_heads * seq / model.hidden_size
     replicated = terms["replicated"] / (tp if sequence_parallel else 1)
@@ -91,3 +127,41 @@ def layer_activations(model: ModelConfig, *, seq: int, micro_batch: int, tp: int
     else:
         raise ValueError(f"recompute ({recompute!r}) must be one of none, selective, full")
     return LayerActivations(stored=stored, produced=produced, recompute_peak=peak + sbh * transient)
+
+
+def moe_peak_imbalance(model: ModelConfig, ep: int, imbalance: float) -> float:
+    """ρ: rows the busiest EP rank receives over its balanced share T·k, for the dispatch buffers.
+    With a capacity factor cf each expert keeps at most cf·T·k/E rows of each sender, so an EP rank
+    gets at most cf·T·k (ρ = cf); dropless routing has no such bound and is sized at ``imbalance``
+    (the user's worst case, TrainingSetup.moe_peak_imbalance). Neither exceeds what routing can do:
+    each token sends at most min(k, E/ep) copies to one EP rank, ρ ≤ ep·min(k, E/ep)/k (1 at ep = 1,
+    where one rank holds every expert and processes its own T·k rows, fewer if a capacity drops some)."""
+    k, e = model.experts_per_token, model.num_experts
+    most = ep * min(k, e / ep) / k
+    bound = model.capacity_factor if model.capacity_factor is not None else (imbalance if ep > 1 else 1.0)
+    return min(bound, most)
+
+
+def moe_block_activations(model: ModelConfig, *, seq: int, micro_batch: int, tp: int, cp: int = 1, ep: int = 1,
+                          sequence_parallel: bool = False, recompute: str = "none",
+                          imbalance: float = 1.0) -> LayerActivations:
+    """Bytes of one MoE block (router, dispatch, routed experts, combine, shared expert) per micro-batch
+    on one GPU; the terms are in the module docstring. ``imbalance``: ρ of the busiest EP rank."""
+    h, k, e = model.hidden_size, model.experts_per_token, model.num_experts
+    tokens = float(seq) / cp * micro_batch
+    copies = tokens * k  # this rank's token copies (sent), and the rows it receives when balanced
+    rows = imbalance * copies
+    router_tokens = tokens / tp if sequence_parallel else tokens
+    f = model.expert_ffn
+    stored = 2.0 * rows * h + 2.0 * copies * h + 8.0 * router_tokens * e + 20.0 * copies
+    if model.shared_expert_ffn_hidden_size:
+        stored += 2.0 * tokens * 3 * model.shared_expert_ffn_hidden_size / tp
+    swiglu = 2.0 * rows * 3 * f / tp  # gate|up and their product: recomputed in the backward, not kept
+    sent = 2.0 * copies * h + 2.0 * rows * h  # the permuted copy and the expert outputs, before each exchange
+    produced = stored + swiglu + sent
+    transient = max(swiglu, sent if ep > 1 else 0.0)
+    if recompute == "full":
+        return LayerActivations(stored=0.0, produced=produced, recompute_peak=stored + transient)
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute ({recompute!r}) must be one of none, selective, full")
+    return LayerActivations(stored=stored, produced=produced, recompute_peak=transient)

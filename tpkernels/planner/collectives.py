@@ -47,6 +47,19 @@ def group_collective_time(kind: str, nbytes: float, n: int, stride: int, cluster
     return t + phases * (g - 1 + nodes - 1) * eff.collective_latency_s
 
 
+def all_to_all_time(nbytes: float, n: int, stride: int, cluster: ClusterSpec, eff: Efficiency) -> float:
+    """Seconds of one all-to-all in which every rank of an ``n``-member group (members ``stride`` ranks
+    apart) sends ``nbytes`` in total, ``nbytes / n`` to each member, itself included: (n − 1)/n of it
+    leaves the rank. The share for the g members in its node crosses NVLink, the rest the rank's NIC,
+    both at once: the slower of the two sets the time, plus one latency step per peer."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    g = _members_per_node(cluster, n, stride)
+    intra = nbytes * (g - 1) / n / (cluster.intra_gbs * 1e9 * eff.link)
+    inter = nbytes * (n - g) / n / (cluster.inter_gbs * 1e9 * eff.link)
+    return max(intra, inter) + (n - 1) * eff.collective_latency_s
+
+
 def exposed_after_overlap(comm: float, compute: float, buckets: int) -> float:
     """Communication left over when ``comm`` is split into ``buckets`` equal buckets, each sent as soon
     as its share of ``compute`` is done (DDP / Megatron bucketed overlap): a two-stage pipeline.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from tpkernels.parallel import ParallelConfig
@@ -21,9 +22,7 @@ def layout_errors(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec
     if errs:
         return errs
     errs += cfg.job_errors(world_size=cluster.num_gpus, global_batch_size=train.global_batch)
-    errs += cfg.model_errors(num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
-                             num_kv_heads=model.kv_heads, ffn_hidden_size=model.ffn_hidden_size,
-                             seq_length=train.seq_length)
+    errs += cfg.model_errors(**model.layout_rules(train.seq_length))  # with the expert rules of a MoE model
     if cluster.gpus_per_node % cfg.tp:
         errs.append(f"tp ({cfg.tp}) must divide gpus_per_node ({cluster.gpus_per_node}): "
                     "TP communicates every layer, so each TP group must sit inside one node")
@@ -71,7 +70,8 @@ class Estimate:
         c = self.config
         return {
             "layout": c.short(),
-            "tp": c.tp, "cp": c.cp, "cp_algo": c.cp_algo, "pp": c.pp, "dp": c.dp, "virtual_stages": c.virtual_stages,
+            "tp": c.tp, "cp": c.cp, "cp_algo": c.cp_algo, "pp": c.pp, "dp": c.dp, "ep": c.ep,
+            "virtual_stages": c.virtual_stages,
             "micro_batch_size": c.micro_batch_size, "num_microbatches": c.num_microbatches,
             "sequence_parallel": c.sequence_parallel, "recompute": c.recompute, "zero1": c.zero1,
             "schedule": self.time.schedule, "fits": self.fits, "step_time_s": self.step_time,
@@ -90,8 +90,7 @@ def estimate(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, cfg
     (``cfg.pipeline_schedule``: 1F1B, or interleaved with virtual stages, unless ``cfg.schedule`` says)."""
     t = step_time(model, train, cfg, cluster, eff)
     mem = peak_memory(model, train, cfg)
-    model_flops = model.model_flops_per_step(train.global_batch, train.seq_length)
-    lin, core = model.forward_flops_per_layer(train.global_batch, train.seq_length)
+    model_flops, lin, core = _flops(model, train.global_batch, train.seq_length)
     if train.adapters:
         model_flops -= model.num_layers * lin  # frozen linears compute no weight gradient
     recompute = {"full": lin + core, "selective": 0.0 if train.flash_attention else core, "none": 0.0}[cfg.recompute]
@@ -101,6 +100,20 @@ def estimate(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, cfg
                    cluster.gpu.peak_tflops(train.precision), capacity)
     est.notes = _notes(est, memory_margin)
     return est
+
+
+def _flops(model: ModelConfig, batch: int, seq: int) -> tuple[float, float, float]:
+    """(model FLOPs per step, linear and attention-core FLOPs of one layer's forward): the same for every
+    layout of a search, and a sum over the layers for a MoE model, so computed once per model."""
+    try:
+        return _flops_of(model, batch, seq)
+    except TypeError:  # a model with an unhashable field (a rope_scaling dict)
+        return _flops_of.__wrapped__(model, batch, seq)
+
+
+@functools.lru_cache(maxsize=64)
+def _flops_of(model: ModelConfig, batch: int, seq: int) -> tuple[float, float, float]:
+    return (model.model_flops_per_step(batch, seq), *model.forward_flops_per_layer(batch, seq))
 
 
 def _notes(est: Estimate, margin: float) -> list[str]:

@@ -13,6 +13,15 @@ Activations follow tpkernels.planner.activations. Pipeline stage k holds the act
 micro-batches it has run forward but not yet backward: p − k under 1F1B, and
 2(p − k − 1) + (v − 1)·p + 1 model chunks under interleaved 1F1B (Megatron's warm-up counts), so
 the first stage is the fullest (Korthikanti et al.: l layers' worth, times 1 + (p−1)/(p·v)).
+
+Mixture of experts (``model.num_experts`` > 0) with expert parallelism ``cfg.ep`` (inside DP × CP):
+a MoE layer's routed experts are split over the EP group and, like the dense MLP, their FFN columns
+over TP: expert parameters / (ep · tp) per GPU. The router (hidden × E) is replicated on every rank
+(each TP rank routes the tokens it holds); the shared expert is split over TP like a dense MLP. With
+ZeRO-1 the expert optimizer states are sharded over the expert-data-parallel group (the dp · cp / ep
+replicas of one expert shard, which reduce its gradients), every other state over dp · cp. LoRA's
+expert adapters and QLoRA's quantised expert weights are split like the experts. The MoE layer's
+activations and dispatch buffers: tpkernels.planner.activations.moe_block_activations.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from tpkernels.parallel import ParallelConfig
-from tpkernels.planner.activations import layer_activations
+from tpkernels.planner.activations import layer_activations, moe_peak_imbalance
 from tpkernels.description import ModelConfig
 from tpkernels.planner.workload import TrainingSetup
 
@@ -42,35 +51,120 @@ def _kv_replication(model: ModelConfig, tp: int) -> float:
     return 2 * model.hidden_size * model.kv_dim * (tp / model.kv_heads - 1) if tp > model.kv_heads else 0.0
 
 
-def layer_params_per_rank(model: ModelConfig, tp: int) -> float:
-    """Parameters of one decoder layer held by one TP rank (norms replicated; K/V replicated when
-    tp > KV heads)."""
+def layer_param_split(model: ModelConfig, tp: int, ep: int = 1, layer: int = 0) -> tuple[float, float]:
+    """(other, expert) parameters of decoder layer ``layer`` on one GPU: the routed experts split over
+    EP and TP (ep · tp), everything else as a dense layer (norms and the router replicated, K/V
+    replicated when tp > KV heads, the rest split over TP)."""
+    moe = model.moe_params(layer)
+    experts, router = moe.get("experts", 0), moe.get("router", 0)
     norms = 2 * model.norm_params()
-    sharded = model.params_per_layer() - norms + _kv_replication(model, tp)
-    return sharded / tp + norms
+    sharded = model.layer_params(layer) - experts - router - norms + _kv_replication(model, tp)
+    return sharded / tp + norms + router, experts / (ep * tp)
 
 
-def layer_linear_weights_per_rank(model: ModelConfig, tp: int) -> float:
-    """Weights of one decoder layer's TP linears (q/k/v, o, gate/up, down; no biases) on one TP rank:
-    what QLoRA quantises."""
-    return (model.linear_weights_per_layer() + _kv_replication(model, tp)) / tp
+def layer_params_per_rank(model: ModelConfig, tp: int, ep: int = 1) -> float:
+    """Parameters of one decoder layer held by one TP rank (of one EP rank), the mean over the layers."""
+    return sum(sum(layer_param_split(model, tp, ep, i)) for i in range(model.num_layers)) / model.num_layers
 
 
-def layer_linear_rows_per_rank(model: ModelConfig, tp: int) -> float:
-    """Output rows of one layer's linear weights on one TP rank: column-parallel q/k/v and gate/up
-    split theirs, row-parallel o and down keep all h (int8 stores an fp32 absmax per row)."""
-    h, f = model.hidden_size, model.ffn_hidden_size
+def stage_layers(model: ModelConfig, cfg: ParallelConfig, stage: int) -> list[int] | None:
+    """Ids of the decoder layers pipeline stage ``stage`` holds (its chunk j holds virtual stage
+    j · pp + stage, Megatron's interleaving); None when the layers do not split evenly (a layout
+    error, reported by layout_errors)."""
+    chunks = cfg.pp * cfg.virtual_stages
+    if model.num_layers % chunks:
+        return None
+    per = model.num_layers // chunks
+    return [(j * cfg.pp + stage) * per + i for j in range(cfg.virtual_stages) for i in range(per)]
+
+
+def _stage_sum(model: ModelConfig, cfg: ParallelConfig, stage: int, per_layer) -> tuple[float, ...]:
+    """Sum of ``per_layer(layer)`` (a pair) over the stage's layers (their mean × layers / pp if they do not
+    split evenly). Layers differ only by having experts or not: one call per kind."""
+    ids = stage_layers(model, cfg, stage)
+    scale = 1.0
+    if ids is None:
+        ids, scale = range(model.num_layers), 1.0 / cfg.pp
+    kinds: dict[bool, list] = {}
+    if model.moe_layers is None:  # every layer alike (dense, or experts on every layer)
+        kinds[model.is_moe] = [ids[0], len(ids)]
+    else:
+        for i in ids:
+            kinds.setdefault(model.is_moe_layer(i), [i, 0])[1] += 1
+    total = [0.0, 0.0]
+    for first, count in kinds.values():
+        for j, x in enumerate(per_layer(first)):
+            total[j] += scale * count * x
+    return tuple(total)
+
+
+def stage_param_split(model: ModelConfig, cfg: ParallelConfig, stage: int) -> tuple[float, float]:
+    """(other, expert) parameters one GPU of pipeline stage ``stage`` holds: the routed experts (what
+    EP shards and the expert-data-parallel group reduces) apart from the rest."""
+    other, experts = _stage_sum(model, cfg, stage, lambda i: layer_param_split(model, cfg.tp, cfg.ep, i))
+    vocab = model.padded_vocab(cfg.tp)
+    if stage == 0:
+        other += vocab * model.hidden_size / cfg.tp + model.learned_positions * model.hidden_size
+    if stage == cfg.pp - 1:
+        other += model.norm_params()
+        # A tied head is the embedding itself on a one-stage pipeline, a copy on the last stage otherwise.
+        if not model.tied_embeddings or cfg.pp > 1:
+            other += vocab * model.hidden_size / cfg.tp
+    return other, experts
+
+
+def stage_params_per_rank(model: ModelConfig, cfg: ParallelConfig, stage: int) -> float:
+    """Parameters one GPU of pipeline stage ``stage`` holds."""
+    return sum(stage_param_split(model, cfg, stage))
+
+
+def _layer_linear_split(model: ModelConfig, tp: int, ep: int, layer: int) -> tuple[float, float]:
+    """(other, expert) weights of layer ``layer``'s TP linears on one GPU (q/k/v, o, the dense MLP or
+    the shared expert, the routed experts' gate/up/down; no biases, not the router): what QLoRA
+    quantises."""
+    h = model.hidden_size
+    attn = h * model.q_dim + 2 * h * model.kv_dim + model.q_dim * h + _kv_replication(model, tp)
+    moe = model.moe_params(layer)
+    if moe:
+        mlp = 3 * h * model.shared_expert_ffn_hidden_size
+        return (attn + mlp) / tp, moe["experts"] / (ep * tp)
+    return (attn + model.mlp_matrices * h * model.ffn_hidden_size) / tp, 0.0
+
+
+def layer_linear_weights_per_rank(model: ModelConfig, tp: int, ep: int = 1) -> float:
+    """Weights of one decoder layer's TP linears (q/k/v, o, gate/up, down and every expert's; no biases)
+    on one TP rank (of one EP rank), the mean over the layers: what QLoRA quantises."""
+    return sum(sum(_layer_linear_split(model, tp, ep, i)) for i in range(model.num_layers)) / model.num_layers
+
+
+def _layer_linear_rows(model: ModelConfig, tp: int, ep: int, layer: int) -> tuple[float, float]:
+    """Output rows of layer ``layer``'s linear weights on one GPU: column-parallel q/k/v and gate/up split
+    theirs, row-parallel o and down keep all h (int8 stores an fp32 absmax per row); (other, experts)."""
+    h = model.hidden_size
     kv_rows = 2 * model.kv_dim * max(1.0, tp / model.kv_heads)
-    return (model.q_dim + kv_rows + f * (model.mlp_matrices - 1)) / tp + 2 * h
+    attn = (model.q_dim + kv_rows) / tp + h
+    if model.is_moe_layer(layer):
+        shared = (2 * model.shared_expert_ffn_hidden_size / tp + h) if model.shared_expert_ffn_hidden_size else 0.0
+        experts = model.num_experts / ep * (2 * model.expert_ffn / tp + h)
+        return attn + shared, experts
+    return attn + model.ffn_hidden_size * (model.mlp_matrices - 1) / tp + h, 0.0
 
 
-def quantised_weight_bytes(model: ModelConfig, cfg: ParallelConfig, quant: str) -> float:
+def layer_linear_rows_per_rank(model: ModelConfig, tp: int, ep: int = 1) -> float:
+    """Output rows of one layer's linear weights on one TP rank, the mean over the layers."""
+    return sum(sum(_layer_linear_rows(model, tp, ep, i)) for i in range(model.num_layers)) / model.num_layers
+
+
+def _stage_linear_weights(model: ModelConfig, cfg: ParallelConfig, stage: int) -> float:
+    return sum(_stage_sum(model, cfg, stage, lambda i: _layer_linear_split(model, cfg.tp, cfg.ep, i)))
+
+
+def quantised_weight_bytes(model: ModelConfig, cfg: ParallelConfig, quant: str, stage: int = 0) -> float:
     """Bytes of a pipeline stage's quantised linear weights on one GPU (QLoRA's base)."""
-    layers = model.num_layers / cfg.pp
-    n = BASE_BYTES_PER_PARAM[quant] * layer_linear_weights_per_rank(model, cfg.tp)
+    n = BASE_BYTES_PER_PARAM[quant] * _stage_linear_weights(model, cfg, stage)
     if quant == "int8":
-        n += 4.0 * layer_linear_rows_per_rank(model, cfg.tp)
-    return layers * n
+        n += 4.0 * sum(_stage_sum(model, cfg, stage, lambda i: _layer_linear_rows(model, cfg.tp, cfg.ep, i)))
+    return n
 
 
 def base_weight_bytes(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, stage: int) -> float:
@@ -79,26 +173,46 @@ def base_weight_bytes(model: ModelConfig, train: TrainingSetup, cfg: ParallelCon
     params = stage_params_per_rank(model, cfg, stage)
     if train.finetune != "qlora":
         return 2.0 * params
-    linears = model.num_layers / cfg.pp * layer_linear_weights_per_rank(model, cfg.tp)
-    return 2.0 * (params - linears) + quantised_weight_bytes(model, cfg, train.quant)
+    linears = _stage_linear_weights(model, cfg, stage)
+    return 2.0 * (params - linears) + quantised_weight_bytes(model, cfg, train.quant, stage)
 
 
-def stage_params_per_rank(model: ModelConfig, cfg: ParallelConfig, stage: int) -> float:
-    """Parameters one GPU of pipeline stage ``stage`` holds."""
-    vocab = model.padded_vocab(cfg.tp)
-    n = model.num_layers / cfg.pp * layer_params_per_rank(model, cfg.tp)
-    if stage == 0:
-        n += vocab * model.hidden_size / cfg.tp + model.learned_positions * model.hidden_size
-    if stage == cfg.pp - 1:
-        n += model.norm_params()
-        # A tied head is the embedding itself on a one-stage pipeline, a copy on the last stage otherwise.
-        if not model.tied_embeddings or cfg.pp > 1:
-            n += vocab * model.hidden_size / cfg.tp
-    return n
+def _expert_lora_params(model: ModelConfig, rank: int, layer: int) -> float:
+    """LoRA adapters on layer ``layer``'s routed experts (gate, up: hidden → F; down: F → hidden), all E."""
+    if not model.is_moe_layer(layer):
+        return 0.0
+    return model.num_experts * 3 * rank * (model.hidden_size + model.expert_ffn)
 
 
-def lora_params_per_rank(model: ModelConfig, cfg: ParallelConfig, rank: int) -> float:
-    return model.num_layers / cfg.pp * model.lora_params_per_layer(rank) / cfg.tp
+def lora_param_split(model: ModelConfig, cfg: ParallelConfig, rank: int, stage: int = 0) -> tuple[float, float]:
+    """(other, expert) LoRA adapter parameters of the stage on one GPU: the experts' adapters split
+    like the experts (ep · tp), the others over TP."""
+    def per_layer(i):
+        experts = _expert_lora_params(model, rank, i)
+        return (_layer_lora(model, rank, i) - experts) / cfg.tp, experts / (cfg.ep * cfg.tp)
+
+    return _stage_sum(model, cfg, stage, per_layer)
+
+
+def _layer_lora(model: ModelConfig, rank: int, layer: int) -> float:
+    """LoRA adapters of layer ``layer`` (ModelConfig.lora_params_per_layer's shapes, for one layer)."""
+    h = model.hidden_size
+    shapes = [(h, model.q_dim), (h, model.kv_dim), (h, model.kv_dim), (model.q_dim, h)]
+
+    def mlp(f):
+        return [(h, f)] * (model.mlp_matrices - 1) + [(f, h)]
+
+    if model.is_moe_layer(layer):
+        shapes += mlp(model.expert_ffn) * model.num_experts
+        if model.shared_expert_ffn_hidden_size:
+            shapes += mlp(model.shared_expert_ffn_hidden_size)
+    else:
+        shapes += mlp(model.ffn_hidden_size)
+    return float(sum(rank * (a + b) for a, b in shapes))
+
+
+def lora_params_per_rank(model: ModelConfig, cfg: ParallelConfig, rank: int, stage: int = 0) -> float:
+    return sum(lora_param_split(model, cfg, rank, stage))
 
 
 def inflight_layers(model: ModelConfig, cfg: ParallelConfig, stage: int) -> float:
@@ -139,31 +253,59 @@ class MemoryBreakdown:
         return d
 
 
+def optimizer_shards(cfg: ParallelConfig) -> tuple[int, int]:
+    """Ranks over which ZeRO-1 shards the optimizer states of (other, expert) parameters: DP × CP, and
+    the expert-data-parallel group (DP × CP / EP, the replicas of one expert shard); 1 without ZeRO-1."""
+    if not cfg.zero1:
+        return 1, 1
+    return cfg.dp * cfg.cp, max(1, cfg.dp * cfg.cp // cfg.ep)
+
+
 def stage_memory(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, stage: int) -> MemoryBreakdown:
-    params = stage_params_per_rank(model, cfg, stage)
-    opt_bytes = train.optimizer_state_bytes / (cfg.dp * cfg.cp if cfg.zero1 else 1)
+    other, experts = stage_param_split(model, cfg, stage)
+    params = other + experts
+    shard, expert_shard = optimizer_shards(cfg)
+    opt = train.optimizer_state_bytes
     if not train.adapters:
-        weights, grads, optim = 2.0 * params, 4.0 * params, opt_bytes * params
+        weights, grads = 2.0 * params, 4.0 * params
+        optim = opt * (other / shard + experts / expert_shard)
     else:
         # QLoRA adds no dequantised copy of a weight: the NF4/int8 GEMMs dequantise tiles in registers
         # (tpkernels/kernels/triton/nf4_linear.py), forward and input gradient alike, and there is no
         # weight gradient, so no transient beyond the runtime reserve.
-        adapters = lora_params_per_rank(model, cfg, train.lora_rank)
+        a_other, a_experts = lora_param_split(model, cfg, train.lora_rank, stage)
+        adapters = a_other + a_experts
         weights = base_weight_bytes(model, train, cfg, stage) + 2.0 * adapters
-        grads, optim = 4.0 * adapters, opt_bytes * adapters
+        grads, optim = 4.0 * adapters, opt * (a_other / shard + a_experts / expert_shard)
     if train.online_reference and train.dpo_reference == "model":
         # DPO's frozen reference, a 16-bit copy sharded like the policy; its forward keeps no activations
         # (no gradient): one layer's transient at a time, within the runtime reserve
         weights += 2.0 * params
-    act = layer_activations(model, seq=train.seq_length, micro_batch=cfg.micro_batch_size, tp=cfg.tp,
-                            sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
-                            flash_attention=train.flash_attention or cfg.cp > 1, cp=cfg.cp, cp_algo=cfg.cp_algo)
-    activations = inflight_layers(model, cfg, stage) * act.stored + act.recompute_peak
+    activations = stage_activation_bytes(model, train, cfg, stage)
     logits = 0.0
     if stage == cfg.pp - 1:
         # 16-bit logits plus the fp32 copy the vocab-parallel cross-entropy works on, for one micro-batch.
         logits = 6.0 * train.seq_length / cfg.cp * cfg.micro_batch_size * model.padded_vocab(cfg.tp) / cfg.tp
     return MemoryBreakdown(stage, weights, grads, optim, activations, logits, float(RUNTIME_RESERVED_BYTES))
+
+
+def stage_activation_bytes(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, stage: int) -> float:
+    """Activation bytes alive at the stage's peak: the in-flight micro-batches' stored activations of
+    its layers (a MoE layer's block in place of the dense MLP's) and the largest transient of one
+    layer (recompute, CP buffers, the MoE dispatch buffers at the worst-case imbalance)."""
+    kw = dict(seq=train.seq_length, micro_batch=cfg.micro_batch_size, tp=cfg.tp,
+              sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+              flash_attention=train.flash_attention or cfg.cp > 1, cp=cfg.cp, cp_algo=cfg.cp_algo)
+    act = layer_activations(model, **kw)
+    stored, peak = act.stored, act.recompute_peak
+    ids = stage_layers(model, cfg, stage) or range(model.num_layers)
+    share = float(model.is_moe) if model.moe_layers is None else sum(map(model.is_moe_layer, ids)) / len(ids)
+    if share:
+        moe = layer_activations(model, moe=True, ep=cfg.ep,
+                                imbalance=moe_peak_imbalance(model, cfg.ep, train.moe_peak_imbalance), **kw)
+        stored = share * moe.stored + (1 - share) * stored
+        peak = moe.recompute_peak if share == 1 else max(peak, moe.recompute_peak)
+    return inflight_layers(model, cfg, stage) * stored + peak
 
 
 def peak_memory(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig) -> MemoryBreakdown:

@@ -9,7 +9,8 @@ from tpkernels.planner.search import Explanation, Plan
 
 COMPONENTS = {
     "gemm": "GEMM compute", "elementwise": "memory-bound kernels", "tp_exposed": "exposed TP communication",
-    "cp_exposed": "exposed context-parallel K/V exchange", "p2p": "pipeline send/recv", "bubble": "pipeline bubble", "dp_exposed": "exposed DP gradient reduction",
+    "cp_exposed": "exposed context-parallel K/V exchange",
+    "ep_exposed": "exposed expert-parallel all-to-all", "p2p": "pipeline send/recv", "bubble": "pipeline bubble", "dp_exposed": "exposed DP gradient reduction",
     "optimizer": "optimizer step", "overhead": "fixed per-step overhead (measured here)",
     "reference": "DPO reference forward pass (online)",
 }
@@ -36,6 +37,11 @@ def describe_inputs(p: Plan) -> list[str]:
         f"tp_overlap {e.tp_overlap:g}" + ("" if is_calibrated(p.cluster.gpu) else
                                         f" (no published {p.cluster.gpu.generation} runs: Ampere's constants)"),
     ]
+    if p.model.is_moe:
+        cap = (f"capacity factor {p.model.capacity_factor:g}" if p.model.capacity_factor is not None
+               else f"dropless, dispatch buffers sized at {t.moe_peak_imbalance:g}× the balanced share")
+        lines.append(f"experts  routing imbalance {t.moe_imbalance:g}× in the step time, {cap}; all-to-all in "
+                     f"{t.moe_chunks} chunk{'s' if t.moe_chunks > 1 else ''}")
     if p.fixed:
         lines.append("fixed    " + ", ".join(f"{k}={v}" for k, v in p.fixed.items()))
     return lines
@@ -54,7 +60,8 @@ def table(rows: list[Estimate]) -> str:
         c, t = e.config, e.time
         body.append((
             str(i), f"TP{c.tp} " + (f"CP{c.cp}" + ("" if c.cp_algo == "ring" else f"-{c.cp_algo}") + " "
-                                    if c.cp > 1 else "") + f"PP{c.pp} DP{c.dp}", t.schedule, str(c.virtual_stages), str(c.micro_batch_size),
+                                    if c.cp > 1 else "") + f"PP{c.pp} DP{c.dp}" + (f" EP{c.ep}" if c.ep > 1 else ""),
+            t.schedule, str(c.virtual_stages), str(c.micro_batch_size),
             str(c.num_microbatches), "on" if c.sequence_parallel else "off", c.recompute, "on" if c.zero1 else "off",
             f"{e.memory.total / GIB:.1f}/{e.memory_capacity_gib:.3g}", f"{e.step_time:.3g}", _pct(e.mfu),
             f"{e.model_tflops_per_gpu:.0f}", _pct(t.bubble / t.total), _pct(t.tp_exposed / t.total),
@@ -63,6 +70,10 @@ def table(rows: list[Estimate]) -> str:
     if any(e.config.cp > 1 for e in rows):  # the K/V exchange, beside TP's and DP's
         head = head[:15] + ("CP exposed",) + head[15:]
         body = [r[:15] + (_pct(e.time.cp_exposed / e.time.total),) + r[15:] for r, e in zip(body, rows)]
+    if any(e.time.ep_comm > 0 for e in rows):  # the experts' all-to-all, before DP's
+        at = head.index("DP exposed")
+        head = head[:at] + ("EP exposed",) + head[at:]
+        body = [r[:at] + (_pct(e.time.ep_exposed / e.time.total),) + r[at:] for r, e in zip(body, rows)]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     fmt = lambda r: "  ".join(x.rjust(w) if j not in (1, 2, 7) else x.ljust(w) for j, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body)])
@@ -96,6 +107,10 @@ def why(a: Estimate) -> str:
         hidden = 1 - t.cp_exposed / t.cp_comm if t.cp_comm else 0
         parts.append(f"CP{a.config.cp} ({a.config.cp_algo}) splits each sequence over {a.config.cp} GPUs, dividing "
                      f"the activations by {a.config.cp}, and {_pct(hidden)} of its K/V exchange is hidden")
+    if a.config.ep > 1:
+        hidden = 1 - t.ep_exposed / t.ep_comm if t.ep_comm else 0
+        parts.append(f"EP{a.config.ep} holds 1/{a.config.ep} of the experts per GPU and {_pct(hidden)} of its "
+                     "all-to-all is hidden behind the expert GEMMs")
     if a.config.pp > 1:
         parts.append(f"{a.config.num_microbatches} micro-batches over {a.config.pp} stages"
                      + (f" × {a.config.virtual_stages} chunks" if a.config.virtual_stages > 1 else "")

@@ -21,8 +21,8 @@ from tpkernels.planner.workload import TrainingSetup
 
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL_STAGES = 8
-FIXABLE = ("tp", "cp", "cp_algo", "pp", "dp", "virtual_stages", "micro_batch_size", "sequence_parallel", "recompute",
-           "zero1", "schedule")
+FIXABLE = ("tp", "cp", "cp_algo", "pp", "dp", "ep", "virtual_stages", "micro_batch_size", "sequence_parallel",
+           "recompute", "zero1", "schedule")
 # Context parallelism is searched for long sequences only: below this, SP and recompute hold the
 # activations and CP's K/V exchange costs more than it saves. Each CP rank keeps at least
 # CP_MIN_TOKENS_PER_RANK tokens (fewer would leave the ring's hops nothing to hide behind).
@@ -45,7 +45,7 @@ class Plan:
     train: TrainingSetup
     cluster: ClusterSpec
     efficiency: Efficiency
-    ranked: list[Estimate]  # the best configuration of each (TP, PP, DP) layout that fits, fastest first
+    ranked: list[Estimate]  # the best configuration of each (TP, CP, PP, DP, EP) layout that fits, fastest first
     evaluated: int = 0
     rejected: Counter = field(default_factory=Counter)  # rule -> configurations that broke it
     too_big: list[Estimate] = field(default_factory=list)  # valid layouts that do not fit, smallest first
@@ -66,6 +66,14 @@ def cp_choices(train: TrainingSetup, ranks: int) -> list[int]:
         return [1]
     return [c for c in divisors(ranks) if c == 1 or (train.seq_length % (2 * c) == 0
                                                      and train.seq_length // c >= CP_MIN_TOKENS_PER_RANK)]
+
+
+def ep_choices(model: ModelConfig, dp: int, cp: int) -> list[int]:
+    """Expert-parallel sizes worth scoring: 1, and for a mixture-of-experts model each divisor of
+    dp · cp (EP folds into DP × CP) that divides the experts into whole experts per rank."""
+    if not model.is_moe:
+        return [1]
+    return [e for e in divisors(dp * cp) if model.num_experts % e == 0]
 
 
 def candidate_configs(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, fixed: dict | None = None):
@@ -92,7 +100,7 @@ def candidate_configs(model: ModelConfig, train: TrainingSetup, cluster: Cluster
                 if "dp" in fixed and fixed["dp"] != dp:
                     continue
                 per_replica = train.global_batch // dp  # a remainder fails the global-batch rule
-                knobs = itertools.product(
+                knobs = (
                     choices("virtual_stages", [1] + [v for v in range(2, MAX_VIRTUAL_STAGES + 1)
                                                      if pp > 1 and model.num_layers % (pp * v) == 0]),
                     choices("micro_batch_size", [d for d in divisors(max(per_replica, 1)) if d <= MAX_MICRO_BATCH]),
@@ -100,10 +108,10 @@ def candidate_configs(model: ModelConfig, train: TrainingSetup, cluster: Cluster
                     choices("recompute", rcs),
                     choices("zero1", [False, True] if dp * cp > 1 else [False]),
                 )
-                for v, mbs, sp, rc, z in knobs:
+                for v, mbs, sp, rc, z, ep in itertools.product(*knobs, choices("ep", ep_choices(model, dp, cp))):
                     yield ParallelConfig(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs,
                                          num_microbatches=max(1, per_replica // mbs), sequence_parallel=sp,
-                                         recompute=rc, zero1=z, cp=cp, cp_algo=algo)
+                                         recompute=rc, zero1=z, cp=cp, cp_algo=algo, ep=ep)
 
 
 def schedules_for(cfg: ParallelConfig, fixed: dict | None = None) -> list[ParallelConfig]:
@@ -121,7 +129,8 @@ def plan(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, eff: Ef
          fixed: dict | None = None, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Plan:
     """Score every valid configuration; keep per layout (TP, PP, DP) the fastest one that fits
     (virtual stages, micro-batch size, SP, recompute, ZeRO-1 and the schedule are that layout's
-    knobs; with context parallelism the layout is (TP, CP, PP, DP) and the CP algorithm a knob).
+    knobs; with context parallelism the layout is (TP, CP, PP, DP) and the CP algorithm a knob; with
+    experts, (TP, CP, PP, DP, EP): EP changes what each GPU holds and what crosses which link).
     ``eff`` defaults to the constants calibrated for the cluster's GPU generation."""
     eff = eff or calibrated_for(cluster.gpu)
     if fixed and "schedule" in fixed and fixed["schedule"] not in SCHEDULES:
@@ -139,7 +148,7 @@ def plan(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, eff: Ef
             continue
         est = estimate(model, train, cluster, cfg, eff, memory_margin)
         result.evaluated += 1
-        key = (cfg.tp, cfg.cp, cfg.pp, cfg.dp)
+        key = (cfg.tp, cfg.cp, cfg.pp, cfg.dp, cfg.ep)
         if est.fits:
             if key not in best or est.step_time < best[key].step_time:
                 best[key] = est

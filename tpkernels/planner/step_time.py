@@ -30,12 +30,18 @@ Per micro-batch on the slowest pipeline stage (the last one also runs the output
              layers and memory-bound kernels on s/cp tokens and 1/cp of the (load-balanced)
              attention core, and exchanges K/V with its CP group every layer (context_parallel.py:
              the ring's hops hide behind the attention blocks they feed; all-gather and a2a do not).
+  MoE        a mixture-of-experts layer runs its block in place of the dense MLP (expert_parallel.py:
+             router, grouped expert GEMMs at their per-expert shape over the E/ep local experts,
+             shared expert, the EP all-to-all over NVLink or the network by placement, exposed as
+             the chunked dispatch leaves it); the MLP's SP collectives pair with the expert GEMMs.
+             Models with dense layers too mix the two in proportion.
 Step = the engine's simulated makespan of the schedule (pipeline_bubble.py: GPipe, 1F1B,
        interleaved, ZB-H1 with its split weight gradient) over those per-micro-batch costs, for
        every micro-batch count (1 micro-batch over 2 stages idles each stage half the step)
      + exposed DP communication over DP × CP (collectives.py: hierarchical across nodes; the gradient
        reduction bucketed behind the last micro-batch's backward, the ZeRO-1 weight all-gather
-       behind the first forward, when the software overlaps them)
+       behind the first forward, when the software overlaps them); routed-expert gradients are
+       reduced over their expert-data-parallel group (DP × CP / EP ranks, tp · ep apart) instead
      + optimizer step (memory-bound)
      + this machine's corrections where its autotune trials fitted them (fit.py), all rates that
        scale with the work: compute × Efficiency.compute_scale, exposed communication × comm_scale,
@@ -52,9 +58,10 @@ from tpkernels.planner.activations import layer_activations
 from tpkernels.planner.collectives import exposed_after_overlap, group_collective_time
 from tpkernels.planner.context_parallel import cp_attention_comm
 from tpkernels.planner.efficiency import Efficiency
+from tpkernels.planner.expert_parallel import moe_layer_share, moe_layer_time
 from tpkernels.planner.gemm_model import gemm_time, linear_time
 from tpkernels.planner.hardware import ClusterSpec
-from tpkernels.planner.memory import BASE_BYTES_PER_PARAM, lora_params_per_rank, stage_params_per_rank
+from tpkernels.planner.memory import BASE_BYTES_PER_PARAM, lora_param_split, optimizer_shards, stage_param_split
 from tpkernels.description import ModelConfig
 from tpkernels.planner.pipeline_bubble import bubble_time
 from tpkernels.planner.tp_overlap import sp_exposed
@@ -101,6 +108,8 @@ class StepTime:
     reference: float = 0.0  # DPO's online reference: a forward-only pipeline pass over the step's tokens
     # DPO's cached reference: the same forward-only pass, once before training per step of data (not in total)
     reference_prepass: float = 0.0
+    ep_comm: float = 0.0  # expert-parallel all-to-all (dispatch + combine), total (hidden + exposed)
+    ep_exposed: float = 0.0
 
     @property
     def compute(self) -> float:
@@ -108,13 +117,13 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_exposed + self.cp_exposed + self.p2p + self.bubble + self.dp_exposed
-                + self.optimizer + self.overhead + self.reference)
+        return (self.compute + self.tp_exposed + self.cp_exposed + self.ep_exposed + self.p2p + self.bubble
+                + self.dp_exposed + self.optimizer + self.overhead + self.reference)
 
     @property
     def comm_ratio(self) -> float:
         """All communication time (hidden or not) over compute time."""
-        return (self.tp_comm + self.cp_comm + self.p2p + self.dp_comm) / self.compute
+        return (self.tp_comm + self.cp_comm + self.ep_comm + self.p2p + self.dp_comm) / self.compute
 
     def as_dict(self) -> dict[str, float]:
         d = asdict(self)
@@ -134,7 +143,7 @@ def _attention_time(model: ModelConfig, train: TrainingSetup, b: int, s: int, t:
     sequence's queries against all of its keys: the zigzag split balances the causal work)."""
     precision = "bf16" if train.precision == "fp8" else train.precision
     if train.flash_attention or cp > 1:  # context parallelism always runs the FlashAttention-style blocks
-        _, core = model.forward_flops_per_layer(b, s)
+        core = 4.0 * b * s * s * model.q_dim  # ModelConfig.forward_flops_per_layer's attention core (QKᵀ, PV)
         fwd = core / t / cp / (cluster.gpu.peak_tflops(precision) * 1e12 * eff.attention)
         return fwd, 2.5 * fwd
     heads, d = model.num_attention_heads / t, model.dhead
@@ -155,12 +164,19 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
         quant = {"weight_bytes": BASE_BYTES_PER_PARAM[train.quant], "compute_scale": QLORA_GEMM_EFFICIENCY}
         # the kernels dequantise to the activations' dtype (bf16 under FP8 training): no FP8 GEMM here
         lin_precision = "bf16" if train.precision == "fp8" else train.precision
-    lin_f = lin_b = lin_w = 0.0
-    per_linear = []  # (forward, input-gradient, weight-gradient) of QKV, output projection, MLP up, down
-    for k, n in _linear_shapes(model, t):
-        f_, b_, w_ = linear_time(tokens, k, n, gpu, eff, lin_precision, weight_grad=not frozen, **quant)
-        lin_f, lin_b, lin_w = lin_f + f_, lin_b + b_, lin_w + w_
-        per_linear.append((f_, b_, w_))
+    # (forward, input-gradient, weight-gradient) of QKV, output projection, MLP up, down
+    per_linear = [linear_time(tokens, k, n, gpu, eff, lin_precision, weight_grad=not frozen, **quant)
+                  for k, n in _linear_shapes(model, t)]
+    lin_f, lin_b, lin_w = (sum(lin[i] for lin in per_linear) for i in range(3))
+    share = moe_layer_share(model)
+    moe = None
+    if share:  # a MoE layer's block replaces the dense MLP (expert_parallel.py); the layers mix in proportion
+        moe = moe_layer_time(model, train, cfg, cluster, eff, precision=lin_precision, quant=quant)
+        mlp = [per_linear[2][i] + per_linear[3][i] for i in range(3)]
+        lin_f, lin_b, lin_w = (x + share * (moe[k] - mlp[i]) for i, (x, k) in enumerate(zip((lin_f, lin_b, lin_w),
+                                                                                           "fbw")))
+        per_linear[2] = tuple((1 - share) * per_linear[2][i] + share * moe["up"][i] for i in range(3))
+        per_linear[3] = tuple((1 - share) * per_linear[3][i] + share * moe["down"][i] for i in range(3))
     att_f, att_b = _attention_time(model, train, b, s, t, cluster, eff, cp)
     cpc = cp_attention_comm(model, cfg, s, train.activation_bytes, att_f, att_b, cluster, eff)
     passes_f = 2 if cfg.recompute == "full" else 1  # full recompute exchanges K/V again
@@ -179,11 +195,15 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
         f, bwd_in, bwd_w = f + hf, bwd_in + hb, bwd_w + hw
     gemm = f + bwd_in + bwd_w
 
-    act = layer_activations(model, seq=s, micro_batch=b, tp=t, sequence_parallel=cfg.sequence_parallel,
-                            recompute="none", flash_attention=train.flash_attention or cp > 1, cp=cp,
-                            cp_algo=cfg.cp_algo)
+    act_kw = dict(seq=s, micro_batch=b, tp=t, sequence_parallel=cfg.sequence_parallel, recompute="none",
+                  flash_attention=train.flash_attention or cp > 1, cp=cp, cp_algo=cfg.cp_algo)
+    produced = layer_activations(model, **act_kw).produced
+    if moe is not None:  # the permutation's passes, the experts' SwiGLU, the router's softmax and top-k
+        imbalance = moe["rows"] / (tokens * model.experts_per_token)
+        produced = (1 - share) * produced + share * layer_activations(model, moe=True, ep=cfg.ep, imbalance=imbalance,
+                                                                      **act_kw).produced
     passes = 4.0 if cfg.recompute == "full" else 3.0  # forward = 1, backward = 2 (in units of forward traffic)
-    elementwise = layers * act.produced * train.activation_bytes / 2.0 * eff.elementwise_traffic * passes / 3.0 \
+    elementwise = layers * produced * train.activation_bytes / 2.0 * eff.elementwise_traffic * passes / 3.0 \
         / (gpu.hbm_gbs * 1e9 * eff.hbm)
     elementwise += layers * ELEMENTWISE_KERNELS_PER_LAYER * passes / 3.0 * eff.kernel_launch_s
     if last_stage:
@@ -224,6 +244,11 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
             one += group_collective_time("all_gather", msg, t, 1, cluster, eff)
         p2p_one = one
         p2p = 0.0 if train.overlap_p2p else 2 * cfg.virtual_stages * one
+    ep_comm = ep_exposed = 0.0
+    if moe is not None:
+        moe_layers = layers * share
+        ep_comm = moe_layers * (passes_f * moe["a2a_f"] + moe["a2a_b"])
+        ep_exposed = moe_layers * (passes_f * moe["a2a_f_exposed"] + moe["a2a_b_exposed"])
     compute = gemm + elementwise
     # kernels of one micro-batch on this stage: each linear's forward, input- and weight-gradient GEMM
     # (and the recomputed forward), the attention core's forward and backward, the memory-bound
@@ -232,43 +257,60 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
     tp_ops = 0 if t == 1 else (10 + (4 if cfg.recompute == "full" else 0)) if cfg.sequence_parallel else \
         4 + (2 if cfg.recompute == "full" else 0)
     ops = layers * (4 * gemms_per_linear + 2 + ELEMENTWISE_KERNELS_PER_LAYER * passes / 3.0 + tp_ops)
+    if moe is not None:  # router and shared-expert GEMMs, the count exchange and the chunked all-to-alls
+        a2a_ops = 0 if cfg.ep == 1 else (2 + 4 * train.moe_chunks) * (passes_f + 1) / 2
+        ops += layers * share * (gemms_per_linear * (1 + (2 if model.shared_expert_ffn_hidden_size else 0)) + a2a_ops)
     if last_stage:
         ops += 3 + 2
     # Elementwise work, exposed TP communication and P2P are charged to forward and backward in
     # proportion to their GEMM time, so the schedule simulation sees whole-pass costs.
-    extra = elementwise + tp_exposed + cp_exposed + p2p
+    extra = elementwise + tp_exposed + cp_exposed + ep_exposed + p2p
     scale = 1.0 + extra / gemm
     return {"gemm": gemm, "elementwise": elementwise, "tp_comm": tp_comm, "tp_exposed": tp_exposed, "p2p": p2p,
-            "cp_comm": cp_comm, "cp_exposed": cp_exposed,
+            "cp_comm": cp_comm, "cp_exposed": cp_exposed, "ep_comm": ep_comm, "ep_exposed": ep_exposed,
             "f": f * scale, "b": bwd_in * scale, "w": bwd_w * scale,
-            "total": compute + tp_exposed + cp_exposed + p2p, "p2p_one": p2p_one, "ops": ops}
+            "total": compute + tp_exposed + cp_exposed + ep_exposed + p2p, "p2p_one": p2p_one, "ops": ops}
+
+
+def _trained_split(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig) -> tuple[float, float]:
+    """(other, expert) trained parameters of the fuller of the first and last stage on one rank."""
+    stages = {0, cfg.pp - 1}
+    if train.adapters:
+        return max((lora_param_split(model, cfg, train.lora_rank, st) for st in stages), key=sum)
+    return max((stage_param_split(model, cfg, st) for st in stages), key=sum)
 
 
 def _dp_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec, eff: Efficiency,
              slow: dict[str, float]) -> tuple[float, float, float]:
-    """(total DP communication, exposed part, trained parameters per rank) of one step. The
-    gradients are reduced over DP × CP (CP replicates the weights), whose members are tp apart."""
-    trained = max(stage_params_per_rank(model, cfg, 0), stage_params_per_rank(model, cfg, cfg.pp - 1))
-    if train.adapters:
-        trained = lora_params_per_rank(model, cfg, train.lora_rank)
-    group = cfg.dp * cfg.cp
+    """(total DP communication, exposed part, optimizer parameters per rank) of one step. The
+    gradients are reduced over DP × CP (CP replicates the weights), whose members are tp apart; the
+    routed experts' over their expert-data-parallel group (DP × CP / EP ranks, tp · ep apart)."""
+    other, experts = _trained_split(model, train, cfg)
+    shard, expert_shard = optimizer_shards(cfg)
+    opt_params = other / shard + experts / expert_shard
+    group, edp = cfg.dp * cfg.cp, cfg.dp * cfg.cp // cfg.ep
     if group == 1:
-        return 0.0, 0.0, trained
+        return 0.0, 0.0, opt_params
     # fp16 gradients are reduced in fp16 (Megatron 2021); bf16 ones in fp32 unless the software reduces
     # them in 16 bits (TrainingSetup.grad_reduce_fp32)
-    grad_bytes = trained * (4.0 if train.grad_reduce_fp32 and train.precision != "fp16" else 2.0)
+    grad_bytes = 4.0 if train.grad_reduce_fp32 and train.precision != "fp16" else 2.0
     kind = "reduce_scatter" if cfg.zero1 else "all_reduce"
-    grads = group_collective_time(kind, grad_bytes, group, cfg.tp, cluster, eff)
-    buckets = max(1, round(grad_bytes / eff.dp_bucket_bytes))
+
+    def both(kind_, nbytes_per_param):
+        return (group_collective_time(kind_, other * nbytes_per_param, group, cfg.tp, cluster, eff)
+                + group_collective_time(kind_, experts * nbytes_per_param, edp, cfg.tp * cfg.ep, cluster, eff))
+
+    grads = both(kind, grad_bytes)
+    buckets = max(1, round((other + experts) * grad_bytes / eff.dp_bucket_bytes))
     # The reduction overlaps the last micro-batch's backward on this rank.
     grads_exposed = (exposed_after_overlap(grads, slow["b"] + slow["w"], buckets) if train.overlap_grad_reduce
                      else grads)
     weights = weights_exposed = 0.0
-    if cfg.zero1:  # each rank updated 1/dp of the weights; gather the 16-bit result
-        weights = group_collective_time("all_gather", trained * 2.0, group, cfg.tp, cluster, eff)
+    if cfg.zero1:  # each rank updated its shard of the weights; gather the 16-bit result
+        weights = both("all_gather", 2.0)
         weights_exposed = (exposed_after_overlap(weights, slow["f"], buckets) if train.overlap_param_gather
                            else weights)
-    return grads + weights, grads_exposed + weights_exposed, trained
+    return grads + weights, grads_exposed + weights_exposed, opt_params
 
 
 def step_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec,
@@ -290,8 +332,7 @@ def step_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, clu
         comm = slow["p2p_one"] if train.overlap_p2p else 0.0
         bubble = bubble_time(schedule, p, m, v, slow["f"] / v, (slow["b"] if split else slow["b"] + slow["w"]) / v,
                              slow["w"] / v if split else 0.0, comm)
-    dp_comm, dp_exposed, trained = _dp_time(model, train, cfg, cluster, eff, slow)
-    opt_params = trained / (cfg.dp * cfg.cp if cfg.zero1 else 1)
+    dp_comm, dp_exposed, opt_params = _dp_time(model, train, cfg, cluster, eff, slow)
     optimizer = opt_params * eff.optimizer_bytes_per_param / (cluster.gpu.hbm_gbs * 1e9 * eff.hbm)
     a, c = eff.compute_scale, eff.comm_scale  # a machine's measured corrections (1, 1 unless fitted)
     # DPO's reference: forwards only (no backward, no recompute), the m micro-batches after the pipeline
@@ -309,6 +350,7 @@ def step_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, clu
         tp_exposed=c * m * slow["tp_exposed"], p2p=c * m * slow["p2p"], bubble=a * bubble, dp_comm=c * dp_comm,
         dp_exposed=c * dp_exposed, optimizer=a * optimizer, schedule=schedule if p > 1 else "none",
         cp_comm=c * m * slow["cp_comm"], cp_exposed=c * m * slow["cp_exposed"], overhead=eff.op_overhead_s * ops,
+        ep_comm=c * m * slow["ep_comm"], ep_exposed=c * m * slow["ep_exposed"],
         ops=ops,
         reference=a * reference if train.online_reference else 0.0,
         reference_prepass=a * reference if train.task == "dpo" and not train.online_reference else 0.0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from tpkernels.description.source import FINETUNE_CHOICES, QUANT_CHOICES
@@ -45,6 +46,17 @@ class TrainingSetup:
         torchtitan's FSDP2 default); False reduces them in 16 bits (Megatron-Core's default,
         ``grad_reduce_in_fp32=False``, which the NeMo / Megatron-Bridge recipes keep). fp16 runs
         reduce in fp16 either way (Megatron-LM 2021).
+    moe_imbalance: mixture of experts: rows the busiest expert-parallel rank processes over its
+        balanced share, in the step time (the slowest EP rank sets the pace of the all-to-all and of
+        the step). 1: balanced routing, what the published benchmarks force (Megatron-Bridge's MoE
+        rows "force-balance the token distribution among experts").
+    moe_peak_imbalance: the same ratio at its worst, for the dispatch buffers' memory when the model
+        is dropless (a capacity factor bounds it instead: tpkernels.planner.activations
+        .moe_peak_imbalance). 2: the busiest EP rank receives twice its share; raise it for a run
+        whose routing is not balanced by an auxiliary loss.
+    moe_chunks: the expert-parallel dispatch is cut into this many chunks, the expert GEMMs of chunk i
+        running while chunk i + 1 is in flight (tpkernels.functional.moe_dispatch's ``chunks``); 1
+        overlaps nothing.
     task: "pretrain", "sft" or "dpo". SFT costs what pre-training does on the same tokens (the
         prompt's masked tokens still run forward and backward); DPO's rows hold both sequences of
         each pair (global_batch counts rows of seq_length tokens, as for the others).
@@ -68,9 +80,18 @@ class TrainingSetup:
     dpo_reference: str = "cached"
     quant: str | None = None  # the positional order of the fields above is kept
     grad_reduce_fp32: bool = True
+    moe_imbalance: float = 1.0
+    moe_peak_imbalance: float = 2.0
+    moe_chunks: int = 1
 
     def __post_init__(self):
-        for f in ("global_batch", "seq_length", "lora_rank"):
+        for f in ("moe_imbalance", "moe_peak_imbalance"):
+            value = getattr(self, f)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and value >= 1):
+                raise ValueError(f"{f} ({value!r}) must be a finite number >= 1 (the busiest expert-parallel rank's "
+                                 "rows over its balanced share)")
+        for f in ("global_batch", "seq_length", "lora_rank", "moe_chunks"):
             value = getattr(self, f)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f} ({value!r}) must be a positive integer")
