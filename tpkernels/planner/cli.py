@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 
 from tpkernels import options
@@ -31,6 +32,8 @@ EPILOG = """examples:
   tpkernels plan --model Llama-2-13B --gpu A10-24GB --nodes 4 --model.finetune lora --training.task dpo \
       --dpo.reference adapters
   tpkernels plan --model Llama-2-13B --gpu A10-24GB --nodes 4 --model.finetune qlora --model.quant nf4
+  tpkernels plan --model Mixtral-8x7B --gpu H100-SXM --nodes 2 --global-batch 256 --seq-len 4096
+  tpkernels plan --model Qwen3-30B-A3B --nodes 2 --global-batch 1024 --seq-len 4096 --fix EP=8 --training.moe_chunks 4
 """
 
 
@@ -57,6 +60,12 @@ class WorkloadSection:
     flash_attention: bool = opt(True, "attention never stores the s×s scores")
     task: str = opt("pretrain", "pretrain, sft (prompt tokens masked: the same compute) or dpo (pairs in the rows)",
                     TASKS)
+    moe_imbalance: float = opt(1.0, "mixture of experts: the busiest EP rank's rows over its balanced share, in the "
+                                    "step time (1: balanced routing)")
+    moe_peak_imbalance: float = opt(2.0, "the same at its worst, sizing the dispatch buffers of a dropless model "
+                                         "(a capacity factor bounds it instead)")
+    moe_chunks: int = opt(1, "chunks of the expert-parallel dispatch, each one's expert GEMMs overlapping the next "
+                             "one's all-to-all (1: no overlap)")
 
 
 @dataclass(frozen=True)
@@ -91,13 +100,18 @@ class PlanConfig:
         errs = self.model.errors("model.")
         for path, v in (("cluster.gpus_per_node", c.gpus_per_node), ("cluster.nodes", c.nodes),
                         ("training.global_batch", t.global_batch), ("training.seq_length", t.seq_length),
-                        ("top", self.top)):
+                        ("training.moe_chunks", t.moe_chunks), ("top", self.top)):
             if v is not None and v < 1:
                 errs.append(f"{path} ({v}) must be a positive integer")
         for f in ("intra_node_gbs", "inter_node_gbs", "gpu_tflops", "gpu_memory_gib", "gpu_hbm_gbs", "gpu_fp8_tflops"):
             v = getattr(c, f)
             if v is not None and not v > 0:
                 errs.append(f"cluster.{f} ({v}) must be a finite number > 0")
+        for f in ("moe_imbalance", "moe_peak_imbalance"):
+            v = getattr(t, f)
+            if not (math.isfinite(v) and v >= 1):
+                errs.append(f"training.{f} ({v}) must be a finite number >= 1 (the busiest expert-parallel rank's "
+                            "rows over its balanced share)")
         if t.task == "dpo" and self.dpo.reference == "adapters" and not self.model.adapters:
             errs.append("dpo.reference (adapters) needs model.finetune lora or qlora (a full fine-tune has no "
                         "adapters to turn off): use cached or model")
@@ -176,7 +190,8 @@ def run(args) -> int:
     seq_len = t.seq_length if t.seq_length is not None else min(model.max_position_embeddings, 8192)
     train = TrainingSetup(t.global_batch, seq_len, t.precision, t.optimizer, cfg.model.finetune, cfg.model.lora_rank,
                           quant=cfg.model.base_quant, flash_attention=t.flash_attention, task=t.task,
-                          dpo_reference=cfg.dpo.reference)
+                          dpo_reference=cfg.dpo.reference, moe_imbalance=t.moe_imbalance,
+                          moe_peak_imbalance=t.moe_peak_imbalance, moe_chunks=t.moe_chunks)
     if not cfg.json:
         for reason in model.build_errors():
             print(f"note: planned, but tpkernels train cannot build this model yet: {reason}")

@@ -1,0 +1,215 @@
+"""The planner on mixture-of-experts models: memory per EP rank against hand counts, the MoE block's
+activations and dispatch buffers, the all-to-all and its chunked overlap, EP in the search, presets,
+and the layouts it must refuse by name."""
+
+from __future__ import annotations
+
+import io
+import random
+from contextlib import redirect_stdout
+
+import pytest
+
+from tpkernels.description import ModelConfig, model_preset
+from tpkernels.parallel import ParallelConfig
+from tpkernels.planner import ClusterSpec, TrainingSetup, calibrated_for, explain, gpu_preset, plan
+from tpkernels.planner.activations import layer_activations, moe_block_activations, moe_peak_imbalance
+from tpkernels.planner.collectives import all_to_all_time
+from tpkernels.planner.estimate import layout_errors
+from tpkernels.planner.expert_parallel import busiest_share, chunked_exposed
+from tpkernels.planner.memory import GIB, stage_memory, stage_param_split, stage_params_per_rank
+from tpkernels.planner.step_time import step_time
+
+H100 = gpu_preset("H100-SXM")
+EFF = calibrated_for(H100)
+
+
+def small_moe(rng: random.Random, **over) -> ModelConfig:
+    """A random small Qwen2-MoE-shaped model (odd sizes; a shared expert with its gate half the time)."""
+    heads = rng.choice([2, 4, 6])
+    kv = rng.choice([d for d in (1, 2, heads) if heads % d == 0])
+    hidden = heads * rng.choice([8, 12, 16])
+    experts = rng.choice([4, 6, 8, 12])
+    shared = rng.choice([0, 24, 40])
+    fields = dict(num_layers=rng.choice([2, 4, 6]), hidden_size=hidden, num_attention_heads=heads, num_kv_heads=kv,
+                  ffn_hidden_size=rng.choice([40, 56]), vocab_size=rng.randint(300, 900), qkv_bias=rng.random() < 0.5,
+                  num_experts=experts, experts_per_token=rng.randint(1, min(4, experts)),
+                  moe_ffn_hidden_size=rng.choice([8, 24, 32]), shared_expert_ffn_hidden_size=shared,
+                  shared_expert_gate=shared > 0 and rng.random() < 0.5)
+    fields.update(over)
+    return ModelConfig("qwen2_moe", **fields)
+
+
+def hand_split(m: ModelConfig, tp: int, ep: int) -> tuple[float, float]:
+    """(other, expert) parameters of one decoder layer on one GPU, counted from the shapes by hand."""
+    h, q, kv, e, f, s = (m.hidden_size, m.q_dim, m.kv_dim, m.num_experts, m.expert_ffn,
+                         m.shared_expert_ffn_hidden_size)
+    attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if m.qkv_bias else 0)
+    shared = 3 * h * s + (h if m.shared_expert_gate else 0)
+    norms, router = 2 * h, e * h  # two RMSNorms and the router: replicated on every TP rank
+    return (attn + shared) / tp + norms + router, e * 3 * h * f / (ep * tp)
+
+
+def test_memory_per_rank_matches_hand_counts(fresh_seed):
+    rng = random.Random(fresh_seed)
+    for _ in range(20):
+        m = small_moe(rng)
+        tp = rng.choice([t for t in (1, 2) if m.kv_heads % t == 0])
+        ep = rng.choice([d for d in (1, 2, 4) if m.num_experts % d == 0])
+        dp = ep * rng.choice([1, 2, 3])
+        cfg = ParallelConfig(tp=tp, dp=dp, ep=ep, num_microbatches=2, zero1=rng.random() < 0.5)
+        other, experts = hand_split(m, tp, ep)
+        other = m.num_layers * other + m.padded_vocab(tp) * m.hidden_size / tp * 2 + m.hidden_size  # + embedding,
+        experts = m.num_layers * experts  # head, final norm
+        assert stage_param_split(m, cfg, 0) == pytest.approx((other, experts))
+        mem = stage_memory(m, TrainingSetup(dp * 2, 64), cfg, 0)
+        assert mem.weights == pytest.approx(2 * (other + experts))
+        assert mem.gradients == pytest.approx(4 * (other + experts))
+        zero, zero_e = (dp, dp // ep) if cfg.zero1 else (1, 1)
+        assert mem.optimizer == pytest.approx(12 * (other / zero + experts / zero_e))
+
+
+def test_ep_divides_expert_memory_by_ep(fresh_seed):
+    rng = random.Random(fresh_seed)
+    m = small_moe(rng, num_experts=8)
+    train = TrainingSetup(16, 128)
+    base = ParallelConfig(dp=8, num_microbatches=2)
+    for ep in (2, 4, 8):
+        cfg = base.replace(ep=ep)
+        assert stage_param_split(m, cfg, 0)[1] * ep == pytest.approx(stage_param_split(m, base, 0)[1])
+        assert stage_param_split(m, cfg, 0)[0] == pytest.approx(stage_param_split(m, base, 0)[0])
+        # weights and gradients shrink by ep; ZeRO-1 shards expert states over dp/ep instead of dp: the same
+        one, split = stage_memory(m, train, base.replace(zero1=True), 0), stage_memory(m, train, cfg.replace(zero1=True), 0)
+        _, experts = stage_param_split(m, base, 0)
+        assert one.weights - split.weights == pytest.approx(2 * experts * (1 - 1 / ep))
+        assert one.optimizer == pytest.approx(split.optimizer)
+
+
+def test_moe_layers_subset_counts_each_stage(fresh_seed):
+    m = small_moe(random.Random(fresh_seed), num_layers=4, moe_layers=(1,))
+    cfg = ParallelConfig(pp=2, dp=2, ep=2, num_microbatches=4)
+    _, e_first = stage_param_split(m, cfg, 0)  # layers 0, 1: one MoE layer
+    _, e_last = stage_param_split(m, cfg, 1)  # layers 2, 3: dense
+    assert e_first == pytest.approx(hand_split(m, 1, 2)[1]) and e_last == 0
+    dense = m.replace(num_experts=0, experts_per_token=0, moe_ffn_hidden_size=None, shared_expert_ffn_hidden_size=0,
+                      shared_expert_gate=False, moe_layers=None)
+    assert stage_params_per_rank(m, cfg, 1) == pytest.approx(stage_params_per_rank(dense, cfg.replace(ep=1), 1))
+
+
+def test_moe_block_activations_hand_count(fresh_seed):
+    rng = random.Random(fresh_seed)
+    m = small_moe(rng)
+    s, b, tp, ep = rng.choice([64, 96]), rng.randint(1, 3), 2, 2
+    h, k, e, f = m.hidden_size, m.experts_per_token, m.num_experts, m.expert_ffn
+    rho = 1.5
+    act = moe_block_activations(m, seq=s, micro_batch=b, tp=tp, ep=ep, sequence_parallel=True, imbalance=rho)
+    t = s * b
+    shared = 2 * t * 3 * m.shared_expert_ffn_hidden_size / tp
+    stored = 2 * rho * t * k * h + 2 * t * k * h + 8 * t / tp * e + 20 * t * k + shared
+    swiglu, sent = 2 * rho * t * k * 3 * f / tp, 2 * t * k * h * (1 + rho)
+    assert act.stored == pytest.approx(stored)
+    assert act.produced == pytest.approx(stored + swiglu + sent)
+    assert act.recompute_peak == pytest.approx(max(swiglu, sent))
+    one = moe_block_activations(m, seq=s, micro_batch=b, tp=tp, ep=1, sequence_parallel=True)
+    assert one.recompute_peak == pytest.approx(2 * t * k * 3 * f / tp)  # no send buffers without EP
+    full = moe_block_activations(m, seq=s, micro_batch=b, tp=tp, ep=ep, recompute="full", imbalance=rho)
+    assert full.stored == 0 and full.recompute_peak > act.stored
+    # a MoE layer = the attention part of a dense layer + the block
+    kw = dict(seq=s, micro_batch=b, tp=tp, sequence_parallel=True, recompute="none", flash_attention=True)
+    layer = layer_activations(m, moe=True, ep=ep, imbalance=rho, **kw)
+    assert layer.stored == pytest.approx(layer_activations(m, mlp=False, **kw).stored + act.stored)
+
+
+def test_dispatch_buffer_imbalance_bounds():
+    m = model_preset("Mixtral-8x7B")  # 8 experts, top-2, dropless
+    assert moe_peak_imbalance(m, 1, 3.0) == 1.0  # one rank holds every expert: its own rows only
+    assert moe_peak_imbalance(m, 8, 2.0) == 2.0  # the stated worst case
+    assert moe_peak_imbalance(m, 8, 10.0) == 4.0  # at most ep · min(k, E/ep) / k = 8 · 1 / 2
+    assert moe_peak_imbalance(m.replace(capacity_factor=1.25), 8, 2.0) == 1.25  # the capacity bounds it
+    assert busiest_share(m.replace(capacity_factor=1.25), 8, 1.0) == 1.0  # balanced routing fills less
+    train, cfg = TrainingSetup(16, 4096), ParallelConfig(tp=1, dp=8, ep=8, num_microbatches=2)
+    low, high = (stage_memory(m, train.replace(moe_peak_imbalance=x), cfg, 0).activations for x in (1.0, 3.0))
+    assert high > low
+    with pytest.raises(ValueError, match=r"moe_peak_imbalance \(0\.5\) must be a finite number >= 1"):
+        TrainingSetup(16, 4096, moe_peak_imbalance=0.5)
+
+
+def test_all_to_all_zero_at_ep1_and_slower_across_nodes():
+    m = model_preset("Qwen3-30B-A3B")
+    train = TrainingSetup(64, 4096)
+    cluster = ClusterSpec(H100, 8, 2)
+    one = step_time(m, train, ParallelConfig(dp=16, num_microbatches=4), cluster, EFF)
+    assert one.ep_comm == 0 and one.ep_exposed == 0
+    eight = step_time(m, train, ParallelConfig(dp=16, ep=8, num_microbatches=4), cluster, EFF)
+    assert 0 < eight.ep_exposed <= eight.ep_comm
+    sixteen = step_time(m, train, ParallelConfig(dp=16, ep=16, num_microbatches=4), cluster, EFF)
+    assert sixteen.ep_comm > eight.ep_comm  # EP16 leaves the node: its share for the other node crosses the NIC
+    nbytes = 1e8
+    assert all_to_all_time(nbytes, 1, 1, cluster, EFF) == 0
+    intra = all_to_all_time(nbytes, 8, 1, cluster, EFF)
+    assert intra == pytest.approx(nbytes * 7 / 8 / (450e9 * EFF.link) + 7 * EFF.collective_latency_s)
+    assert all_to_all_time(nbytes, 8, 2, cluster, EFF) > intra  # EP8 × TP2: half the group on the other node
+
+
+def test_chunked_overlap_is_monotone(fresh_seed):
+    rng = random.Random(fresh_seed)
+    for _ in range(200):
+        a, g, c = rng.uniform(0, 2), rng.uniform(0, 2), rng.randint(1, 16)
+        e = chunked_exposed(a, g, c)
+        assert 0 <= e <= a + 1e-12
+        assert chunked_exposed(a, g, c + 1) <= e + 1e-12  # more chunks never expose more
+        assert chunked_exposed(a, g + rng.uniform(0, 1), c) <= e + 1e-12  # nor more GEMM time
+        assert chunked_exposed(a, g, 1) == pytest.approx(a)  # one chunk hides nothing
+    assert chunked_exposed(1.0, 10.0, 4) == pytest.approx(0.25)  # only the first chunk's exchange
+    # through the whole step: more chunks, or slower GEMMs (more time to hide behind), never a slower step
+    m, cluster = model_preset("Mixtral-8x7B"), ClusterSpec(H100, 8, 2)
+    cfg = ParallelConfig(tp=2, dp=8, ep=8, num_microbatches=4, sequence_parallel=True, zero1=True)
+    steps = [step_time(m, TrainingSetup(32, 4096, moe_chunks=c), cfg, cluster, EFF) for c in (1, 2, 4, 8)]
+    assert all(b.total <= a.total + 1e-12 and b.ep_exposed <= a.ep_exposed + 1e-12 for a, b in zip(steps, steps[1:]))
+    assert steps[-1].ep_exposed < steps[0].ep_exposed
+    slow = step_time(m, TrainingSetup(32, 4096, moe_chunks=4), cfg, cluster, EFF.replace(gemm=0.4))
+    assert slow.ep_exposed <= steps[2].ep_exposed
+
+
+def test_bad_layouts_are_named():
+    m, train = model_preset("Mixtral-8x7B"), TrainingSetup(64, 4096)
+    cluster = ClusterSpec(H100, 8, 2)
+    errs = layout_errors(m, train, cluster, ParallelConfig(tp=2, dp=8, ep=3, num_microbatches=8))
+    assert errs == ["ep (3) must divide dp (8): expert parallelism splits the experts over the data-parallel ranks"]
+    errs = layout_errors(m, train, cluster, ParallelConfig(dp=16, ep=16, num_microbatches=4))
+    assert any(e.startswith("num_experts (8) must be divisible by ep (16)") for e in errs)
+    dense = model_preset("Llama-3-8B")
+    errs = layout_errors(dense, train, cluster, ParallelConfig(dp=16, ep=2, num_microbatches=4))
+    assert any(e.startswith("ep (2) > 1 needs a mixture-of-experts model") for e in errs)
+    x = explain(m, train, ClusterSpec(H100, 8, 1), "TP=2,EP=3")
+    assert x.errors and "ep (3) must divide dp (4)" in x.errors[0]
+
+
+def test_presets_plan_with_ep_in_rows():
+    from tpkernels.cli import main  # noqa: PLC0415
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = main(["plan", "--model", "Qwen3-30B-A3B", "--nodes", "1", "--global-batch", "64", "--seq-len", "4096",
+                     "--fix", "PP=1", "--top", "20"])
+    text = out.getvalue()
+    assert code == 0 and "128 experts of ffn 768 top-8" in text and "EP exposed" in text
+    assert any(" EP8 " in line or " EP4 " in line or " EP2 " in line for line in text.splitlines()[8:])
+
+
+def test_search_picks_ep_where_ep1_does_not_fit():
+    # Mixtral-8x7B, full Adam training on 8 H100 80GB: 18 bytes/param of model state over 8 GPUs is
+    # 46.7e9 · 18 / 8 B = 97.9 GiB per GPU whatever the layout: nothing fits, EP or not.
+    m = model_preset("Mixtral-8x7B")
+    p = plan(m, TrainingSetup(64, 4096), ClusterSpec(H100, 8, 1), fixed={"pp": 1})
+    assert not p.ranked and p.too_big
+    assert m.num_params() * 18 / 8 / GIB > 0.9 * 79.6
+    assert p.too_big[0].memory.total / GIB > 97
+    # Qwen3-30B-A3B on 16 H100 with TP1 PP1 (the layout of NVIDIA's published runs): EP1 keeps all
+    # 30.5B parameters' weights and gradients on every GPU (>170 GiB); EP splits the experts
+    q = model_preset("Qwen3-30B-A3B")
+    p = plan(q, TrainingSetup(1024, 4096, precision="fp8"), ClusterSpec(H100, 8, 2), fixed={"tp": 1, "pp": 1})
+    assert p.ranked and all(e.config.ep > 1 for e in p.ranked)
+    assert [e.config.ep for e in p.too_big if e.config.ep == 1] == [1]  # EP1 was scored: it does not fit
+    ep1 = stage_memory(q, TrainingSetup(1024, 4096), ParallelConfig(dp=16, zero1=True, num_microbatches=64), 0)
+    assert (ep1.weights + ep1.gradients) / GIB > 170
