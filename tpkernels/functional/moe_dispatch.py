@@ -169,7 +169,7 @@ def _exchange_counts(counts: torch.Tensor, n_rows: int, group, rank: int, world:
     """(send (P, L), recv (P, L)) host int64, after one all-to-all of the counts and each rank's validity
     flag; raises on every rank when any rank's counts are invalid (no rank is left in a transfer)."""
     L = num_local_experts
-    c = counts.to(device=device, dtype=torch.int64).view(world, L)
+    c = counts.to(device=device, dtype=torch.int64).reshape(world, L)
     flag = (c.sum() != n_rows).to(torch.int64) * _BAD_SUM + (c < 0).any().to(torch.int64) * _BAD_NEGATIVE
     send = torch.cat([c, flag.expand(world, 1)], 1).contiguous()      # (P, L+1): row d -> rank d
     recv = torch.empty_like(send)
