@@ -27,6 +27,9 @@ Public API (this release):
     tpkernels.load_balancing_loss / z_loss            the router's aux losses, rank shares over a group
     tpkernels.permute / unpermute                     token copies grouped by expert, and the weighted sum back
     tpkernels.grouped_gemm / grouped_swiglu_mlp       every expert's rows times its weights in one launch
+    tpkernels.dispatch_combine(x_sorted, counts, expert_fn, ep_group, num_local_experts=, chunks=)
+                                                       expert parallelism: all-to-all to the experts' ranks
+                                                       and back, overlapped with the experts in chunks
     tpkernels.parallel.mappings                        copy/reduce/scatter/gather autograd mappings
     tpkernels.parallel.trace.CommTrace                 chrome trace of comm/GEMM overlap
     tpkernels.pipeline                                 schedules as data, simulator, P2P engine, runtime, timeline
@@ -47,6 +50,7 @@ from tpkernels.functional import (
     all_gather_matmul,
     apply_rotary,
     bias_gelu,
+    dispatch_combine,
     flash_attn_func,
     flash_attn_varlen_func,
     grouped_gemm,
@@ -67,7 +71,8 @@ from tpkernels.functional import (
     z_loss,
 )
 
-__all__ = ["__version__", "all_gather_matmul", "apply_rotary", "backends", "bias_gelu", "build_info", "flash_attn_func",
+__all__ = ["__version__", "all_gather_matmul", "apply_rotary", "backends", "bias_gelu", "build_info", "dispatch_combine",
+           "flash_attn_func",
            "flash_attn_varlen_func", "grouped_gemm", "grouped_swiglu_mlp", "layer_norm", "linear_cross_entropy",
            "load_balancing_loss", "matmul_all_reduce", "matmul_reduce_scatter", "nf4_linear", "nn", "permute", "rms_norm",
            "rotary_cache", "route", "swiglu", "unpermute", "vocab_parallel_cross_entropy", "z_loss"]
