@@ -170,7 +170,8 @@ def _reference(model, ids):
     model.zero_grad()
     out.loss.backward()
     grads = unfuse_experts({n: p.grad.clone() for n, p in model.named_parameters()}, model.config.model_type)
-    return out.logits.detach(), out.loss.detach(), out.aux_loss.detach(), grads
+    aux = out.aux_loss.detach() if out.aux_loss is not None else None
+    return out.logits.detach(), out.loss.detach(), aux, grads
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +184,10 @@ def moe_checkpoints(tmp_path_factory):
             model = _hf_moe(kind, seed % 10_000)
             model.save_pretrained(str(folder))
             ids = torch.randint(0, VOCAB, (4, 10), generator=torch.Generator().manual_seed(seed))
-            cache[kind] = (str(folder), ids, _reference(model, ids))
+            ref = _reference(model, ids)
+            model.config.output_router_logits = False  # the token loss alone (a pipeline's loss, below)
+            cache[kind + "-ce"] = _reference(model, ids)
+            cache[kind] = (str(folder), ids, ref)
         return cache[kind]
 
     return get
@@ -246,3 +250,78 @@ def test_expert_parallel_layouts_match_transformers(rank_pool, moe_checkpoints, 
     layout = PARITY_LAYOUTS[case]
     world = ParallelConfig(**layout).world_size
     rank_pool(world).run(_moe_parity_worker, folder, layout, ids, ref, timeout=120)
+
+
+def _round_trip_worker(rank, world, folder, out_folder, layout, ids):
+    import os
+
+    from tpkernels.models import ParallelTransformer
+    from tpkernels.models.hf_checkpoint import SafetensorsSource
+    from tpkernels.parallel.state import ParallelState
+
+    state = ParallelState.create(ParallelConfig(**layout))
+    model = ParallelTransformer(ModelConfig.from_hf(folder), state, dtype=torch.float64, init=None)
+    src = SafetensorsSource(folder)
+    model.load_hf_(src)
+    total = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    model.save_hf(out_folder)
+    if rank != 0:
+        return src.bytes_read, total, None
+    a = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, experts_implementation="eager")
+    b, info = transformers.AutoModelForCausalLM.from_pretrained(out_folder, dtype=torch.float64,
+                                                                experts_implementation="eager",
+                                                                output_loading_info=True)
+    with torch.no_grad():
+        diff = (a(ids).logits - b(ids).logits).abs().max().item()
+    return src.bytes_read, total, (diff, {k: sorted(v) for k, v in info.items() if v})
+
+
+@pytest.mark.parametrize("kind, layout", [("mixtral", dict(tp=2, dp=2, ep=2)), ("qwen2_moe", dict(dp=2, ep=2))])
+def test_load_only_my_experts_and_save_what_transformers_loads(rank_pool, moe_checkpoints, tmp_path, fresh_seed,
+                                                               kind, layout):
+    """Each rank reads its experts' TP slices only (well under the checkpoint); save_hf gathers them over TP and
+    EP into files that transformers loads with no missing or unexpected key, giving the original logits."""
+    folder, ids, _ = moe_checkpoints(kind, fresh_seed)
+    world = ParallelConfig(**layout).world_size
+    out = rank_pool(world).run(_round_trip_worker, folder, str(tmp_path / "out"), layout, ids, timeout=120)
+    mc = ModelConfig.from_hf(folder)
+    expert_bytes = 8 * sum(mc.moe_params(i).get("experts", 0) for i in range(mc.num_layers))  # float64 files
+    for read, total, _ in out:  # the other EP rank's experts are never read (and half the rest at TP2)
+        assert 0 < read <= total - expert_bytes // 2, (read, total, expert_bytes)
+        if world == 4:
+            assert read < 0.45 * total
+    diff, info = out[0][2]
+    assert info == {} and diff == 0.0, (diff, info)
+
+
+def _pipeline_worker(rank, world, folder, layout, ids, reference):
+    import torch.distributed as dist
+
+    from model_checks import all_stages
+    from tpkernels.models import ParallelTransformer, next_token_targets
+    from tpkernels.parallel.state import ParallelState
+
+    _, ref_loss, _, ref_grads = reference
+    state = ParallelState.create(ParallelConfig(**layout))
+    pc = state.config
+    model = ParallelTransformer.from_hf(folder, state, dtype=torch.float64, layer_counts=[2, 1])  # 3 layers
+    rows = slice(state.dp_rank * ids.shape[0] // pc.dp, (state.dp_rank + 1) * ids.shape[0] // pc.dp)
+    targets = next_token_targets(ids[rows])
+    loss = model.step(ids[rows] if state.is_first_stage else None, targets if state.is_last_stage else None,
+                      schedule=layout.get("schedule") or "1f1b")
+    model.finish_grad_sync()
+    t = torch.tensor([loss if state.is_last_stage else 0.0], dtype=torch.float64)
+    dist.all_reduce(t)
+    torch.testing.assert_close(t[0] / (pc.dp * pc.tp), ref_loss.double(), rtol=1e-6, atol=1e-9)  # HF: fp32 loss
+    grads = all_stages(model.to_hf_state_dict("grad"))
+    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
+    for name, want in ref_grads.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_expert_parallel_with_a_pipeline_matches_transformers(rank_pool, moe_checkpoints, fresh_seed):
+    """EP2 × PP2 with two micro-batches through the 1F1B runtime: the token loss and every gradient of
+    transformers' model (its router losses left out: with a pipeline they are the trainer's, tpkernels.train)."""
+    folder, ids, _ = moe_checkpoints("mixtral", fresh_seed)
+    layout = dict(dp=2, pp=2, ep=2, num_microbatches=2)
+    rank_pool(4).run(_pipeline_worker, folder, layout, ids, moe_checkpoints("mixtral-ce", fresh_seed), timeout=120)
