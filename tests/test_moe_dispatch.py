@@ -29,11 +29,11 @@ def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torc
 
 def _routing(g: torch.Generator, world: int, E: int, case: str) -> list[torch.Tensor]:
     """Per-rank counts (E,) for ``case``: "skewed" (expert 0 takes most rows, two experts empty),
-    "silent" (the last rank sends nothing; an expert empty), "uniform"."""
+    "silent" (the last rank sends nothing; an expert empty), "uniform", "empty" (no rank sends a row)."""
     out = []
     for r in range(world):
         n = int(torch.randint(5, 30, (1,), generator=g)) | 1  # odd: never a multiple of 2 chunks
-        if case == "silent" and r == world - 1:
+        if (case == "silent" and r == world - 1) or case == "empty":
             n = 0
         p = torch.rand(E, generator=g, dtype=torch.float64) + 0.1
         major = 0
@@ -98,7 +98,7 @@ def _case_worker(rank, world, seed, cases):
     return report
 
 
-CASES = [("skewed", 3), ("silent", 2), ("uniform", 1)]
+CASES = [("skewed", 3), ("silent", 2), ("uniform", 1), ("empty", 2)]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
