@@ -1,6 +1,7 @@
 """Leave-one-source-out calibration of the planner against published training runs.
 
     python benchmarks/planner_calibration.py [--sources a,b] [--data benchmarks/data]
+    python benchmarks/planner_calibration.py --held-out     # only the rows no fit ever sees
 
 The tables are in benchmarks/data/ (one CSV per source, provenance in each header and in
 sources.md; how a row becomes a planner question: tpkernels/planner/calibration.py). For each source
@@ -9,7 +10,9 @@ attention core's share of the peak, the memory-bound kernels' bytes per stored a
 fitted on all the other sources, and the held-out source's rows are predicted with them: the error
 of every row (+ = the planner predicts a faster step than was measured), the mean |error| and the
 worst per source and per GPU generation. A last fit on all sources gives the constants the package
-ships (efficiency.CALIBRATED), whose in-sample errors are listed too, apart.
+ships (efficiency.CALIBRATED), whose in-sample errors are listed too, apart. The rows in
+benchmarks/data/held_out/ (the mixture-of-experts runs) are in no fit: they are predicted with the
+shipped constants and listed last, with what their step time is made of.
 
 Writes benchmarks/results/planner_calibration.csv (one line per row and fit) and .png ($OUT instead,
 if set).
@@ -25,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, print_table, write_csv  # noqa: E402
 
-from tpkernels.planner.calibration import FITTED, error, fit_constants, predict, sources  # noqa: E402
+from tpkernels.planner.calibration import FITTED, error, fit_constants, held_out_rows, predict, sources  # noqa: E402
 from tpkernels.planner.efficiency import CALIBRATED_ALL  # noqa: E402
 
 
@@ -40,6 +43,16 @@ def report(rows, eff, fit: str) -> list[dict]:
                     "tp_exposed_pct": round(100 * est.time.tp_exposed / est.step_time, 1),
                     "bubble_pct": round(100 * est.bubble_fraction, 1),
                     "date": datetime.date.today().isoformat()})
+    return out
+
+
+def held_out_report(rows) -> list[dict]:
+    """The rows no fit sees, predicted with the shipped constants, and what their step is made of."""
+    out = report(rows, CALIBRATED_ALL, "held out of every fit (shipped constants)")
+    for line, r in zip(out, rows):
+        t = predict(r, CALIBRATED_ALL).time
+        line.update({f"{k}_pct": round(100 * getattr(t, k) / t.total, 1)
+                     for k in ("gemm", "elementwise", "ep_exposed", "bubble", "dp_exposed")})
     return out
 
 
@@ -58,9 +71,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sources", default="", help="comma-separated source names to hold out (default: each)")
     ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parent / "data", help="folder of the tables (default: benchmarks/data)")
+    ap.add_argument("--held-out", action="store_true", help="only predict the rows held out of every fit "
+                                                           "(benchmarks/data/held_out/)")
     args = ap.parse_args()
     if not args.data.is_dir():
         raise SystemExit(f"--data ({args.data}) must be a folder of calibration tables (*.csv)")
+    held = held_out_report(held_out_rows(args.data))
+    held_cols = ["row", "layout", "precision", "published_step_s", "predicted_step_s", "error_pct", "gemm_pct",
+                 "elementwise_pct", "ep_exposed_pct", "bubble_pct", "dp_exposed_pct"]
+    if args.held_out:
+        print("rows held out of every fit (benchmarks/data/held_out), predicted with the shipped constants:")
+        print_table(held, held_cols)
+        print(f"mean |error| {sum(abs(x['error_pct']) for x in held) / max(1, len(held)):.1f}%")
+        path = write_csv("planner_calibration_held_out", held)
+        print(f"wrote {path}")
+        return
     by_source = sources(args.data)
     held = [s for s in args.sources.split(",") if s] or list(by_source)
     unknown = [s for s in held if s not in by_source]
@@ -89,7 +114,10 @@ def main() -> None:
           + ", ".join(f"{c} {getattr(CALIBRATED_ALL, c):g}" for c in FITTED))
     print_table(summary(shipped, "source"), ["source", "rows", "mean_abs_error_pct", "worst_error_pct",
                                              "within_15pct", "worst_row"])
-    path = write_csv("planner_calibration", lines + shipped)
+    if held:
+        print("\nrows held out of every fit (benchmarks/data/held_out), predicted with the shipped constants:")
+        print_table(held, held_cols)
+    path = write_csv("planner_calibration", lines + shipped + held)
     print(f"wrote {path}")
     try:
         import matplotlib  # noqa: PLC0415

@@ -213,3 +213,27 @@ def test_search_picks_ep_where_ep1_does_not_fit():
     assert [e.config.ep for e in p.too_big if e.config.ep == 1] == [1]  # EP1 was scored: it does not fit
     ep1 = stage_memory(q, TrainingSetup(1024, 4096), ParallelConfig(dp=16, zero1=True, num_microbatches=64), 0)
     assert (ep1.weights + ep1.gradients) / GIB > 170
+
+
+def test_held_out_moe_rows_read_as_published():
+    from pathlib import Path  # noqa: PLC0415
+
+    from tpkernels.planner.calibration import held_out_rows, predict, sources  # noqa: PLC0415
+
+    data = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+    rows = held_out_rows(data)
+    assert [(r.label, r.layout()) for r in rows] == [
+        ("QWEN3-30B-A3B@16 26.06", "TP1 PP1 DP16 EP16 mbs1"), ("QWEN3-30B-A3B@16 26.02.01", "TP1 PP2 v12 DP8 EP8 mbs1"),
+        ("QWEN3-30B-A3B@16 25.11", "TP1 PP2 v24 DP8 EP8 mbs2"), ("GPT-OSS-120B@64 26.04.01", "TP1 PP4 DP16 EP8 mbs1")]
+    assert not any(r.source in sources(data) for r in rows)  # in no fit
+    qwen = model_preset("Qwen3-30B-A3B")  # the rows' shape is the preset's, without its q/k norms
+    assert rows[0].spec.num_active_params() == pytest.approx(qwen.num_active_params(), rel=1e-4)
+    assert rows[0].spec.num_params() == pytest.approx(qwen.num_params(), rel=1e-4)
+    for r in rows:
+        assert not layout_errors(r.spec, r.training, r.cluster, r.config)
+        t = predict(r).time
+        assert t.ep_comm > 0 and 0 < t.total < 10 * r.published_step_s
+    # HybridEP sends a token once per node across the network: EP16 over two nodes moves less than k copies
+    plain = rows[0].training.replace(moe_dispatch="alltoall")
+    assert predict(rows[0]).time.ep_comm < step_time(rows[0].spec, plain, rows[0].config, rows[0].cluster,
+                                                     calibrated_for(H100)).ep_comm

@@ -6,7 +6,9 @@ comes from in its header, the list in ``sources.md``): Narayanan et al. 2021 (A1
 NVIDIA NeMo 2024 and Megatron-Bridge performance summaries (H100), torchtitan's published runs
 (H100, H200). They are not package data: an installed planner carries only the constants fitted on
 them (``efficiency.py``). ``benchmarks/planner_calibration.py`` fits on all sources but one and
-predicts the held-out one, for each in turn.
+predicts the held-out one, for each in turn. ``benchmarks/data/held_out/`` holds runs kept out of every
+fit (:func:`held_out_rows`): the mixture-of-experts rows, predicted with the constants the other
+sources gave.
 
 Every row is compared by step time: the published step = the row's tokens (or hardware FLOPs) per
 step over its throughput; error = published step / predicted step − 1 (+ = the planner predicts a
@@ -84,7 +86,8 @@ class Row:
     def layout(self) -> str:
         c = self.config
         return f"TP{c.tp}" + (f" CP{c.cp}" if c.cp > 1 else "") + f" PP{c.pp}" + \
-            (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "") + f" DP{c.dp} mbs{c.micro_batch_size}"
+            (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "") + f" DP{c.dp}" + \
+            (f" EP{c.ep}" if c.ep > 1 else "") + f" mbs{c.micro_batch_size}"
 
 
 def _read(path: Path) -> list[dict]:
@@ -126,20 +129,29 @@ def table_rows_of(path: Path) -> list[Row]:
     for r in _read(path):
         n = {k: int(r[k]) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "gpus", "global_batch",
                                     "micro_batch", "seq_length", "tp", "pp", "cp", "virtual_stages")}
+        # mixture-of-experts tables add: head_dim, experts, top_k, expert_ffn, shared_ffn, ep, dispatcher, moe_chunks
+        moe = {k: int(r[k]) for k in ("head_dim", "experts", "top_k", "expert_ffn", "shared_ffn", "ep", "moe_chunks")
+               if r.get(k)}
+        experts = {}
+        if moe.get("experts"):
+            experts = dict(num_experts=moe["experts"], experts_per_token=moe["top_k"],
+                           moe_ffn_hidden_size=moe["expert_ffn"], shared_expert_ffn_hidden_size=moe.get("shared_ffn", 0))
         # the sources' shapes as their FLOPs count them: no biases, rotary, RMSNorm-sized norms
-        spec = ModelConfig("llama" if r["mlp"] == "swiglu" else "gpt2", n["layers"], n["hidden"], n["heads"],
-                           n["ffn"], n["vocab"], num_kv_heads=n["kv_heads"],
+        kind = "mixtral" if experts else "llama" if r["mlp"] == "swiglu" else "gpt2"
+        spec = ModelConfig(kind, n["layers"], n["hidden"], n["heads"],
+                           n["ffn"], n["vocab"], num_kv_heads=n["kv_heads"], head_dim=moe.get("head_dim"),
                            activation="swiglu" if r["mlp"] == "swiglu" else "gelu_tanh",
-                           max_position_embeddings=n["seq_length"], name=r["model"])
+                           max_position_embeddings=n["seq_length"], name=r["model"], **experts)
         dp = n["gpus"] // (n["tp"] * n["pp"] * n["cp"])
         cfg = ParallelConfig(tp=n["tp"], pp=n["pp"], dp=dp, virtual_stages=n["virtual_stages"],
                              micro_batch_size=n["micro_batch"],
                              num_microbatches=n["global_batch"] // (n["micro_batch"] * dp),
                              sequence_parallel=n["tp"] > 1, recompute=r["recompute"], zero1=dp * n["cp"] > 1,
-                             cp=n["cp"], overlap_comm=r["tp_overlap"] == "1")
+                             cp=n["cp"], overlap_comm=r["tp_overlap"] == "1", ep=moe.get("ep", 1))
         train = TrainingSetup(n["global_batch"], n["seq_length"], precision=r["precision"], finetune=r["finetune"],
                               overlap_grad_reduce=True, overlap_param_gather=True, overlap_p2p=True,
-                              grad_reduce_fp32=r["grad_reduce"] == "fp32")
+                              grad_reduce_fp32=r["grad_reduce"] == "fp32", moe_chunks=moe.get("moe_chunks", 1),
+                              moe_dispatch="dedup" if r.get("dispatcher") in ("hybridep", "deepep") else "alltoall")
         step = n["global_batch"] * n["seq_length"] / (float(r["tokens_per_sec_per_gpu"]) * n["gpus"])
         tflops = float(r["model_tflops_per_gpu"]) if r.get("model_tflops_per_gpu") else 0.0
         label = f"{r['model']}@{n['gpus']} {r['table']}"
@@ -159,8 +171,19 @@ def sources(directory: Path) -> dict[str, list[Row]]:
     for path in sorted(Path(directory).glob("*.csv")):
         out[path.stem] = narayanan_rows(path) if path.stem == NARAYANAN else table_rows_of(path)
     if not out:
-        raise FileNotFoundError(f"no calibration tables (*.csv) in {d}")
+        raise FileNotFoundError(f"no calibration tables (*.csv) in {directory}")
     return out
+
+
+HELD_OUT = "held_out"
+
+
+def held_out_rows(directory: Path) -> list[Row]:
+    """Published runs kept out of every fit (``directory``/held_out/*.csv, the common table format): the
+    planner predicts them with the constants fitted on :func:`sources`, and nothing is ever fitted on
+    them (the mixture-of-experts runs: docs/planner.md, "Mixture of experts")."""
+    folder = Path(directory) / HELD_OUT
+    return [r for path in sorted(folder.glob("*.csv")) for r in table_rows_of(path)] if folder.is_dir() else []
 
 
 def all_rows(directory: Path | None = None) -> list[Row]:

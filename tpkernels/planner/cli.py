@@ -22,7 +22,7 @@ from tpkernels.planner.hardware import GPU_PRESETS, ClusterSpec, gpu_preset
 from tpkernels.planner.memory import DEFAULT_MEMORY_MARGIN
 from tpkernels.planner.report import format_explanation, format_plan, plan_as_dict
 from tpkernels.planner.search import explain, parse_layout, plan
-from tpkernels.planner.workload import DPO_REFERENCES, OPTIMIZERS, PRECISIONS, TASKS, TrainingSetup
+from tpkernels.planner.workload import DPO_REFERENCES, MOE_DISPATCH, OPTIMIZERS, PRECISIONS, TASKS, TrainingSetup
 
 EPILOG = """examples:
   tpkernels plan --model Qwen-14B --gpu A100-80GB --nodes 1 --global-batch 64 --seq-len 4096
@@ -66,6 +66,8 @@ class WorkloadSection:
                                          "(a capacity factor bounds it instead)")
     moe_chunks: int = opt(1, "chunks of the expert-parallel dispatch, each one's expert GEMMs overlapping the next "
                              "one's all-to-all (1: no overlap)")
+    moe_dispatch: str = opt("alltoall", "alltoall (each of a token's k copies to its expert's rank, as tpkernels "
+                                        "train does) or dedup (once per rank and node: DeepEP, HybridEP)", MOE_DISPATCH)
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,8 @@ def run(args) -> int:
     train = TrainingSetup(t.global_batch, seq_len, t.precision, t.optimizer, cfg.model.finetune, cfg.model.lora_rank,
                           quant=cfg.model.base_quant, flash_attention=t.flash_attention, task=t.task,
                           dpo_reference=cfg.dpo.reference, moe_imbalance=t.moe_imbalance,
-                          moe_peak_imbalance=t.moe_peak_imbalance, moe_chunks=t.moe_chunks)
+                          moe_peak_imbalance=t.moe_peak_imbalance, moe_chunks=t.moe_chunks,
+                          moe_dispatch=t.moe_dispatch)
     if not cfg.json:
         for reason in model.build_errors():
             print(f"note: planned, but tpkernels train cannot build this model yet: {reason}")

@@ -47,17 +47,30 @@ def group_collective_time(kind: str, nbytes: float, n: int, stride: int, cluster
     return t + phases * (g - 1 + nodes - 1) * eff.collective_latency_s
 
 
+def members_per_node(cluster: ClusterSpec, n: int, stride: int) -> int:
+    """How many of a group's ``n`` members (``stride`` ranks apart) share one node."""
+    return _members_per_node(cluster, n, stride)
+
+
+def exchange_time(intra_bytes: float, inter_bytes: float, peers: int, cluster: ClusterSpec, eff: Efficiency) -> float:
+    """Seconds of a point-to-point exchange in which a rank sends ``intra_bytes`` to peers in its node
+    (NVLink) and ``inter_bytes`` to other nodes (its NIC), both at once: the slower of the two, plus
+    one latency step per peer."""
+    if peers <= 0 or intra_bytes + inter_bytes <= 0:
+        return 0.0
+    intra = intra_bytes / (cluster.intra_gbs * 1e9 * eff.link)
+    inter = inter_bytes / (cluster.inter_gbs * 1e9 * eff.link)
+    return max(intra, inter) + peers * eff.collective_latency_s
+
+
 def all_to_all_time(nbytes: float, n: int, stride: int, cluster: ClusterSpec, eff: Efficiency) -> float:
     """Seconds of one all-to-all in which every rank of an ``n``-member group (members ``stride`` ranks
     apart) sends ``nbytes`` in total, ``nbytes / n`` to each member, itself included: (n − 1)/n of it
-    leaves the rank. The share for the g members in its node crosses NVLink, the rest the rank's NIC,
-    both at once: the slower of the two sets the time, plus one latency step per peer."""
+    leaves the rank, the share for the g − 1 others in its node over NVLink, the rest over its NIC."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     g = _members_per_node(cluster, n, stride)
-    intra = nbytes * (g - 1) / n / (cluster.intra_gbs * 1e9 * eff.link)
-    inter = nbytes * (n - g) / n / (cluster.inter_gbs * 1e9 * eff.link)
-    return max(intra, inter) + (n - 1) * eff.collective_latency_s
+    return exchange_time(nbytes * (g - 1) / n, nbytes * (n - g) / n, n - 1, cluster, eff)
 
 
 def exposed_after_overlap(comm: float, compute: float, buckets: int) -> float:

@@ -24,6 +24,8 @@ over its balanced share (:func:`busiest_share`):
                 2·ρ·T·k·h·bytes, backward the same, (ep − 1)/ep of it leaving the rank
                 (collectives.all_to_all_time: NVLink while ep · tp ≤ GPUs per node, else the share
                 for other nodes over the NIC). 0 at ep = 1. Full recompute dispatches again.
+                TrainingSetup.moe_dispatch "dedup" (DeepEP / HybridEP) sends a token once per rank
+                and once per node that holds any of its experts instead (:func:`dispatch_time`).
   overlap       tpkernels.functional.moe_dispatch cuts the exchange into c chunks and runs the expert
                 GEMMs of chunk i while chunk i + 1 is in flight (forward and backward). With A the
                 pass's all-to-all seconds and G its expert GEMM seconds:
@@ -41,9 +43,11 @@ No constant is fitted here: the GEMMs use the fitted GEMM ceiling, the exchange 
 
 from __future__ import annotations
 
+import math
+
 from tpkernels.description import ModelConfig
 from tpkernels.parallel import ParallelConfig
-from tpkernels.planner.collectives import all_to_all_time
+from tpkernels.planner.collectives import all_to_all_time, exchange_time, members_per_node
 from tpkernels.planner.efficiency import Efficiency
 from tpkernels.planner.gemm_model import gemm_time, linear_time
 from tpkernels.planner.hardware import ClusterSpec
@@ -75,6 +79,31 @@ def busiest_share(model: ModelConfig, ep: int, imbalance: float) -> float:
     if ep <= 1:
         return min(1.0, cap)
     return min(imbalance, cap, ep * min(k, e / ep) / k)
+
+
+def _hit(experts: int, held: float, k: int) -> float:
+    """Chance that a token's k distinct experts (uniform over ``experts``) include one of ``held`` of them."""
+    held = int(round(held))
+    return 1.0 - math.comb(experts - held, k) / math.comb(experts, k) if held < experts else 1.0
+
+
+def dispatch_time(model: ModelConfig, tokens: float, row_bytes: float, ep: int, stride: int, cluster: ClusterSpec,
+                  eff: Efficiency, how: str = "alltoall") -> float:
+    """Seconds of one dispatch (or combine: the same volume back) of ``tokens`` tokens of ``row_bytes`` over
+    an EP group of ``ep`` ranks ``stride`` apart. "alltoall": each of a token's k copies goes to its
+    expert's rank, (ep − 1)/ep of them leave the rank (collectives.all_to_all_time). "dedup" (DeepEP,
+    HybridEP): one copy per other rank holding any of its experts inside the node, one per other node
+    holding any across the network (forwarded there over NVLink), with uniform routing."""
+    if ep <= 1 or tokens <= 0:
+        return 0.0
+    k, e = model.experts_per_token, model.num_experts
+    if how == "alltoall":
+        return all_to_all_time(tokens * k * row_bytes, ep, stride, cluster, eff)
+    g = members_per_node(cluster, ep, stride)
+    nodes = ep // g
+    intra = tokens * row_bytes * (g - 1) * _hit(e, e / ep, k)
+    inter = tokens * row_bytes * (nodes - 1) * _hit(e, e / nodes, k)
+    return exchange_time(intra, inter, ep - 1, cluster, eff)
 
 
 def moe_layer_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig, cluster: ClusterSpec,
@@ -118,7 +147,7 @@ def moe_layer_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig
     f_, b_, w_ = (up[i] + dn[i] + router[i] + shared[i] for i in range(3))
     b_ += up[0]  # grouped_swiglu_mlp keeps only its input: the backward recomputes gate|up first
     # dispatch + combine, each ρ·T·k rows of h values on the busiest rank; EP members are tp apart
-    one = all_to_all_time(rows * h * train.activation_bytes, ep, t, cluster, eff)
+    one = dispatch_time(model, rho * tokens, h * train.activation_bytes, ep, t, cluster, eff, train.moe_dispatch)
     a2a = 2.0 * one
     chunks = train.moe_chunks
 

@@ -14,6 +14,7 @@ FINETUNE = FINETUNE_CHOICES  # the model section's (tpkernels.description.source
 QUANTS = tuple(q for q in QUANT_CHOICES if q != "none")  # formats of a QLoRA base ("none" is nf4 there)
 TASKS = ("pretrain", "sft", "dpo")
 DPO_REFERENCES = ("cached", "adapters", "model")
+MOE_DISPATCH = ("alltoall", "dedup")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class TrainingSetup:
         is dropless (a capacity factor bounds it instead: tpkernels.planner.activations
         .moe_peak_imbalance). 2: the busiest EP rank receives twice its share; raise it for a run
         whose routing is not balanced by an auxiliary loss.
+    moe_dispatch: how tokens reach their experts' EP ranks: "alltoall" sends each of a token's k copies
+        to its expert's rank (tpkernels.functional.moe_dispatch, Megatron-Core's alltoall dispatcher);
+        "dedup" sends a token once to each rank and once across the network to each node that holds
+        any of its experts, forwarding it inside the node over NVLink (DeepEP, HybridEP).
     moe_chunks: the expert-parallel dispatch is cut into this many chunks, the expert GEMMs of chunk i
         running while chunk i + 1 is in flight (tpkernels.functional.moe_dispatch's ``chunks``); 1
         overlaps nothing.
@@ -83,6 +88,7 @@ class TrainingSetup:
     moe_imbalance: float = 1.0
     moe_peak_imbalance: float = 2.0
     moe_chunks: int = 1
+    moe_dispatch: str = "alltoall"
 
     def __post_init__(self):
         for f in ("moe_imbalance", "moe_peak_imbalance"):
@@ -96,7 +102,7 @@ class TrainingSetup:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f} ({value!r}) must be a positive integer")
         for f, choices in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("finetune", FINETUNE),
-                           ("task", TASKS), ("dpo_reference", DPO_REFERENCES)):
+                           ("task", TASKS), ("dpo_reference", DPO_REFERENCES), ("moe_dispatch", MOE_DISPATCH)):
             if getattr(self, f) not in choices:
                 raise ValueError(f"{f} ({getattr(self, f)!r}) must be one of {', '.join(choices)}")
         if self.quant == "none":  # the model section's word for "no quantised base"
