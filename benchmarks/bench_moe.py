@@ -289,6 +289,8 @@ def kernel_rows(args) -> list[dict]:
             gate, up = _padded_bmm(a, wgu, counts).chunk(2, dim=-1)
             return _padded_bmm(F.silu(gate) * up, wd, counts)
 
+        b = x.element_size()
+        gemm_bytes = (n * h + e * h * 2 * f + n * 2 * f) * b  # the forward's floor: x, the weights, y once each
         cases = {  # op -> (flops, {impl: fn})
             "grouped_gemm fwd (H -> 2F)": (2 * n * h * 2 * f, {
                 "ours": lambda: grouped_gemm(x, w_gu, cd), "loop": lambda: _loop_gemm(x, w_gu, counts),
@@ -301,7 +303,7 @@ def kernel_rows(args) -> list[dict]:
             "expert SwiGLU MLP fwd+bwd": (3 * 2 * n * h * 3 * f, {
                 "ours": train(lambda a, b, c: grouped_swiglu_mlp(a, b, c, cd), x, w_gu, w_d),
                 "loop": train(loop_mlp, x, w_gu, w_d), "padded_bmm": train(bmm_mlp, x, w_gu, w_d)}),
-            "permute + unpermute": (2 * n * h, {
+            "permute + unpermute": (0, {
                 "ours": lambda: _round_trip(permute, unpermute, xt, experts, e, weights),
                 "loop": lambda: _loop_unpermute(*_loop_permute(xt, experts, e), weights, t)}),
         }
@@ -313,7 +315,10 @@ def kernel_rows(args) -> list[dict]:
             ours = ms["ours"]
             row = {"op": op, "routing": routing, "experts": e, "rows": n, "max_rows": int(counts.max()), "hidden": h,
                    "ffn": f, "dtype": str(dtype).replace("torch.", ""), "ours_ms": round(ours, 3),
-                   "ours_GFLOPs": round(flops / ours / 1e6, 1)}
+                   "ours_GFLOPs": round(flops / ours / 1e6, 1) if flops else "",
+                   # the permutation's floor: gather reads and writes N·H, the combine reads N·H and writes T·H
+                   "ours_GBps": round((3 * n + t) * h * b / ours / 1e6, 1) if not flops else
+                   (round(gemm_bytes / ours / 1e6, 1) if op.startswith("grouped_gemm fwd (") else "")}
             for name in ("loop", "padded_bmm", "torch_grouped_mm"):
                 row[f"{name}_ms"] = round(ms[name], 3) if name in ms else ""
                 row[f"{name}/ours"] = round(ms[name] / ours, 2) if name in ms else ""
@@ -321,8 +326,8 @@ def kernel_rows(args) -> list[dict]:
     return rows
 
 
-KERNEL_COLUMNS = ["op", "routing", "rows", "max_rows", "ours_ms", "ours_GFLOPs", "loop/ours", "padded_bmm/ours",
-                  "torch_grouped_mm/ours"]
+KERNEL_COLUMNS = ["op", "routing", "rows", "max_rows", "ours_ms", "ours_GFLOPs", "ours_GBps", "loop/ours",
+                  "padded_bmm/ours", "torch_grouped_mm/ours"]
 
 
 SECTIONS = {"dispatch": dispatch_rows, "kernels": kernel_rows}

@@ -238,6 +238,11 @@ TAIL=8 gpu_step "bench: QLoRA vs LoRA vs full fine-tuning step (bf16, hidden 102
 TAIL=40 gpu_step "bench: FP8 vs bf16 GEMMs (Llama-3-8B/70B shapes) and one training step" 60 bench_fp8.log \
   $PY benchmarks/bench_fp8.py --device cuda
 TAIL=30 gpu_step "bench: bias_gelu" 40 bench_bias_gelu.log $PY benchmarks/bench_bias_gelu.py --sizes 1 16 64
+# MoE kernels: the Triton grouped GEMM / expert SwiGLU MLP / permutation against a matmul per expert, a
+# padded bmm and torch's grouped_mm (bf16, 8 experts, 8192 tokens top-2, hidden 4096, expert FFN 2048)
+TAIL=12 gpu_step "bench: MoE kernels (grouped GEMM vs per-expert matmuls, padded bmm, torch grouped_mm)" 60 \
+  bench_moe_kernels.log $PY benchmarks/bench_moe.py --section kernels --device cuda --reps 5 --k-tokens 8192 \
+  --k-experts 8 --k-hidden 4096 --k-ffn 2048
 # TP through the virtual-rank harness: fused AG+GEMM / GEMM+RS / GEMM+AR at Flux's and Llama-3-70B's TP=8
 # shapes, every emulated rank's kernels at once on this GPU
 TAIL=12 gpu_step "bench: GEMM + TP comm, virtual TP=8" 90 bench_gemm_comm.log \
