@@ -136,6 +136,7 @@ VOCAB = 61
 # expert with its sigmoid gate, un-normalised top-k weights and q/k/v biases
 FAMILIES = {
     "mixtral": dict(num_local_experts=4),
+    "mixtral-ties": dict(num_local_experts=5),  # router rows (r, r, -r, -r, 0): tied scores, expert 4 always empty
     "qwen2_moe": dict(num_experts=6, moe_intermediate_size=14, shared_expert_intermediate_size=18,
                       mlp_only_layers=[1], norm_topk_prob=False),
 }
@@ -143,7 +144,7 @@ FAMILIES = {
 
 def _hf_moe(kind: str, seed: int, **extra):
     torch.manual_seed(seed)
-    cfg = tiny(kind, **{**FAMILIES[kind], **extra, "num_hidden_layers": 3, "vocab_size": VOCAB,
+    cfg = tiny(kind.split("-")[0], **{**FAMILIES[kind], **extra, "num_hidden_layers": 3, "vocab_size": VOCAB,
                         "router_aux_loss_coef": 0.37, "output_router_logits": True, "bos_token_id": None,
                         "eos_token_id": None, "pad_token_id": None})
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
@@ -157,6 +158,8 @@ def _hf_moe(kind: str, seed: int, **extra):
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
                 p[0] *= 3.0  # skewed routing: expert 0 takes most tokens
+                if kind == "mixtral-ties":  # the top-2 is {0, 1} or {2, 3} (exact ties); logit 0 never makes it
+                    p[1], p[2], p[3], p[4] = p[0], -p[0], -p[0], 0.0
             else:
                 p.normal_(0.0, 0.15)
     return model
@@ -233,6 +236,8 @@ def test_one_process_matches_transformers(moe_checkpoints, fresh_seed, kind):
     folder, ids, ref = moe_checkpoints(kind, fresh_seed)
     counts = _moe_parity_worker(0, 1, folder, {}, ids, ref)
     assert all(sum(layer) == ids.numel() * 2 for layer in counts)  # T · k assignments per MoE layer
+    if kind == "mixtral-ties":  # tied experts go together, the empty expert stays empty (and gets no gradient)
+        assert all(layer[4] == 0 and layer[0] == layer[1] and layer[2] == layer[3] for layer in counts), counts
 
 
 PARITY_LAYOUTS = {
@@ -308,7 +313,7 @@ def _pipeline_worker(rank, world, folder, layout, ids, reference):
     rows = slice(state.dp_rank * ids.shape[0] // pc.dp, (state.dp_rank + 1) * ids.shape[0] // pc.dp)
     targets = next_token_targets(ids[rows])
     loss = model.step(ids[rows] if state.is_first_stage else None, targets if state.is_last_stage else None,
-                      schedule=layout.get("schedule") or "1f1b")
+                      schedule=pc.pipeline_schedule)
     model.finish_grad_sync()
     t = torch.tensor([loss if state.is_last_stage else 0.0], dtype=torch.float64)
     dist.all_reduce(t)
@@ -319,9 +324,11 @@ def _pipeline_worker(rank, world, folder, layout, ids, reference):
         torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_expert_parallel_with_a_pipeline_matches_transformers(rank_pool, moe_checkpoints, fresh_seed):
-    """EP2 × PP2 with two micro-batches through the 1F1B runtime: the token loss and every gradient of
-    transformers' model (its router losses left out: with a pipeline they are the trainer's, tpkernels.train)."""
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_expert_parallel_with_a_pipeline_matches_transformers(rank_pool, moe_checkpoints, fresh_seed, schedule):
+    """EP2 × PP2 with two micro-batches through the pipeline runtime (zb-h1: deferred weight gradients): the
+    token loss and every gradient of transformers' model (its router losses left out: with a pipeline they
+    are the trainer's, tpkernels.train)."""
     folder, ids, _ = moe_checkpoints("mixtral", fresh_seed)
-    layout = dict(dp=2, pp=2, ep=2, num_microbatches=2)
+    layout = dict(dp=2, pp=2, ep=2, num_microbatches=2, schedule=schedule)
     rank_pool(4).run(_pipeline_worker, folder, layout, ids, moe_checkpoints("mixtral-ce", fresh_seed), timeout=120)
