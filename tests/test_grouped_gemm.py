@@ -162,3 +162,43 @@ def test_the_dispatch_rule(monkeypatch):
         grouped_gemm(x.double(), w.double(), c)
     with pytest.raises(BackendUnavailableError, match=r"op grouped_gemm has no cpp implementation"):
         grouped_gemm(x, w, c, backend="cpp")
+
+
+@pytest.mark.cuda
+def test_gpu_bf16_grouped_gemm_mlp_and_permutation_against_float64():
+    """The compiled kernels (bf16 is GPU-only: the interpreter computes it on raw bits) at the production tile
+    sizes: uneven experts, empty ones, an expert larger than one tile; weights in transformers' transposed
+    layout (strided reads)."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    counts = [0, 300, 17, 1000, 0, 5, 129, 64]
+    e, n, h, f = len(counts), sum(counts), 512, 384
+    c = torch.tensor(counts, device=dev)
+    x = torch.randn(n, h, device=dev, dtype=torch.float64)
+    wgu = (torch.randn(e, 2 * f, h, device=dev, dtype=torch.float64) / h ** 0.5).transpose(1, 2)
+    wd = (torch.randn(e, h, f, device=dev, dtype=torch.float64) / f ** 0.5).transpose(1, 2)
+    g = torch.randn(n, h, device=dev, dtype=torch.float64)
+    leaves64 = [t.detach().requires_grad_(True) for t in (x, wgu, wd)]
+    ref64 = _mlp(*leaves64, counts)
+    (ref64 * g).sum().backward()
+    ours = [t.detach().to(dtype).requires_grad_(True) for t in (x, wgu, wd)]
+    lp = [t.detach().to(dtype).requires_grad_(True) for t in (x, wgu, wd)]
+    y = grouped_swiglu_mlp(*ours, c, backend="triton")
+    ref_lp = _mlp(*lp, counts)
+    assert_fa_close(y, ref64, ref_lp, name="mlp y")
+    (y * g.to(dtype)).sum().backward()
+    (ref_lp * g.to(dtype)).sum().backward()
+    for name, a, b, r in zip(("dx", "dw_gate_up", "dw_down"), ours, leaves64, lp):
+        assert_fa_close(a.grad, b.grad, r.grad, grad=True, name=name)
+    from tpkernels.functional.moe_permute import permute, unpermute
+
+    t, k = 777, 2
+    experts = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(dev)
+    experts[torch.rand(t, k, device=dev) < 0.1] = -1
+    xt = torch.randn(t, h, device=dev, dtype=dtype)
+    xs, cnt, row_map = permute(xt, experts, e, backend="triton")
+    assert torch.equal(xs, xt[row_map // k]) and int(cnt.sum()) == xs.shape[0]
+    w = torch.rand(t, k, device=dev)
+    out = unpermute(xs, row_map, w, t, backend="triton")
+    ref = torch.zeros(t, h, device=dev, dtype=torch.float64).index_add_(
+        0, row_map // k, xs.double() * w.reshape(-1)[row_map, None].double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)

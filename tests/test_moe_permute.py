@@ -149,3 +149,40 @@ def test_triton_kernels_write_every_output_element():
     dw = tk.combine_wgrad(dout, y, pos, out=torch.full((t, k), nan))
     torch.testing.assert_close(dw, reference.moe_combine_wgrad(dout, y, pos), rtol=1e-5, atol=1e-5)
     assert torch.equal(dw[pos < 0], torch.zeros(int((pos < 0).sum())))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_route_permute_experts_unpermute_against_transformers_mixtral_experts(backend):
+    """route (exact ties, capacity dropping) -> permute -> grouped_swiglu_mlp -> unpermute equals transformers'
+    MixtralExperts on the same choices and weights (a dropped slot: weight 0 there), values and gradients of
+    x and both expert weights; float64 on the reference, float32 on the Triton interpreter."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from tpkernels.functional.grouped_gemm import grouped_swiglu_mlp
+    from tpkernels.functional.moe_router import route
+
+    t, h, f, e, k = 19, 16, 24, 5, 2
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    hf = MixtralExperts(MixtralConfig(hidden_size=h, intermediate_size=f, num_local_experts=e)).to(dtype)
+    with torch.no_grad():
+        hf.gate_up_proj.normal_(std=h ** -0.5)
+        hf.down_proj.normal_(std=f ** -0.5)
+    logits = torch.randint(0, 3, (t, e)).double()  # exact ties between experts
+    r = route(logits, k, capacity_factor=1.0)
+    assert r.dropped.any()
+    x = torch.randn(t, h, dtype=dtype, requires_grad=True)
+    x_sorted, counts, row_map = permute(x, r.kept_experts, e, backend=backend)
+    # transformers' layout (E, 2F, H) / (E, H, F) read transposed: no copy
+    y_sorted = grouped_swiglu_mlp(x_sorted, hf.gate_up_proj.transpose(1, 2), hf.down_proj.transpose(1, 2), counts,
+                                  backend=backend)
+    y = unpermute(y_sorted, row_map, r.weights, t, backend=backend)
+    x_hf = x.detach().clone().requires_grad_(True)
+    y_hf = hf(x_hf, r.experts, r.weights.to(dtype))
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(y, y_hf, **tol)
+    g = torch.randn(t, h, dtype=dtype)
+    ours = torch.autograd.grad(y, (x, hf.gate_up_proj, hf.down_proj), g)
+    theirs = torch.autograd.grad(y_hf, (x_hf, hf.gate_up_proj, hf.down_proj), g)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, **tol)
