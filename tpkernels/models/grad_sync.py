@@ -10,7 +10,10 @@ parameters' TP tags (:mod:`tpkernels.parallel.param_tags`).
    and last stage), so both copies take the same step.
 4. Data parallelism: averaged over the DP group by :class:`DataParallelGradReduce`, the one DP
    path: in buckets after the backward, or (``overlap``) each bucket started as soon as its
-   gradients are complete, during the backward (Megatron's DDP).
+   gradients are complete, during the backward (Megatron's DDP). A MoE layer's routed experts
+   (``expert_parallel``) differ over the EP group: their reducer runs over the expert-data-parallel
+   group (the replicas of the same experts, dp · cp / ep ranks) and divides by dp · cp all the same
+   (``average_over``): an expert's gradient already sums the tokens that the EP group's ranks sent it.
 
 1–3 are one coalesced all-reduce per dtype (the gradients flattened into one buffer): a few large
 messages instead of one per parameter. All are sums, so their order does not matter.
@@ -69,11 +72,19 @@ class DataParallelGradReduce:
     starts its all-reduce at once (async), so the reduction of the last layers overlaps the
     backward of the first. ``finish()`` flushes the rest, waits for all and divides by the DP size.
 
-    Per step: ``start(num_microbatches)`` before the backward, ``finish()`` after it."""
+    Per step: ``start(num_microbatches)`` before the backward, ``finish()`` after it.
 
-    def __init__(self, params: list[torch.nn.Parameter], dp_group, bucket_mb: float = 25.0, overlap: bool = True):
+    ``average_over``: what the sum is divided by (default: the group's size). Expert parameters are
+    summed over their expert-data-parallel group and divided by dp · cp (module docstring, 4); with
+    one replica per expert (ep = dp · cp) there is no reduction, only the division."""
+
+    def __init__(self, params: list[torch.nn.Parameter], dp_group, bucket_mb: float = 25.0, overlap: bool = True,
+                 average_over: int | None = None):
         self.params = [p for p in params if p.requires_grad]
         self.group, self.world = dp_group, group_rank_size(dp_group)[1]
+        self.divisor = self.world if average_over is None else int(average_over)
+        if self.divisor < 1:
+            raise ValueError(f"average_over ({average_over!r}) must be a positive integer")
         self.bucket_bytes = max(1, int(bucket_mb * 2 ** 20))
         self.overlap = overlap
         self.expected = 1
@@ -124,6 +135,10 @@ class DataParallelGradReduce:
     def finish(self) -> None:
         """The rest of the buckets, then every reduction done and averaged (call after the backward)."""
         if self.world == 1:
+            if self.divisor != 1:
+                for p in self.params:
+                    if grad_of(p) is not None:
+                        grad_of(p).div_(self.divisor)
             return
         seen = self._count if self.overlap else {}
         for p in self.params:  # without overlap: all of them; with it: those whose hooks did not fire
@@ -133,7 +148,7 @@ class DataParallelGradReduce:
         self._launch()
         for work, flat, grads in self._inflight:
             work.wait()
-            flat.div_(self.world)
+            flat.div_(self.divisor)
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
         self._inflight = []

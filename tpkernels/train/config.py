@@ -54,6 +54,15 @@ class TrainingSection:
                             "the token mean over supervised tokens), dpo (preference pairs: the dpo section), or auto "
                             "(sft for a messages or prompt/completion dataset, dpo for prompt/chosen/rejected, pretrain "
                             "otherwise)", ("auto", "pretrain", "sft", "dpo"))
+    moe_aux_loss_coeff: float | None = opt(None, "mixture-of-experts: the load-balancing loss's weight in the "
+                                                 "objective (Megatron's moe_aux_loss_coeff; default: the model's "
+                                                 "router_aux_loss_coef, e.g. Mixtral's 0.02)")
+    moe_z_loss_coeff: float | None = opt(None, "mixture-of-experts: the router z-loss's weight (default: the "
+                                               "model's router_z_loss_coef)")
+    moe_aux_loss_style: str = opt("per_layer", "mixture-of-experts: per_layer (the mean over the MoE layers of "
+                                               "each layer's switch loss, Megatron-Core's) or transformers (the "
+                                               "tokens of every layer pooled, as transformers' Mixtral computes it; "
+                                               "parallel.pp 1)", ("per_layer", "transformers"))
 
 
 @dataclass(frozen=True)
@@ -277,6 +286,10 @@ class TrainConfig:
             errs.append(f"training.stop_at_step ({t.stop_at_step}) must be >= 0 or none")
         if t.global_batch is not None and t.global_batch < 1:
             errs.append(f"training.global_batch ({t.global_batch}) must be a positive integer or none")
+        for f in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            v = getattr(t, f)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                errs.append(f"training.{f} ({v!r}) must be a finite number >= 0, or none (the model's)")
         if not t.initial_loss_scale > 0:
             errs.append(f"training.initial_loss_scale ({t.initial_loss_scale}) must be > 0")
         for f in ("lr", "min_lr", "weight_decay", "clip_grad"):

@@ -40,6 +40,8 @@ class PlainProgress:
         extra = f"  eval {rec['eval/loss']:.4f}" if "eval/loss" in rec else ""
         if "rewards/accuracies" in rec:
             extra += f"  acc {rec['rewards/accuracies']:.2f}"
+        if "moe/aux_loss" in rec:  # a mixture-of-experts model: the balancing loss and the worst imbalance
+            extra += f"  aux {rec['moe/aux_loss']:.4f}  load max/mean {rec['moe/load_max_over_mean']:.2f}"
         print(f"step {rec['step'] + 1}/{self.total}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
               f"tokens/s {rec['tokens_per_s']:,.0f}{extra}  ETA {_eta(eta)}", file=self.stream, flush=True)
 
@@ -64,6 +66,8 @@ class BarProgress:
                 comm=f"{100 * rec['comm_ratio']:.0f}%", bubble=f"{100 * rec['bubble']:.0f}%",
                 **({"acc": f"{rec['rewards/accuracies']:.2f}", "margin": f"{rec['rewards/margins']:.3f}"}
                    if "rewards/accuracies" in rec else {}),
+                **({"aux": f"{rec['moe/aux_loss']:.4f}", "load": f"{rec['moe/load_max_over_mean']:.2f}"}
+                   if "moe/aux_loss" in rec else {}),
                 **({"eval": f"{rec['eval/loss']:.4f}"} if "eval/loss" in rec else {}))
 
     def close(self) -> None:

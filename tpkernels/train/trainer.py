@@ -31,6 +31,7 @@ from tpkernels.models import ParallelTransformer
 from tpkernels.models.grad_sync import DataParallelGradReduce
 from tpkernels.models.lora import apply_lora
 from tpkernels.parallel import control
+from tpkernels.parallel.param_tags import tag_of
 from tpkernels.parallel.state import ParallelState
 from tpkernels.pipeline.schedules import PipelineFillWarning
 from tpkernels.train import checkpoint, dpo
@@ -60,6 +61,7 @@ from tpkernels.train.metrics import (
     step_trace_events,
     write_trace,
 )
+from tpkernels.train.moe_objective import RouterObjective
 from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer
 from tpkernels.train.progress import make_progress
 from tpkernels.train.run_length import epochs_line, resolve_epochs
@@ -112,6 +114,21 @@ class StepRecord:
         return out
 
 
+def _is_expert(p: torch.Tensor) -> bool:
+    """A MoE layer's routed-expert parameter (different on each EP rank: tpkernels.parallel.param_tags)."""
+    t = tag_of(p)
+    return t is not None and getattr(t, "expert_parallel", False)
+
+
+def dp_rows(rows: int, dp: int, dp_rank: int, num_microbatches: int) -> torch.Tensor:
+    """The rows of a global batch of ``rows`` that DP replica ``dp_rank`` of ``dp`` trains: the
+    ``dp_rank``-th share of each of the ``num_microbatches`` global micro-batches (consecutive row
+    blocks), so that global micro-batch i is the same rows whatever ``dp`` is."""
+    m = num_microbatches if rows % (num_microbatches * dp) == 0 else 1
+    mbs = rows // (m * dp)
+    return (torch.arange(m)[:, None] * (dp * mbs) + dp_rank * mbs + torch.arange(mbs)[None, :]).reshape(-1)
+
+
 def agree_on_config(cfg: TrainConfig) -> None:
     """Every rank must train the same config (a rank launched with other flags would diverge without a
     word, or hang in a collective of another shape): one exchange at start, the same error on every
@@ -155,14 +172,27 @@ class Trainer:
         self.mp = MixedPrecision(self.model, dtype, init_scale=cfg.training.initial_loss_scale) \
             if dtype not in FULL else None
         params = self.mp.masters if self.mp else list(self.model.parameters())
-        self.optimizer = make_optimizer(params, opt.lr, opt.weight_decay, (opt.beta1, opt.beta2), opt.adam_eps,
-                                        zero1_group=self.state.dp_cp_group if self.pc.zero1 else None)
         self.master_of = self.mp.master_of if self.mp else {}
+        # a MoE model's routed experts at ep > 1 differ over the EP ranks of the DP × CP group: reduced (and
+        # ZeRO-sharded) over their expert-data-parallel group instead (tpkernels.models.grad_sync)
+        experts = [p for p in self.model.parameters() if _is_expert(p)] if self.pc.ep > 1 else []
+        self.optimizer = make_optimizer(params, opt.lr, opt.weight_decay, (opt.beta1, opt.beta2), opt.adam_eps,
+                                        zero1_group=self.state.dp_cp_group if self.pc.zero1 else None,
+                                        experts={id(self.master_of.get(id(p), p)) for p in experts},
+                                        expert_zero1_group=self.state.edp_group)
         # registered after MixedPrecision's hooks: it sees the fp32 main_grad already accumulated
         # CP ranks hold replicas of the weights like DP ranks: their gradients are averaged over both
-        self.dp_reduce = DataParallelGradReduce(list(self.model.parameters()), self.state.dp_cp_group,
-                                                self.pc.bucket_mb, overlap=self.pc.overlap_dp) \
-            if self.pc.dp * self.pc.cp > 1 else None
+        replicas = self.pc.dp * self.pc.cp
+        expert_ids = {id(p) for p in experts}
+        dense = [p for p in self.model.parameters() if id(p) not in expert_ids]
+        self.dp_reduce = DataParallelGradReduce(dense, self.state.dp_cp_group, self.pc.bucket_mb,
+                                                overlap=self.pc.overlap_dp) if replicas > 1 else None
+        # an expert's gradient sums the tokens its EP group sent it: summed over the other EP groups' copies and
+        # divided by dp · cp, it is the replicas' average like every other gradient
+        self.edp_reduce = DataParallelGradReduce(experts, self.state.edp_group, self.pc.bucket_mb,
+                                                 overlap=self.pc.overlap_dp, average_over=replicas) \
+            if experts else None
+        self.router = self._router_objective()
         self.data = data_of(cfg, self.mc.vocab_size, self.pc.global_batch_size)
         epochs = cfg.training.epochs
         if epochs is not None:  # the run's length in passes over the data: now that the data's rows are known
@@ -240,6 +270,23 @@ class Trainer:
             self.metrics.write(self.fp8.choice_record())
             if self.is_logger:
                 print(self.fp8.table(), flush=True)
+
+    def _router_objective(self) -> RouterObjective | None:
+        """A MoE model's router losses in the objective (:mod:`tpkernels.train.moe_objective`), with the
+        model's coefficients or the training config's; None for a dense model (which refuses them)."""
+        t, mc = self.cfg.training, self.mc
+        if not mc.num_experts:
+            given = [f"training.{k} ({getattr(t, k)!r})" for k in ("moe_aux_loss_coeff", "moe_z_loss_coeff")
+                     if getattr(t, k) is not None]
+            if given or t.moe_aux_loss_style != "per_layer":
+                given += [f"training.moe_aux_loss_style ({t.moe_aux_loss_style!r})"] \
+                    if t.moe_aux_loss_style != "per_layer" else []
+                raise ValueError(f"{', '.join(given)} set for {mc.name or mc.model_type}, a dense model (no experts: "
+                                 "model num_experts 0); leave them unset")
+            return None
+        aux = mc.router_aux_loss_coef if t.moe_aux_loss_coeff is None else t.moe_aux_loss_coeff
+        z = mc.router_z_loss_coef if t.moe_z_loss_coeff is None else t.moe_z_loss_coeff
+        return RouterObjective(self.model, aux, z, t.moe_aux_loss_style)
 
     def build_model(self) -> ParallelTransformer:
         """This rank's part of the run's model as it starts: ``model.init_from``'s weights, or the seed's
@@ -333,8 +380,9 @@ class Trainer:
         pairs = dpo.PairInfo.of(batch, target) if self.task == "dpo" else None
         # the loss's denominator, whatever the layout: the targets (the pairs for dpo)
         num_targets = pairs.num_pairs if pairs is not None else int((target != IGNORE_INDEX).sum())
-        per = target.shape[0] // pc.dp
-        mine = slice(st.dp_rank * per, (st.dp_rank + 1) * per)
+        # replica r takes the r-th share of each global micro-batch: micro-batch i is then the same rows at every DP
+        # size (the token loss does not care; a MoE model's balancing loss is a per-micro-batch statistic)
+        mine = dp_rows(target.shape[0], pc.dp, st.dp_rank, pc.num_microbatches)
         parts = {"ids": batch.ids, "pos": batch.position_ids, "target": target,
                  "doc": None if pairs is None else pairs.doc}
         parts = {k: None if v is None else v[mine] for k, v in parts.items()}
@@ -364,20 +412,30 @@ class Trainer:
             mp.zero_grad()
         else:
             self.model.zero_grad(set_to_none=True)
-        if self.dp_reduce is not None:
-            self.dp_reduce.start(self.pc.num_microbatches)
+        for reduce in (self.dp_reduce, self.edp_reduce):
+            if reduce is not None:
+                reduce.start(self.pc.num_microbatches)
         t0 = time.perf_counter()
         self._begin_pairs(batch, self.reference)
-        with CommTrace() as tr, self._training_step():
+        scale = mp.scale if mp is not None else 1.0
+        with CommTrace() as tr, self._training_step(scale):
             loss = self.model.step(batch.input_ids if st.is_first_stage else None, batch.target,
                                    position_ids=batch.position_ids, runtime=self.runtime,
-                                   num_targets=batch.num_targets, loss_scale=mp.scale if mp is not None else 1.0)
+                                   num_targets=batch.num_targets, loss_scale=scale)
         return loss, tr, time.perf_counter() - t0
 
-    def _training_step(self):
+    @contextlib.contextmanager
+    def _training_step(self, loss_scale: float = 1.0):
         """The block of a training step's forward and backward: where run state records (FP8 amaxes and
-        counts); every other pass (references, validation, timing) leaves it as it is."""
-        return self.fp8.state.training_step() if self.fp8 is not None else contextlib.nullcontext()
+        counts) and a MoE model's router losses join the objective (and its metrics count); every other
+        pass (references, validation, timing) leaves them as they are."""
+        with contextlib.ExitStack() as stack:
+            if self.fp8 is not None:
+                stack.enter_context(self.fp8.state.training_step())
+            if self.router is not None:  # × the replicas, as model.step scales each replica's token loss
+                stack.enter_context(self.router.training_step(loss_scale * self.pc.dp * self.pc.cp,
+                                                              self.pc.num_microbatches))
+            yield
 
     @property
     def run_state(self) -> checkpoint.RunState:
@@ -387,8 +445,9 @@ class Trainer:
     def reduce_gradients(self) -> float:
         """DP (and CP) average, then the TP-side sums; seconds spent waiting for them."""
         t0 = time.perf_counter()
-        if self.dp_reduce is not None:
-            self.dp_reduce.finish()
+        for reduce in (self.dp_reduce, self.edp_reduce):
+            if reduce is not None:
+                reduce.finish()
         self.model.finish_grad_sync(reduce_dp=False)
         return time.perf_counter() - t0
 
@@ -405,8 +464,9 @@ class Trainer:
                 mp.unscale_()
         if skipped:
             return float("nan"), True
-        norm = clip_grads_(self.model, opt.clip_grad, global_grad_norm(self.model, self.state.tp_group,
-                                                                       self.state.pp_group))
+        st = self.state
+        norm = clip_grads_(self.model, opt.clip_grad, global_grad_norm(self.model, st.tp_group, st.pp_group,
+                                                                       st.ep_group if self.pc.ep > 1 else None))
         if mp is not None:
             mp.step(self.optimizer)
         else:
@@ -459,6 +519,7 @@ class Trainer:
                                      f"checkpoint: {last or 'none'}; lower lr (now {lr:.3g}) or enable clip_grad")
         preference = dpo.reduce_metrics(self, self.objective) \
             if self.task == "dpo" and self._logging_step(step) else None
+        moe = self.router.step_metrics() if self.router is not None else {}
         dt = time.perf_counter() - t0
         timeline = self.runtime.timeline
         rec = StepRecord(step=step, loss=loss, lr=lr, grad_norm=norm, step_s=dt,
@@ -469,7 +530,7 @@ class Trainer:
                          loss_scale=self.mp.scale if self.mp is not None and self.mp.scaling else None,
                          preference=preference)
         self._warn_comm(rec)
-        out = rec.as_dict()
+        out = {**rec.as_dict(), **moe}
         if self.fp8 is not None:
             fp8_rec, moved, records = self.fp8.after_step(step)
             out.update(fp8_rec)
