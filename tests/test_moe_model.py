@@ -332,3 +332,46 @@ def test_expert_parallel_with_a_pipeline_matches_transformers(rank_pool, moe_che
     folder, ids, _ = moe_checkpoints("mixtral", fresh_seed)
     layout = dict(dp=2, pp=2, ep=2, num_microbatches=2, schedule=schedule)
     rank_pool(4).run(_pipeline_worker, folder, layout, ids, moe_checkpoints("mixtral-ce", fresh_seed), timeout=120)
+
+
+def test_router_loss_records_equal_the_router_functions(fresh_seed):
+    """Each layer's record gives what tpkernels.functional.moe_router computes from the layer's own input:
+    E · Σ f · P is load_balancing_loss, z is z_loss; the 'per_layer' style is their mean over the MoE layers
+    (the dense layer 1 has no record), 'transformers' pools the layers' f and P."""
+    from tpkernels.functional.moe_router import load_balancing_loss, route, z_loss
+    from tpkernels.models import ParallelTransformer
+
+    mc = ModelConfig.read_hf(tiny("qwen2_moe", mlp_only_layers=[1], router_z_loss_coef=0.0)).replace(
+        router_z_loss_coef=0.01, capacity_factor=1.0)
+    model = ParallelTransformer(mc, None, seed=fresh_seed % 1000, dtype=torch.float64)
+    inputs = {}
+    for block in model.chunks[0].layers:
+        block.mlp.register_forward_hook(lambda m, a, out, i=block.layer: inputs.__setitem__(i, a[0]))
+    ids = torch.randint(0, 61, (3, 11))
+    model(ids)
+    losses = model.moe_losses
+    assert sorted(losses.records) == [0, 2, 3]
+    aux, z = [], []
+    for layer, rec in losses.records.items():
+        mlp = model.chunks[0].layers[layer].mlp
+        r = route(inputs[layer].reshape(-1, 24) @ mlp.router.T, 2, normalize=False, capacity_factor=1.0)
+        kept = r.experts.masked_fill(r.dropped, -1)
+        aux.append(load_balancing_loss(r.scores, kept, 3))
+        z.append(z_loss(r.logits))
+        torch.testing.assert_close(3 * torch.sum(rec.f * rec.p), aux[-1])
+        torch.testing.assert_close(rec.z, z[-1])
+        assert int(rec.counts.sum()) + rec.dropped == ids.numel() * 2 and rec.dropped == int(r.dropped.sum())
+    torch.testing.assert_close(losses.aux_loss("per_layer"), sum(aux) / 3)
+    f = torch.stack([r.f for r in losses.records.values()]).mean(0)
+    p = torch.stack([r.p for r in losses.records.values()]).mean(0)
+    torch.testing.assert_close(losses.aux_loss("transformers"), 3 * torch.sum(f * p))
+    torch.testing.assert_close(losses.loss(), mc.router_aux_loss_coef * sum(aux) / 3 + 0.01 * sum(z) / 3)
+    with pytest.raises(ValueError, match=r"style \('mean'\) must be one of per_layer, transformers"):
+        losses.aux_loss("mean")
+    losses.reset()
+    assert losses.records == {} and float(losses.aux_loss()) == 0.0
+    losses.record(2, rec)  # a pipeline stage holds some of the MoE layers: the pooled style cannot be formed
+    with pytest.raises(ValueError, match=r"style 'transformers' pools the tokens of every MoE layer \(3\), but this "
+                                         r"rank ran 1 of them.*use style 'per_layer'"):
+        losses.aux_loss("transformers")
+    torch.testing.assert_close(losses.aux_loss("per_layer"), 3 * torch.sum(rec.f * rec.p) / 3)
