@@ -53,6 +53,11 @@ once per chunk, unless it is passed in ``params``. Double backward is not suppor
 Every rank of the group must call with the same H, dtype, L, chunks, grad mode and H_out (with
 ``TPKERNELS_CHECK_RANKS=1`` a mismatch is named instead of hanging).
 
+torch.compile: the op is a graph break (``torch.compiler.disable``): its split sizes are data read on
+the host, its transfers are async work handles and it takes a Python callable, none of which traces
+(traced, AOT autograd failed on the received rows). An expert_fn compiled on its own still compiles.
+Not a torch.library op for the same reasons.
+
 Cost per rank per layer: the dispatch sends and the combine receives its T·k token copies of H
 elements (2·T·k·H·dtype bytes, less the copies kept on this rank), the backward the same again.
 """
@@ -380,6 +385,7 @@ def _check_out(y: torch.Tensor, rows: int, chunk: int, width: int | None) -> Non
                          "call must return the same width")
 
 
+@torch.compiler.disable  # data-dependent split sizes, async collectives and a Python callable: never traced
 def dispatch_combine(x_sorted: torch.Tensor, counts: torch.Tensor, expert_fn: ExpertFn, group, *,
                      num_local_experts: int, chunks: int = 1,
                      params: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
@@ -412,10 +418,13 @@ def dispatch_combine(x_sorted: torch.Tensor, counts: torch.Tensor, expert_fn: Ex
             "x_sorted.requires_grad": grad_on and x_sorted.requires_grad})
     _check(x_sorted, counts, num_local_experts, chunks, world)
     if world == 1:
-        total = int(counts.sum())
-        if total != x_sorted.shape[0] or bool((counts < 0).any()):
-            raise ValueError(f"counts must be non-negative and sum to the number of rows of x_sorted "
-                             f"({x_sorted.shape[0]}), got counts summing to {total}: {counts.tolist()}")
+        # host counts are checked here; device counts are left to expert_fn (a grouped GEMM checks them),
+        # so that a model without expert parallelism pays no host sync for the check
+        if counts.device.type == "cpu":
+            total = int(counts.sum())
+            if total != x_sorted.shape[0] or bool((counts < 0).any()):
+                raise ValueError(f"counts must be non-negative and sum to the number of rows of x_sorted "
+                                 f"({x_sorted.shape[0]}), got counts summing to {total}: {counts.tolist()}")
         return expert_fn(x_sorted, counts)
 
     device = x_sorted.device
