@@ -45,9 +45,9 @@ def hand_split(m: ModelConfig, tp: int, ep: int) -> tuple[float, float]:
     h, q, kv, e, f, s = (m.hidden_size, m.q_dim, m.kv_dim, m.num_experts, m.expert_ffn,
                          m.shared_expert_ffn_hidden_size)
     attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if m.qkv_bias else 0)
-    shared = 3 * h * s + (h if m.shared_expert_gate else 0)
-    norms, router = 2 * h, e * h  # two RMSNorms and the router: replicated on every TP rank
-    return (attn + shared) / tp + norms + router, e * 3 * h * f / (ep * tp)
+    shared, gate = 3 * h * s, (h if m.shared_expert_gate else 0)
+    norms, router = 2 * h, e * h  # two RMSNorms, the router and the shared gate: whole on every TP rank
+    return (attn + shared) / tp + norms + router + gate, e * 3 * h * f / (ep * tp)
 
 
 def test_memory_per_rank_matches_hand_counts(fresh_seed):
@@ -102,15 +102,15 @@ def test_moe_block_activations_hand_count(fresh_seed):
     s, b, tp, ep = rng.choice([64, 96]), rng.randint(1, 3), 2, 2
     h, k, e, f = m.hidden_size, m.experts_per_token, m.num_experts, m.expert_ffn
     rho = 1.5
-    act = moe_block_activations(m, seq=s, micro_batch=b, tp=tp, ep=ep, sequence_parallel=True, imbalance=rho)
+    act = moe_block_activations(m, seq=s, micro_batch=b, tp=tp, ep=ep, imbalance=rho)
     t = s * b
     shared = 2 * t * 3 * m.shared_expert_ffn_hidden_size / tp
-    stored = 2 * rho * t * k * h + 2 * t * k * h + 8 * t / tp * e + 20 * t * k + shared
+    stored = 2 * rho * t * k * h + 2 * t * k * h + 8 * t * e + 20 * t * k + shared
     swiglu, sent = 2 * rho * t * k * 3 * f / tp, 2 * t * k * h * (1 + rho)
     assert act.stored == pytest.approx(stored)
     assert act.produced == pytest.approx(stored + swiglu + sent)
     assert act.recompute_peak == pytest.approx(max(swiglu, sent))
-    one = moe_block_activations(m, seq=s, micro_batch=b, tp=tp, ep=1, sequence_parallel=True)
+    one = moe_block_activations(m, seq=s, micro_batch=b, tp=tp, ep=1)
     assert one.recompute_peak == pytest.approx(2 * t * k * 3 * f / tp)  # no send buffers without EP
     full = moe_block_activations(m, seq=s, micro_batch=b, tp=tp, ep=ep, recompute="full", imbalance=rho)
     assert full.stored == 0 and full.recompute_peak > act.stored
@@ -237,3 +237,18 @@ def test_held_out_moe_rows_read_as_published():
     plain = rows[0].training.replace(moe_dispatch="alltoall")
     assert predict(rows[0]).time.ep_comm < step_time(rows[0].spec, plain, rows[0].config, rows[0].cluster,
                                                      calibrated_for(H100)).ep_comm
+
+
+def test_shared_expert_gathers_and_reduces_on_its_own():
+    from tpkernels.planner.collectives import group_collective_time  # noqa: PLC0415
+
+    m = model_preset("Qwen2-57B-A14B")  # a shared expert of 20480 with its gate, on every layer
+    bare = m.replace(shared_expert_ffn_hidden_size=0, shared_expert_gate=False)
+    cluster, train = ClusterSpec(H100, 8, 1), TrainingSetup(8, 2048)
+    cfg = ParallelConfig(tp=4, pp=1, dp=2, ep=2, num_microbatches=4, sequence_parallel=True, overlap_comm=False)
+    one = group_collective_time("all_gather", 2 * 2048 * m.hidden_size, 4, 1, cluster, EFF)
+    extra = step_time(m, train, cfg, cluster, EFF).tp_comm - step_time(bare, train, cfg, cluster, EFF).tp_comm
+    assert extra == pytest.approx(m.num_layers * 4 * 5 * one)  # 2 forward, 3 backward, 4 micro-batches
+    # its weights are split over TP like a dense MLP's, its gate stays whole on every rank
+    assert stage_param_split(m, cfg, 0)[0] - stage_param_split(bare, cfg, 0)[0] == pytest.approx(
+        m.num_layers * (3 * m.hidden_size * 20480 / 4 + m.hidden_size))

@@ -30,8 +30,9 @@ to experts; with expert parallelism the busiest EP rank receives ρ·T·k of the
             of each expert, as the dense MLP): the only tensor tpkernels.functional.grouped_gemm's
             grouped_swiglu_mlp keeps, its backward recomputes gate|up; the expert outputs combined
             back on this rank 2·Tk·h (the combine weights' gradient reads them), the router's fp32
-            logits and scores 8·T'·E (T' = T/tp with SP), the routing metadata (fp32 weights, int64
-            expert ids and row map: 20·Tk), and the shared expert as a dense MLP of its width.
+            logits and scores 8·T·E (every TP rank routes the gathered tokens), the routing metadata
+            (fp32 weights, int64 expert ids and row map: 20·Tk), and the shared expert as a dense MLP
+            of its width.
   produced  stored + the SwiGLU gate|up output and product 2·ρTk·3F/tp, the permuted copy 2·Tk·h
             and the expert outputs 2·ρTk·h (written once per forward: the SwiGLU's and the
             permutation's memory-bound passes).
@@ -91,7 +92,7 @@ def layer_activations(model: ModelConfig, *, seq: int, micro_batch: int, tp: int
                   recompute=recompute, flash_attention=flash_attention, cp=cp, cp_algo=cp_algo)
         rest = layer_activations(model, mlp=False, **kw)
         block = moe_block_activations(model, seq=seq, micro_batch=micro_batch, tp=tp, cp=cp, ep=ep,
-                                      sequence_parallel=sequence_parallel, recompute=recompute, imbalance=imbalance)
+                                      recompute=recompute, imbalance=imbalance)
         # full recompute rebuilds the whole layer at once; otherwise the attention's transients (scores,
         # CP buffers) and the block's dispatch buffers are alive at different times
         peak = (rest.recompute_peak + block.recompute_peak if recompute == "full"
@@ -143,17 +144,17 @@ def moe_peak_imbalance(model: ModelConfig, ep: int, imbalance: float) -> float:
 
 
 def moe_block_activations(model: ModelConfig, *, seq: int, micro_batch: int, tp: int, cp: int = 1, ep: int = 1,
-                          sequence_parallel: bool = False, recompute: str = "none",
-                          imbalance: float = 1.0) -> LayerActivations:
+                          recompute: str = "none", imbalance: float = 1.0) -> LayerActivations:
     """Bytes of one MoE block (router, dispatch, routed experts, combine, shared expert) per micro-batch
-    on one GPU; the terms are in the module docstring. ``imbalance``: ρ of the busiest EP rank."""
+    on one GPU; the terms are in the module docstring. ``imbalance``: ρ of the busiest EP rank. SP
+    changes nothing here: the block works on the tokens gathered over TP (its input, sharded under
+    SP, is the dense layer's "MLP input" term)."""
     h, k, e = model.hidden_size, model.experts_per_token, model.num_experts
     tokens = float(seq) / cp * micro_batch
     copies = tokens * k  # this rank's token copies (sent), and the rows it receives when balanced
     rows = imbalance * copies
-    router_tokens = tokens / tp if sequence_parallel else tokens
     f = model.expert_ffn
-    stored = 2.0 * rows * h + 2.0 * copies * h + 8.0 * router_tokens * e + 20.0 * copies
+    stored = 2.0 * rows * h + 2.0 * copies * h + 8.0 * tokens * e + 20.0 * copies
     if model.shared_expert_ffn_hidden_size:
         stored += 2.0 * tokens * 3 * model.shared_expert_ffn_hidden_size / tp
     swiglu = 2.0 * rows * 3 * f / tp  # gate|up and their product: recomputed in the backward, not kept

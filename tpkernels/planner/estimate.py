@@ -99,6 +99,9 @@ def estimate(model: ModelConfig, train: TrainingSetup, cluster: ClusterSpec, cfg
                    model_flops + model.num_layers * recompute, cluster.num_gpus,
                    cluster.gpu.peak_tflops(train.precision), capacity)
     est.notes = _notes(est, memory_margin)
+    if cfg.ep > 1 and cfg.ep * cfg.tp > cluster.gpus_per_node:
+        est.notes.append(f"the EP group spans nodes (ep × tp = {cfg.ep} × {cfg.tp} > {cluster.gpus_per_node} GPUs per "
+                         "node): its all-to-all crosses the network")
     return est
 
 
@@ -123,8 +126,13 @@ def _notes(est: Estimate, margin: float) -> list[str]:
                      f"> {100 * (1 - margin):.0f}% of {est.memory_capacity_gib:g} GiB")
     notes += cfg.warnings()
     if est.time.comm_ratio > COMM_RATIO_LIMIT:
-        notes.append(f"communication/compute ratio {100 * est.time.comm_ratio:.1f}% > {100 * COMM_RATIO_LIMIT:.0f}%"
-                     + (": lower tp" if cfg.tp > 1 else ""))
+        t = est.time
+        hint = ""  # the dimension whose communication is the largest share
+        if cfg.ep > 1 and t.ep_comm >= t.tp_comm:
+            hint = ": lower ep, or more moe_chunks to hide the all-to-all"
+        elif cfg.tp > 1:
+            hint = ": lower tp"
+        notes.append(f"communication/compute ratio {100 * t.comm_ratio:.1f}% > {100 * COMM_RATIO_LIMIT:.0f}%" + hint)
     if cfg.pp > 1 and est.bubble_fraction > 0.15:
         notes.append(f"pipeline bubble is {100 * est.bubble_fraction:.0f}% of the step: more micro-batches "
                      "or virtual stages would shrink it")

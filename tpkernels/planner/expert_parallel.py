@@ -6,8 +6,8 @@ the block's input is gathered, as for the dense MLP), k experts per token, E exp
 EP size ep (inside DP × CP: ep ranks of one TP rank, ``tp`` apart) and ρ the busiest EP rank's rows
 over its balanced share (:func:`busiest_share`):
 
-  router        (T' × h)·(h × E), T' = T/tp with SP (each TP rank routes its share), forward,
-                input gradient and weight gradient through the GEMM model.
+  router        (T × h)·(h × E) on every TP rank (tpkernels.models.moe routes the gathered tokens),
+                forward, input gradient and weight gradient through the GEMM model.
   experts       one grouped GEMM per projection over the E/ep local experts, each with
                 m = ρ · ep · T · k / E rows (the EP group's T·k token copies spread over E experts):
                 gate|up (m × h)·(h × 2F/tp) and down (m × F/tp)·(F/tp × h), forward, input and weight
@@ -16,7 +16,8 @@ over its balanced share (:func:`busiest_share`):
                 gradient's reduction over m rows is a short k. Only the active FLOPs (k of E) are run,
                 plus the gate|up GEMM once more in the backward (tpkernels.functional.grouped_gemm's
                 grouped_swiglu_mlp keeps only its input and recomputes it).
-  shared        the shared expert as a dense MLP of its width on T tokens.
+  shared        the shared expert as a dense MLP of its width on T tokens (with its own SP gather and
+                reduce-scatter, overlapped as the dense MLP's: step_time.py).
   permutation   the permute / unpermute passes are memory-bound: their bytes are in the block's
                 produced activations (activations.moe_block_activations), charged with the other
                 memory-bound kernels (Efficiency.elementwise_traffic over HBM).
@@ -110,7 +111,8 @@ def moe_layer_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig
                    eff: Efficiency, *, precision: str, quant: dict | None = None) -> dict[str, float]:
     """Seconds of one MoE block for one micro-batch on one GPU: "f", "b", "w" (forward, input-gradient,
     weight-gradient GEMMs of router, experts and shared expert), "up" / "down" ((f, b, w) of the
-    expert projections, what the SP collectives pair with), "a2a_f" / "a2a_b" (all-to-all per
+    expert projections, what the SP collectives pair with), "shared_up" / "shared_down" (the shared
+    expert's), "a2a_f" / "a2a_b" (all-to-all per
     forward / backward pass) and their "a2a_f_exposed" / "a2a_b_exposed", "rows" (ρ·T·k).
     ``precision``/``quant``: the linear GEMMs' (FP8; QLoRA's dequantising kernels: linear_time's
     ``weight_bytes`` / ``compute_scale``)."""
@@ -136,14 +138,14 @@ def moe_layer_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig
     # the router stays in 16 bits under FP8 (a tiny GEMM whose scores pick the experts) and trains under
     # LoRA only if it is a LoRA target (it is not: ModelConfig.lora_params_per_layer)
     router_precision = "bf16" if precision == "fp8" else precision
-    router_tokens = tokens / t if cfg.sequence_parallel else tokens
-    router = linear_time(router_tokens, h, e, gpu, eff, router_precision, weight_grad=not frozen)
-    shared = (0.0, 0.0, 0.0)
+    # every TP rank routes all T tokens (tpkernels.models.moe gathers them first, as for the experts)
+    router = linear_time(tokens, h, e, gpu, eff, router_precision, weight_grad=not frozen)
+    shared_up = shared_down = (0.0, 0.0, 0.0)
     if model.shared_expert_ffn_hidden_size:
         s = model.shared_expert_ffn_hidden_size
-        a = linear_time(tokens, h, 2 * s / t, gpu, eff, precision, weight_grad=not frozen, **quant)
-        b = linear_time(tokens, s / t, h, gpu, eff, precision, weight_grad=not frozen, **quant)
-        shared = tuple(x + y for x, y in zip(a, b))
+        shared_up = linear_time(tokens, h, 2 * s / t, gpu, eff, precision, weight_grad=not frozen, **quant)
+        shared_down = linear_time(tokens, s / t, h, gpu, eff, precision, weight_grad=not frozen, **quant)
+    shared = tuple(x + y for x, y in zip(shared_up, shared_down))
     f_, b_, w_ = (up[i] + dn[i] + router[i] + shared[i] for i in range(3))
     b_ += up[0]  # grouped_swiglu_mlp keeps only its input: the backward recomputes gate|up first
     # dispatch + combine, each ρ·T·k rows of h values on the busiest rank; EP members are tp apart
@@ -155,7 +157,8 @@ def moe_layer_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig
         hidden = a2a - chunked_exposed(a2a, gemms, chunks)
         return a2a - eff.tp_overlap * hidden
 
-    return {"f": f_, "b": b_, "w": w_, "up": up, "down": dn, "a2a_f": a2a, "a2a_b": a2a,
+    return {"f": f_, "b": b_, "w": w_, "up": up, "down": dn, "shared_up": shared_up, "shared_down": shared_down,
+            "a2a_f": a2a, "a2a_b": a2a,
             "a2a_f_exposed": exposed(up[0] + dn[0]), "a2a_b_exposed": exposed(up[0] + up[1] + dn[1] + up[2] + dn[2]),
             "rows": rows}
 

@@ -53,13 +53,15 @@ def _kv_replication(model: ModelConfig, tp: int) -> float:
 
 def layer_param_split(model: ModelConfig, tp: int, ep: int = 1, layer: int = 0) -> tuple[float, float]:
     """(other, expert) parameters of decoder layer ``layer`` on one GPU: the routed experts split over
-    EP and TP (ep · tp), everything else as a dense layer (norms and the router replicated, K/V
-    replicated when tp > KV heads, the rest split over TP)."""
+    EP and TP (ep · tp), everything else as a dense layer (norms, the router and the shared expert's
+    gate replicated, K/V replicated when tp > KV heads, the rest split over TP)."""
     moe = model.moe_params(layer)
-    experts, router = moe.get("experts", 0), moe.get("router", 0)
-    norms = 2 * model.norm_params()
-    sharded = model.layer_params(layer) - experts - router - norms + _kv_replication(model, tp)
-    return sharded / tp + norms + router, experts / (ep * tp)
+    experts = moe.get("experts", 0)
+    # the norms, the router and the shared expert's gate (hidden → 1) are whole on every TP rank
+    replicated = 2 * model.norm_params() + moe.get("router", 0) + (model.hidden_size if moe and model.shared_expert_gate
+                                                                   else 0)
+    sharded = model.layer_params(layer) - experts - replicated + _kv_replication(model, tp)
+    return sharded / tp + replicated, experts / (ep * tp)
 
 
 def layer_params_per_rank(model: ModelConfig, tp: int, ep: int = 1) -> float:

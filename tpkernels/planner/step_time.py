@@ -64,7 +64,7 @@ from tpkernels.planner.hardware import ClusterSpec
 from tpkernels.planner.memory import BASE_BYTES_PER_PARAM, lora_param_split, optimizer_shards, stage_param_split
 from tpkernels.description import ModelConfig
 from tpkernels.planner.pipeline_bubble import bubble_time
-from tpkernels.planner.tp_overlap import sp_exposed
+from tpkernels.planner.tp_overlap import bulk_exposed, ring_exposed, sp_exposed
 from tpkernels.planner.workload import TrainingSetup
 
 # Non-GEMM kernels of one decoder layer, forward + backward, in our implementation: forward runs two
@@ -211,6 +211,7 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
         elementwise += logits * eff.logit_traffic / (gpu.hbm_gbs * 1e9 * eff.hbm)
 
     tp_comm = tp_exposed = 0.0
+    shared = share if model.shared_expert_ffn_hidden_size else 0.0  # layers with a shared expert, their share
     if t > 1:
         msg = train.activation_bytes * tokens * model.hidden_size
         one = group_collective_time("all_gather", msg, t, 1, cluster, eff)  # = one reduce-scatter
@@ -226,10 +227,19 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
                 layer_exposed = per_layer - eff.tp_overlap * (per_layer - layer_exposed)
             else:
                 layer_exposed = per_layer
+            if shared:  # the shared expert, a dense MLP beside the routed ones, gathers and reduces on its own
+                extra = one * (2 + 3 + (2 if fwd_recompute else 0))
+                up_s, down_s = moe["shared_up"], moe["shared_down"]
+                hidden_fwd = ring_exposed(one, up_s[0], t) + ring_exposed(one, down_s[0], t)
+                hidden_bwd = ring_exposed(one, down_s[1], t) + bulk_exposed(one, up_s[1]) + bulk_exposed(one, up_s[2])
+                extra_exposed = (hidden_fwd * (2 if fwd_recompute else 1) + hidden_bwd) if cfg.overlap_comm else extra
+                extra_exposed = extra - eff.tp_overlap * (extra - extra_exposed)
+                per_layer, layer_exposed = per_layer + shared * extra, layer_exposed + shared * extra_exposed
+                tp_comm = layers * per_layer + head
             tp_exposed = layers * layer_exposed + head  # the output layer's gather / reduce-scatter: exposed
         else:
             ar = group_collective_time("all_reduce", msg, t, 1, cluster, eff)
-            per_layer = ar * (2 + 2 + (2 if fwd_recompute else 0))
+            per_layer = ar * (2 + 2 + (2 if fwd_recompute else 0) + shared * (2 + (1 if fwd_recompute else 0)))
             head = ar if last_stage else 0.0  # all-reduce of the output layer's input gradient
             tp_comm = tp_exposed = layers * per_layer + head
     p2p = p2p_one = 0.0
