@@ -1,4 +1,5 @@
-"""ParallelTransformer: a GPT-2 or Llama-family model at any TP × PP × DP layout, in one call.
+"""ParallelTransformer: a GPT-2 or Llama-family model (Mixtral and Qwen2-MoE included: experts split over
+``ParallelConfig.ep``, tpkernels.models.moe) at any TP × PP × DP × CP × EP layout, in one call.
 
     state = ParallelState.create(ParallelConfig(tp=2, pp=2, num_microbatches=4, sequence_parallel=True))
     model = ParallelTransformer.from_hf("path/to/hf_checkpoint", state)     # or (ModelConfig, state, seed=0)
