@@ -445,8 +445,8 @@ def dispatch_combine(x_sorted: torch.Tensor, counts: torch.Tensor, expert_fn: Ex
         st.outputs.append(y)
         return y.detach()
 
-    with torch.no_grad():
-        send = _gather(x_sorted.detach(), plan.send_order)
+    with torch.no_grad():  # the transfers take contiguous rows
+        send = _gather(x_sorted.detach(), plan.send_order).contiguous()
     # expert_fn runs under the caller's grad mode; the transfers and gathers never build a graph
     back = _run_chunked(plan, send, group, _grad_mode_step(step, grad_on), "dispatch")
     y = _scatter_back(back, plan.send_order)
