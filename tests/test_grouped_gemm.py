@@ -139,6 +139,21 @@ def test_triton_tile_table_and_nan_poisoned_outputs():
     assert torch.equal(dw[[0, 3, 6]], torch.zeros(3, k, m))
     h = tk.grouped_gemm(x, w, c, swiglu=True, out=torch.full((n, m // 2), float("nan")))
     torch.testing.assert_close(h, reference.grouped_swiglu_gemm(x, w, counts), rtol=1e-5, atol=1e-5)
+    # device counts are not read on the host: counts past the rows that exist are cut, never read out of bounds
+    cut = tk.rows_within(c, 40)
+    assert cut.tolist() == [0, 3, 1, 0, 36, 0, 0]
+    torch.testing.assert_close(tk.grouped_gemm(x[:40], w, c), reference.grouped_gemm(x[:40], w, cut.tolist()),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tk.grouped_wgrad(x[:40], dy[:40], c),
+                               reference.grouped_gemm_wgrad(x[:40], dy[:40], cut.tolist()), rtol=1e-5, atol=1e-5)
+    # the backward's fused epilogue: d[gate | up] and h from dh = dY·W_downᵀ and the recomputed [gate | up]
+    gu, w_down = torch.randn(n, m), torch.randn(7, m // 2, k)
+    dgu, h2 = tk.grouped_dswiglu(x, w_down, gu, c, out=(torch.full((n, m), float("nan")),
+                                                         torch.full((n, m // 2), float("nan"))))
+    dh = reference.grouped_gemm(x, w_down, counts, trans_w=True)
+    dg, du = reference.swiglu_bwd(dh, gu[:, :m // 2], gu[:, m // 2:])
+    torch.testing.assert_close(dgu, torch.cat([dg, du], 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h2, reference.swiglu_fwd(gu[:, :m // 2], gu[:, m // 2:]), rtol=1e-5, atol=1e-5)
 
 
 def test_the_dispatch_rule(monkeypatch):

@@ -73,7 +73,8 @@ def test_sm90_hot_loop_dots_run_on_wgmma_and_no_config_spills(aot_rows):
     # the report sees the dots it judges: the GEMM-bound kernels have hot-loop dots, all on wgmma on sm_90
     # and all mma.sync on sm_80 (the PTX counts agree with the TTGIR)
     gemm_kernels = {"_flash_fwd_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel", "_ag_matmul_kernel",
-                    "_matmul_signal_kernel", "_grouped_gemm_fwd_kernel", "_grouped_gemm_wgrad_kernel"}
+                    "_matmul_signal_kernel", "_grouped_gemm_fwd_kernel", "_grouped_gemm_dswiglu_kernel",
+                    "_grouped_gemm_wgrad_kernel"}
     for r in aot_rows:
         if r["kernel"] in gemm_kernels:
             hot = [d for d in r["dots"] if d["hot"]]

@@ -11,9 +11,11 @@ zero for an empty expert).
 ``grouped_swiglu_mlp`` is the expert MLP y = (silu(x·W_gate) · (x·W_up)) · W_down with W_gate_up =
 [W_gate | W_up] along the last dim (E, H, 2F). The Triton path fuses SwiGLU into the first GEMM's epilogue
 (gate and up tiles in one program, the (N, F) activation written once); the autograd saves only the
-inputs (x, the weights, counts) and the backward recomputes x·W_gate_up (one grouped GEMM, 1/3 more
-FLOPs than saving it) instead of keeping the (N, 2F) pre-activation and the (N, F) activation alive from
-forward to backward: the memory of an MoE layer's activations is its input alone.
+inputs (x, the weights, counts) and the backward recomputes x·W_gate_up (one grouped GEMM of 4·N·H·F FLOPs:
+forward + backward cost 22·N·H·F instead of 18·N·H·F) instead of
+keeping the (N, 2F) pre-activation and the (N, F) activation alive from forward to backward: the memory of
+an MoE layer's activations is its input alone. On Triton the backward's dh = dY·W_downᵀ carries SwiGLU's
+backward in its epilogue (d[gate | up] and h written once, dh never stored).
 
 ``counts`` (E,) int: on the CPU it is checked (>= 0, sum N); a device tensor is trusted (no host read,
 so the launch does not wait for the GPU) and the kernels never touch a row past N.
@@ -136,20 +138,18 @@ def _(x, w_gate_up, w_down, counts, backend):
     return x.new_empty(x.shape[0], w_down.shape[2])
 
 
-def _swiglu_backend(impl: str) -> str:
-    return "triton" if impl == "triton" else "reference"
-
-
 @torch.library.custom_op("tpkernels::grouped_swiglu_mlp_backward", mutates_args=())
 def _mlp_bwd_op(dy: Tensor, x: Tensor, w_gate_up: Tensor, w_down: Tensor, counts: Tensor,
                 backend: str) -> tuple[Tensor, Tensor, Tensor]:
     impl = _select(x, backend)
-    sw = _swiglu_backend(impl)
     gu = grouped_gemm_fwd(x, w_gate_up, counts, backend=impl)  # recomputed: nothing was saved
-    h = swiglu_fwd(gu, backend=sw)
+    if impl == "triton":  # dh = dY·W_downᵀ with SwiGLU's backward in its epilogue: dh never reaches memory
+        dgu, h = _triton().grouped_dswiglu(dy, w_down, gu, counts.to(x.device))
+    else:
+        h = swiglu_fwd(gu, backend="reference")
+        dh = grouped_gemm_fwd(dy, w_down, counts, trans_w=True, backend=impl)
+        dgu, _ = swiglu_bwd(dh, gu, backend="reference")
     dw_down = grouped_gemm_wgrad(h, dy, counts, backend=impl)
-    dh = grouped_gemm_fwd(dy, w_down, counts, trans_w=True, backend=impl)
-    dgu, _ = swiglu_bwd(dh, gu, backend=sw)
     dx = grouped_gemm_fwd(dgu, w_gate_up, counts, trans_w=True, backend=impl)
     dw_gate_up = grouped_gemm_wgrad(x, dgu, counts, backend=impl)
     return dx, dw_gate_up, dw_down
