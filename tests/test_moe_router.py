@@ -181,3 +181,33 @@ def test_update_balance_bias_moves_against_the_load():
 def test_bad_inputs_are_named(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_route_matches_transformers_deepseek_v3_router():
+    """sigmoid scores, the aux-loss-free bias, group-limited selection, normalisation and scaling as
+    transformers' DeepseekV3TopkRouter (float32, as it computes)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    t, h, e, k = 33, 12, 16, 3
+    cfg = DeepseekV3Config(hidden_size=h, n_routed_experts=e, num_experts_per_tok=k, n_group=4, topk_group=2,
+                           norm_topk_prob=True, routed_scaling_factor=2.5)
+    hf = DeepseekV3TopkRouter(cfg)
+    with torch.no_grad():
+        hf.weight.normal_()
+        hf.e_score_correction_bias.normal_(std=0.1)
+    x = torch.randn(t, h)
+    _, hf_weights, hf_experts = hf(x)
+    r = route(F.linear(x, hf.weight.detach()), k, score="sigmoid", bias=hf.e_score_correction_bias, groups=4,
+              top_groups=2, scale=2.5)
+    # transformers' top-k is unsorted: compare each token's (expert, weight) pairs by expert id
+    ours_e, order = r.experts.sort(-1)
+    theirs_e, torder = hf_experts.sort(-1)
+    assert torch.equal(ours_e, theirs_e)
+    torch.testing.assert_close(r.weights.gather(1, order), hf_weights.gather(1, torder), rtol=1e-6, atol=1e-7)
+    chosen_groups = (r.experts // (e // 4))
+    assert all(len(set(row)) <= 2 for row in chosen_groups.tolist())
+    with pytest.raises(ValueError, match=r"groups \(3\) must be an int >= 1 dividing num_experts \(16\)"):
+        route(torch.randn(2, e), k, groups=3, top_groups=1)
+    with pytest.raises(ValueError, match=r"top_k \(3\) must be <= top_groups · experts per group = 1 · 2"):
+        route(torch.randn(2, e), k, groups=8, top_groups=1)

@@ -2,7 +2,8 @@
 
     r = route(logits, top_k)                                  # Mixtral: softmax, top-k, renormalise
     r = route(logits, top_k, normalize=cfg.norm_topk_prob)    # Qwen2-MoE / Qwen3-MoE
-    r = route(logits, top_k, score="sigmoid", bias=b)         # DeepSeek-V3: sigmoid, aux-loss-free bias
+    r = route(logits, top_k, score="sigmoid", bias=b,         # DeepSeek-V3: sigmoid, aux-loss-free bias,
+              groups=8, top_groups=4, scale=2.5)              # group-limited, routed_scaling_factor
     aux = load_balancing_loss(r.scores, r.experts, E, group=dp_cp_group)
     z = z_loss(r.logits, group=dp_cp_group)
 
@@ -104,8 +105,20 @@ def capacity_keep(experts: Tensor, priority: Tensor, capacity: int, num_experts:
     return keep.view(experts.shape)
 
 
+def _group_mask(select: Tensor, groups: int, top_groups: int) -> Tensor:
+    """(T, E) bool: the experts of each token's ``top_groups`` best groups (DeepSeek-V3's group-limited
+    routing: a group's score is the sum of its two best selection scores; ties to the lower group id)."""
+    t, e = select.shape
+    per = select.view(t, groups, e // groups)
+    group_scores = topk_lower_id(per.reshape(t * groups, -1), min(2, e // groups))[0].sum(-1).view(t, groups)
+    _, best = topk_lower_id(group_scores, top_groups)
+    keep = torch.zeros(t, groups, dtype=torch.bool, device=select.device).scatter_(1, best, True)
+    return keep[:, :, None].expand(t, groups, e // groups).reshape(t, e)
+
+
 def route(logits: Tensor, top_k: int, *, score: str = "softmax", normalize: bool = True, bias: Tensor | None = None,
-          capacity_factor: float | None = None, score_dtype: torch.dtype = torch.float32) -> Routing:
+          capacity_factor: float | None = None, groups: int | None = None, top_groups: int | None = None,
+          scale: float = 1.0, score_dtype: torch.dtype = torch.float32) -> Routing:
     """Choose ``top_k`` experts per token from router logits.
 
     Args:
@@ -120,6 +133,10 @@ def route(logits: Tensor, top_k: int, *, score: str = "softmax", normalize: bool
             ceil(capacity_factor · T · k / E) assignments of this call, those with the highest unbiased
             score (ties: the earlier token); the others get weight 0 and ``dropped`` True. The weights
             are normalised before dropping (a dropped slot's share is lost, as in Switch/GShard).
+        groups, top_groups: DeepSeek-V3's group-limited routing (``n_group``, ``topk_group``): the E experts
+            form ``groups`` equal groups, a group scores the sum of its two best selection scores, and a
+            token chooses its k experts among its ``top_groups`` best groups only. None: no groups.
+        scale: multiplies the weights after normalisation (DeepSeek-V3's ``routed_scaling_factor``).
         score_dtype: float32 (transformers' choice, the default) or float64 (an exact oracle).
 
     Returns:
@@ -141,13 +158,29 @@ def route(logits: Tensor, top_k: int, *, score: str = "softmax", normalize: bool
                                             and not isinstance(capacity_factor, bool)
                                             and math.isfinite(capacity_factor) and capacity_factor > 0):
         raise ValueError(f"capacity_factor ({capacity_factor!r}) must be None (dropless) or a finite number > 0")
+    if (groups is None) != (top_groups is None):
+        raise ValueError(f"groups ({groups!r}) and top_groups ({top_groups!r}) go together: give both or neither")
+    if groups is not None:
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or e % groups:
+            raise ValueError(f"groups ({groups!r}) must be an int >= 1 dividing num_experts ({e})")
+        if isinstance(top_groups, bool) or not isinstance(top_groups, int) or not 1 <= top_groups <= groups:
+            raise ValueError(f"top_groups ({top_groups!r}) must be an int with 1 <= top_groups <= groups ({groups})")
+        if top_k > top_groups * (e // groups):
+            raise ValueError(f"top_k ({top_k}) must be <= top_groups · experts per group = "
+                             f"{top_groups} · {e // groups}: the chosen groups hold too few experts")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale ({scale!r}) must be a finite number > 0")
     z = logits.to(score_dtype)
     scores = torch.softmax(z, dim=-1) if score == "softmax" else torch.sigmoid(z)
     select = scores.detach() if bias is None else scores.detach() + bias.detach().to(device=z.device, dtype=score_dtype)
+    if groups is not None:
+        select = select.masked_fill(~_group_mask(select, groups, top_groups), float("-inf"))
     _, experts = topk_lower_id(select, top_k)
     weights = scores.gather(1, experts)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if normalize:  # DeepSeek-V3 guards its sigmoid sum with 1e-20; transformers' softmax routers divide plainly
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if score == "sigmoid" else 0.0))
+    if scale != 1.0:
+        weights = weights * scale
     dropped = capacity = None
     if capacity_factor is not None:
         capacity = capacity_of(capacity_factor, t, top_k, e)
