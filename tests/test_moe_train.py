@@ -140,3 +140,51 @@ def test_step0_at_every_layout_equals_one_process_fp64(rank_pool, mixtral, one_p
             for k, g in ref["grads"].items():
                 torch.testing.assert_close(got["grads"][k], g, rtol=1e-5, atol=1e-9,
                                            msg=lambda m, k=k: f"{where}{k}: {m}")
+
+
+# ---- checkpoints that reshard across EP ----
+
+SAVED_AT = {"parallel.dp": 4, "parallel.ep": 2, "parallel.zero1": True}  # edp 2: experts reduced and sharded
+RESUMED_AT = [{"parallel.dp": 4, "parallel.ep": 4}, {"parallel.dp": 4},  # EP4, EP1
+              {"parallel.dp": 2, "parallel.ep": 2, "parallel.tp": 2, "parallel.micro_batch_size": 2}]  # EP2×TP2
+
+
+def _resume_worker(rank, world, folder, ckpt, seed):
+    import shutil
+
+    import torch.distributed as dist
+
+    run = {**PACKED, "training.seed": seed, "training.steps": 3}
+    t = Trainer(cfg_of(folder, **SAVED_AT, **run, **{"checkpoint.save_dir": str(ckpt / "a"),
+                                                        "checkpoint.save_every": 2}))
+    full = t.train()
+    out = {"full": [(h["loss"], h["moe/aux_loss"]) for h in full]}
+    for j, kw in enumerate(RESUMED_AT):
+        d = ckpt / f"r{j}"
+        if rank == 0:
+            shutil.copytree(ckpt / "a" / "step_00000002", d / "step_00000002")
+        dist.barrier()
+        t = Trainer(cfg_of(folder, **{**run, **kw, "checkpoint.save_dir": str(d)}))
+        assert t.step_index == 2
+        out[str(kw)] = [(h["loss"], h["moe/aux_loss"]) for h in t.train()]
+    return out
+
+
+def test_checkpoint_saved_at_ep2_resumes_at_ep4_ep1_and_ep2tp2(rank_pool, mixtral, tmp_path, fresh_seed):
+    """Saved at step 2 at DP4 with EP2 (ZeRO-1: expert moments sharded over their edp pair), resumed at EP4,
+    EP1 and EP2×TP2: step 2 (loss and aux loss, after two AdamW steps of weights and moments read back) equals
+    the uninterrupted run's. Expert e of layer l is
+    stored under its Hugging Face name whatever EP rank held it, so every layout finds it."""
+    got = rank_pool(4).run(_resume_worker, mixtral[0], tmp_path, fresh_seed % 2**31, timeout=300)[0]
+    full = torch.tensor(got.pop("full"))
+    assert len(got) == len(RESUMED_AT)
+    for layout, losses in got.items():
+        torch.testing.assert_close(torch.tensor(losses), full[2:], rtol=1e-6, atol=0,
+                                   msg=lambda m, k=layout: f"resumed at {k}: {m}")
+    from tpkernels.train.checkpoint_files import read_dcp_metadata
+
+    keys = set(read_dcp_metadata(tmp_path / "a" / "step_00000002").state_dict_metadata)
+    for kind in ("model", "exp_avg", "exp_avg_sq"):  # one key per expert (and TP rectangle), none per EP rank
+        assert {k for k in keys if k.startswith(f"{kind}::model.layers.1.block_sparse_moe.experts.")} == {
+            f"{kind}::model.layers.1.block_sparse_moe.experts.{e}.{w}.weight::{'0-32::0-24' if w == 'w2' else '0-24::0-32'}"
+            for e in range(4) for w in ("w1", "w2", "w3")}

@@ -80,9 +80,30 @@ def _parse(key: str):
     return kind, name, r, c
 
 
+class ExpertRows:
+    """Rows ``[lo, hi)`` of a MoE layer's stacked experts (E/ep, in, out) read as their Hugging Face parts
+    concatenate them, (E/ep · out, in) (:func:`tpkernels.models.hf_checkpoint.experts_view`): a part never
+    spans two experts, so its rows are ``t[e, :, o0:o1]ᵀ``, a view (a load writes through it)."""
+
+    def __init__(self, lo: int, hi: int, out: int):
+        self.e, self.o0, self.o1 = lo // out, lo % out, lo % out + (hi - lo)
+        if self.o1 > out:
+            raise ValueError(f"rows {lo}-{hi} span two experts (each {out} rows)")
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t[self.e, :, self.o0:self.o1].transpose(0, 1)
+
+
+def cut(t: torch.Tensor, sl) -> torch.Tensor:
+    """The rectangle ``sl`` (a row slice, or :class:`ExpertRows`) of ``t`` (a parameter or its moment), a view."""
+    return sl(t) if callable(sl) else t[sl]
+
+
 def rectangles(model):
-    """(param, local row slice, hf name, rows, cols | None) for every piece of every parameter. A quantised
-    base (QLoRA) is no parameter and is not stored: every run re-quantises it from the base checkpoint."""
+    """(param, local rows: a slice or :class:`ExpertRows`, hf name, rows, cols | None) for every piece of every
+    parameter; :func:`cut` cuts it. A MoE layer's experts are stored expert by expert under their HF names,
+    so the keys do not depend on which EP rank holds an expert. A quantised base (QLoRA) is no parameter
+    and is not stored: every run re-quantises it from the base checkpoint."""
     shapes = {k: v for c in model.chunks for k, v in c.shapes().items()}
     shapes.update(lora_shapes(model))
     params = dict(model.named_parameters())
@@ -98,7 +119,8 @@ def rectangles(model):
             rows = part.rows or (0, full[0])
             cols = (part.cols or (0, full[1])) if len(full) == 2 else None
             n = rows[1] - rows[0]
-            yield p, slice(off, off + n), part.name, rows, cols
+            stacked = p.dim() == 3 and getattr(p, "hf_view", None) == "experts"
+            yield p, ExpertRows(off, off + n, p.shape[2]) if stacked else slice(off, off + n), part.name, rows, cols
             off += n
 
 
@@ -217,11 +239,11 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of:
         if t is not None and t.tied == "copy":
             continue  # the tied head's copy of the embedding: the first stage writes those rectangles
         p = master_of.get(id(p), p)
-        sd[_key("model", name, rows, cols)] = p.detach()[sl]
+        sd[_key("model", name, rows, cols)] = cut(p.detach(), sl).contiguous()
         st = optimizer.state.get(p, {})
         if st:
-            sd[_key("exp_avg", name, rows, cols)] = st["exp_avg"][sl]
-            sd[_key("exp_avg_sq", name, rows, cols)] = st["exp_avg_sq"][sl]
+            sd[_key("exp_avg", name, rows, cols)] = cut(st["exp_avg"], sl).contiguous()
+            sd[_key("exp_avg_sq", name, rows, cols)] = cut(st["exp_avg_sq"], sl).contiguous()
             opt_step = float(st["step"])
     # One key written by every rank, of which DCP keeps one rank's copy: a rank that owns no optimizer state
     # (ZeRO-1 with more DP×CP replicas than a stage has trainable parameters, e.g. LoRA) would offer 0. The
@@ -334,12 +356,12 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None,
         kinds = KINDS if has_moments and id(p) in owned else KINDS[:1]
         for kind in kinds:
             if kind == "model":
-                target = p.data[sl]
+                target = cut(p.data, sl)
             else:
                 st = optimizer.state.setdefault(p, {})
                 if "exp_avg" not in st:
                     st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-                target = st[kind][sl]
+                target = cut(st[kind], sl)
             covered = torch.zeros(target.shape, dtype=torch.bool)
             for r, c, key, size in stored.get((kind, name), []):
                 r0, r1 = max(r[0], rows[0]), min(r[1], rows[1])
