@@ -43,12 +43,18 @@ def _train(kw: dict, victim: int | None, at_step: int):
     return attempt, [h["step"] for h in history], [h["loss"] for h in history], weights
 
 
+def _train_uninterrupted(rank, world, kw):
+    """The reference run on the session's rank pool (an elastic launch of 4 ranks costs ~10 s of start-up
+    on 2 cores; the same config gives the same losses and weights under either launcher)."""
+    return _train(kw, None, 0)
+
+
 def _merged(outs) -> dict:
     return {k: v for o in outs for k, v in o[3].items()}
 
 
-def test_a_rank_killed_mid_step_restarts_the_group_which_resumes_exactly(tmp_path):
-    full = launch(_train, 4, KW, None, 0)
+def test_a_rank_killed_mid_step_restarts_the_group_which_resumes_exactly(tmp_path, rank_pool):
+    full = rank_pool(4).run(_train_uninterrupted, KW, timeout=300)
     again = launch(_train, 4, {**KW, "save_dir": str(tmp_path), "save_every": 2}, 1, 5, max_restarts=1)
     assert [o[0] for o in again] == [1, 1, 1, 1], "every rank runs a second attempt"
     assert again[0][1] == [4, 5, 6, 7], "the restart resumes from step 4, the latest complete checkpoint"
@@ -140,9 +146,11 @@ def test_a_rank_lost_during_a_save_is_named_and_the_previous_checkpoint_kept(tmp
 
     from tpkernels.train.checkpoint import latest
 
-    # a pool of its own with a 30 s process-group timeout: a survivor blocked in a gloo send to a rank
-    # that left the collective waits for it (the launcher would kill it at once)
-    pool = RankPool(4, timeout=30.0).start()
+    # a pool of its own with a 15 s process-group timeout: a survivor blocked in a gloo send to a rank
+    # that left the collective waits for it (the launcher would kill it at once), and the call returns
+    # when it has (rank 0 took the whole timeout + ~5 s; ranks 1 and 3, the ones checked, ~5 s). 15 s
+    # leaves the start-up rendezvous and the steps' collectives 3x what they took at a load of 10.
+    pool = RankPool(4, timeout=15.0).start()
     try:
         out = pool.run(_kill_in_save_worker, str(tmp_path), 2, expect_exit={2}, timeout=120)
     finally:
