@@ -2,7 +2,7 @@
 trials, kept per machine, used by every later plan on that machine.
 
     measured step ≈ compute_scale · (GEMMs + memory-bound kernels + bubble + optimizer)
-                  + comm_scale · (exposed TP, CP, P2P and DP communication)
+                  + comm_scale · (exposed TP, CP, EP, P2P and DP communication)
                   + op_overhead_s · (kernels on the critical path, StepTime.ops)
 
 The first term says how fast this machine really computes against the planner's rates, the second
@@ -68,7 +68,7 @@ def components(time, eff: Efficiency) -> tuple[float, float, float]:
     """(compute s, exposed communication s, kernels on the critical path) of a StepTime made with
     ``eff``, without its corrections."""
     compute = time.gemm + time.elementwise + time.bubble + time.optimizer
-    comm = time.tp_exposed + time.cp_exposed + time.p2p + time.dp_exposed
+    comm = time.tp_exposed + time.cp_exposed + time.ep_exposed + time.p2p + time.dp_exposed
     return compute / eff.compute_scale, comm / eff.comm_scale, time.ops
 
 
