@@ -146,7 +146,8 @@ def compile_specs(arch: int, full: bool = False):
         block_hs = BLOCK_H_CHOICES if full or dtype == "bf16" else (BLOCK_H_CHOICES[-1],)
         for bh in block_hs:
             const = {"BLOCK_M": TILE_ELEMENTS // bh, "BLOCK_H": bh}
-            for has in (False, True):
+            # the scaled / weighted variant at every shape (it holds more registers); the plain one at the widest
+            for has in (False, True) if full or bh == block_hs[-1] else (True,):
                 specs.append((_moe_gather_rows_kernel,
                               {"src_ptr": p, "idx_ptr": "*i64", "scale_ptr": "*fp32", "out_ptr": p, "N": "i32",
                                "H": "i32", "stride_src": "i32", "stride_out": "i32", "HAS_SCALE": "constexpr",
