@@ -5,6 +5,7 @@ and the layouts it must refuse by name."""
 from __future__ import annotations
 
 import io
+import math
 import random
 from contextlib import redirect_stdout
 
@@ -252,3 +253,23 @@ def test_shared_expert_gathers_and_reduces_on_its_own():
     # its weights are split over TP like a dense MLP's, its gate stays whole on every rank
     assert stage_param_split(m, cfg, 0)[0] - stage_param_split(bare, cfg, 0)[0] == pytest.approx(
         m.num_layers * (3 * m.hidden_size * 20480 / 4 + m.hidden_size))
+
+
+def test_dedup_dispatch_counts_distinct_ranks_and_nodes():
+    from tpkernels.planner.expert_parallel import dispatch_time  # noqa: PLC0415
+
+    m = model_preset("Qwen3-30B-A3B")  # 128 experts, top-8
+    two_nodes = ClusterSpec(H100, 8, 2)
+    row = 2 * m.hidden_size
+    # EP16 over two nodes: a token reaches the other node once if any of its 8 experts is there
+    p_other = 1 - math.comb(64, 8) / math.comb(128, 8)
+    inter = 4096 * row * p_other
+    assert dispatch_time(m, 4096, row, 16, 1, two_nodes, EFF, "dedup") == pytest.approx(
+        inter / (50e9 * EFF.link) + 15 * EFF.collective_latency_s)
+    plain = dispatch_time(m, 4096, row, 16, 1, two_nodes, EFF, "alltoall")
+    assert plain == pytest.approx(all_to_all_time(4096 * 8 * row, 16, 1, two_nodes, EFF))
+    assert dispatch_time(m, 4096, row, 16, 1, two_nodes, EFF, "dedup") < plain
+    # a group that does not fill whole nodes still sends its off-node share over the NIC
+    assert dispatch_time(m, 4096, row, 12, 1, two_nodes, EFF, "dedup") > dispatch_time(m, 4096, row, 8, 1, two_nodes,
+                                                                                         EFF, "dedup")
+    assert dispatch_time(m, 4096, row, 1, 1, two_nodes, EFF, "dedup") == 0

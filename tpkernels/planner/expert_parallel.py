@@ -84,8 +84,8 @@ def busiest_share(model: ModelConfig, ep: int, imbalance: float) -> float:
 
 def _hit(experts: int, held: float, k: int) -> float:
     """Chance that a token's k distinct experts (uniform over ``experts``) include one of ``held`` of them."""
-    held = int(round(held))
-    return 1.0 - math.comb(experts - held, k) / math.comb(experts, k) if held < experts else 1.0
+    held = min(experts, int(round(held)))
+    return 1.0 - math.comb(experts - held, k) / math.comb(experts, k)
 
 
 def dispatch_time(model: ModelConfig, tokens: float, row_bytes: float, ep: int, stride: int, cluster: ClusterSpec,
@@ -101,9 +101,9 @@ def dispatch_time(model: ModelConfig, tokens: float, row_bytes: float, ep: int, 
     if how == "alltoall":
         return all_to_all_time(tokens * k * row_bytes, ep, stride, cluster, eff)
     g = members_per_node(cluster, ep, stride)
-    nodes = ep // g
     intra = tokens * row_bytes * (g - 1) * _hit(e, e / ep, k)
-    inter = tokens * row_bytes * (nodes - 1) * _hit(e, e / nodes, k)
+    # the (ep − g) members elsewhere, g to a node: each remote node holds E·g/ep experts
+    inter = tokens * row_bytes * (ep - g) / g * _hit(e, e * g / ep, k)
     return exchange_time(intra, inter, ep - 1, cluster, eff)
 
 
