@@ -273,3 +273,19 @@ def test_dedup_dispatch_counts_distinct_ranks_and_nodes():
     assert dispatch_time(m, 4096, row, 12, 1, two_nodes, EFF, "dedup") > dispatch_time(m, 4096, row, 8, 1, two_nodes,
                                                                                          EFF, "dedup")
     assert dispatch_time(m, 4096, row, 1, 1, two_nodes, EFF, "dedup") == 0
+
+
+@pytest.mark.parametrize("name,nodes,layout", [
+    ("Mixtral-8x22B", 8, dict(tp=8, pp=4, dp=2, ep=2)), ("Qwen2-57B-A14B", 2, dict(tp=4, pp=1, dp=4, ep=4)),
+    ("Qwen3-235B-A22B", 32, dict(tp=1, pp=2, dp=128, ep=32))])
+def test_every_moe_preset_is_estimated(name, nodes, layout):
+    from tpkernels.planner import estimate  # noqa: PLC0415
+
+    m, train, cluster = model_preset(name), TrainingSetup(256, 4096), ClusterSpec(H100, 8, nodes)
+    cfg = ParallelConfig(**layout, num_microbatches=256 // layout["dp"], sequence_parallel=layout["tp"] > 1, zero1=True)
+    assert not layout_errors(m, train, cluster, cfg)
+    est = estimate(m, train, cluster, cfg, EFF)
+    assert est.time.ep_comm > 0 and est.memory.total > 0 and est.mfu < 1
+    other, experts = stage_param_split(m, cfg, 0)
+    assert experts * layout["ep"] * layout["tp"] * cfg.pp == pytest.approx(
+        m.expert_params_per_layer() * m.num_layers)  # every layer has experts: stages alike
