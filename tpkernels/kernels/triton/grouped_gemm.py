@@ -32,7 +32,8 @@ Floors, b bytes per element, N rows, E experts, K in, M out features (F = M/2 fo
 
 dW's programs are one per (expert, output tile): an expert holding most rows is computed by its own
 tiles_k × tiles_n programs while the others' finish early (no split over rows: that would need a second
-pass or atomics). At Mixtral's sizes that is 32 × 112 programs per expert, more than an H100 holds.
+pass or atomics). At Mixtral's sizes that is 32 × 224 (dW_gate_up) and 112 × 32 (dW_down) programs per expert,
+more than an H100's 132 SMs hold; small experts (narrow FFNs, many experts) are where it shows.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per arch. sm_90: 128×128 tiles over 8 warps (two
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per arch and role; "wgrad": (BLOCK_K, BLOCK_N, BLOCK_R, ...),
+# its output tile and the rows each step reduces. sm_90: 128×128 tiles over 8 warps (two
 # warpgroups of m64 wgmma); the SwiGLU variant holds two accumulators, so half the columns. sm_80: the
 # mma.sync shapes with a 32-deep K step (its shared memory holds 4 stages).
 CONFIGS = {
