@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from tpkernels.functional.gemm_comm import poison_receive_buffers
 from tpkernels.functional.moe_dispatch import dispatch_combine
@@ -113,8 +114,9 @@ def test_dispatch_combine_matches_one_process(rank_pool, fresh_seed, world):
 
 def _autograd_worker(rank, world, seed):
     """What a model does besides ``.backward()`` with leaf weights: no grad mode, ``torch.autograd.grad``,
-    weights read through a cast made outside expert_fn (a non-leaf shared by the chunks), explicit params,
-    an input that needs no gradient, 16-bit rows with float32 expert-weight gradient sums."""
+    strided rows, weights read through a cast made outside expert_fn (a non-leaf shared by the chunks),
+    explicit params, an input that needs no gradient, activation recompute, 16-bit rows with float32
+    expert-weight gradient sums."""
     group, L = dist.group.WORLD, 2
     g = torch.Generator().manual_seed(seed)
     E = world * L
@@ -162,6 +164,16 @@ def _autograd_worker(rank, world, seed):
     (y * go).sum().backward()
     torch.testing.assert_close(lw1.grad, ref_dw1[mine], **tol)
     torch.testing.assert_close(lw2.grad, ref_dw2[mine], **tol)
+
+    # activation recompute (torch.utils.checkpoint, as the trainer's recompute): the backward runs the
+    # forward's transfers again, on every rank in the same order
+    lw1.grad = lw2.grad = None
+    xr = x.clone().requires_grad_()
+    y = torch.utils.checkpoint.checkpoint(
+        lambda t: dispatch_combine(t, counts[rank], fn, group, num_local_experts=L, chunks=3), xr, use_reentrant=False)
+    (y * go).sum().backward()
+    torch.testing.assert_close(xr.grad, ref_dx[rank], **tol)
+    torch.testing.assert_close(lw1.grad, ref_dw1[mine], **tol)
 
     # bfloat16 rows and weights: gradients of the weights summed over chunks in float32, returned in bfloat16
     b1, b2 = (w[mine].to(torch.bfloat16).requires_grad_() for w in (w1, w2))
