@@ -14,8 +14,8 @@ ships (efficiency.CALIBRATED), whose in-sample errors are listed too, apart. The
 benchmarks/data/held_out/ (the mixture-of-experts runs) are in no fit: they are predicted with the
 shipped constants and listed last, with what their step time is made of.
 
-Writes benchmarks/results/planner_calibration.csv (one line per row and fit) and .png ($OUT instead,
-if set).
+Writes benchmarks/results/planner_calibration.csv (one line per row and fit), .png and
+planner_calibration_held_out.csv ($OUT instead, if set).
 """
 
 from __future__ import annotations
@@ -76,14 +76,14 @@ def main() -> None:
     args = ap.parse_args()
     if not args.data.is_dir():
         raise SystemExit(f"--data ({args.data}) must be a folder of calibration tables (*.csv)")
-    held = held_out_report(held_out_rows(args.data))
+    held_rows = held_out_report(held_out_rows(args.data))
     held_cols = ["row", "layout", "precision", "published_step_s", "predicted_step_s", "error_pct", "gemm_pct",
                  "elementwise_pct", "ep_exposed_pct", "bubble_pct", "dp_exposed_pct"]
     if args.held_out:
         print("rows held out of every fit (benchmarks/data/held_out), predicted with the shipped constants:")
-        print_table(held, held_cols)
-        print(f"mean |error| {sum(abs(x['error_pct']) for x in held) / max(1, len(held)):.1f}%")
-        path = write_csv("planner_calibration_held_out", held)
+        print_table(held_rows, held_cols)
+        print(f"mean |error| {sum(abs(x['error_pct']) for x in held_rows) / max(1, len(held_rows)):.1f}%")
+        path = write_csv("planner_calibration_held_out", held_rows)
         print(f"wrote {path}")
         return
     by_source = sources(args.data)
@@ -114,10 +114,11 @@ def main() -> None:
           + ", ".join(f"{c} {getattr(CALIBRATED_ALL, c):g}" for c in FITTED))
     print_table(summary(shipped, "source"), ["source", "rows", "mean_abs_error_pct", "worst_error_pct",
                                              "within_15pct", "worst_row"])
-    if held:
+    if held_rows:
         print("\nrows held out of every fit (benchmarks/data/held_out), predicted with the shipped constants:")
-        print_table(held, held_cols)
-    path = write_csv("planner_calibration", lines + shipped + held)
+        print_table(held_rows, held_cols)
+        print(f"wrote {write_csv('planner_calibration_held_out', held_rows)}")
+    path = write_csv("planner_calibration", lines + shipped)
     print(f"wrote {path}")
     try:
         import matplotlib  # noqa: PLC0415
