@@ -204,14 +204,17 @@ def _moe_parity_worker(rank, world, folder, layout, ids, reference):
     from tpkernels.parallel import ParallelConfig
     from tpkernels.parallel.state import ParallelState
 
-    ref_logits, ref_loss, ref_aux, ref_grads = reference  # routing scores are fp32 on both sides: ~1e-7 noise
+    # routing scores are fp32 on both sides (transformers' choice): a logit rounded differently at another layout
+    # moves a combine weight by ~1e-7 relative, ~1e-6 in the logits after three layers; a wrong share, reduction
+    # or expert slice moves them by 1e-2 or more
+    ref_logits, ref_loss, ref_aux, ref_grads = reference
     state = ParallelState.create(ParallelConfig(**layout))
     pc = state.config
     model = ParallelTransformer.from_hf(folder, state, dtype=torch.float64)
     d = pc.dp * pc.cp
     rows = slice(state.dp_rank * ids.shape[0] // pc.dp, (state.dp_rank + 1) * ids.shape[0] // pc.dp)
     logits = model(ids[rows])
-    torch.testing.assert_close(logits, ref_logits[rows], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits, ref_logits[rows], rtol=1e-5, atol=2e-5)
     ce = model(ids[rows], target=next_token_targets(ids[rows]))  # this replica's token mean (equal counts)
     aux = model.moe_losses.aux_loss("transformers")  # this rank's share: summed over TP × DP, transformers' aux
     # the DP reduction averages over dp · cp, so a rank's share enters × dp · cp, as its token mean does
@@ -220,13 +223,13 @@ def _moe_parity_worker(rank, world, folder, layout, ids, reference):
     values = torch.stack([ce.detach() / (pc.tp * d), aux.detach().double()])
     if world > 1:
         dist.all_reduce(values)
-    torch.testing.assert_close(values[1], ref_aux.double(), rtol=1e-6, atol=1e-9)  # transformers: fp32
-    torch.testing.assert_close(values[0] + model.config.router_aux_loss_coef * values[1], ref_loss.double(), rtol=1e-6,
+    torch.testing.assert_close(values[1], ref_aux.double(), rtol=1e-5, atol=1e-9)  # transformers: fp32
+    torch.testing.assert_close(values[0] + model.config.router_aux_loss_coef * values[1], ref_loss.double(), rtol=1e-5,
                                atol=1e-9)
     grads = all_stages(model.to_hf_state_dict("grad"))
     assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
     for name, want in ref_grads.items():
-        torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     counts = torch.stack([c for c in model.moe_losses.expert_load().values()])
     return counts.tolist()
 
@@ -317,11 +320,11 @@ def _pipeline_worker(rank, world, folder, layout, ids, reference):
     model.finish_grad_sync()
     t = torch.tensor([loss if state.is_last_stage else 0.0], dtype=torch.float64)
     dist.all_reduce(t)
-    torch.testing.assert_close(t[0] / (pc.dp * pc.tp), ref_loss.double(), rtol=1e-6, atol=1e-9)  # HF: fp32 loss
+    torch.testing.assert_close(t[0] / (pc.dp * pc.tp), ref_loss.double(), rtol=1e-5, atol=1e-9)  # HF: fp32 loss
     grads = all_stages(model.to_hf_state_dict("grad"))
     assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
     for name, want in ref_grads.items():
-        torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])

@@ -159,6 +159,11 @@ def _stats(scores: torch.Tensor, logits: torch.Tensor, experts: torch.Tensor, nu
     return f, p, z, counts
 
 
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    """Saved-tensor hooks that keep a tensor as it is (see MoE._experts)."""
+    return t
+
+
 class MoE(nn.Module):
     """forward(x (batch, seq[/TP], hidden)) -> like x: a MoE layer's feed-forward block (module docstring).
 
@@ -191,12 +196,18 @@ class MoE(nn.Module):
                               hf_name=lambda role, i, param="weight": ctx.moe_hf(f"shared_{role}", i, param=param))
         self.shared_gate = replicated(nn.Parameter(torch.empty(1, h, **kw)), ctx) if mc.shared_expert_gate else None
         self.losses = ctx.moe_losses
-        self.chunks = 1  # dispatch_combine's overlap pieces (tpkernels.functional.moe_dispatch)
+        self.chunks = ctx.moe_chunks  # dispatch_combine's overlap pieces (tpkernels.functional.moe_dispatch)
 
     # ---- forward ----
     def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """This rank's experts over ``rows`` (M, hidden) grouped by local expert -> (M, hidden), partial over TP."""
-        return grouped_swiglu_mlp(rows, self.w_gate_up, self.w_down, counts)
+        """This rank's experts over ``rows`` (M, hidden) grouped by local expert -> (M, hidden), partial over TP.
+
+        dispatch_combine keeps this graph and differentiates it piece by piece in backward (nested
+        ``torch.autograd.grad``): under full recompute (a non-reentrant ``torch.utils.checkpoint``) its saved
+        tensors stay out of the checkpoint's hooks, or each nested backward, a graph task of its own, would
+        run the whole layer's recomputation again (and re-enter its context: an error)."""
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            return grouped_swiglu_mlp(rows, self.w_gate_up, self.w_down, counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx, mc = self.ctx, self.ctx.mc
