@@ -104,7 +104,13 @@ def test_one_process_objective_is_transformers_mixtral_with_its_aux_loss(mixtral
 LAYOUTS = {
     2: [{"parallel.dp": 2, "parallel.ep": 2}, {"parallel.dp": 2}],
     4: [{"parallel.dp": 2, "parallel.ep": 2, "parallel.tp": 2, "parallel.sequence_parallel": True},
-        {"parallel.dp": 2, "parallel.ep": 2, "parallel.pp": 2}],
+        {"parallel.dp": 2, "parallel.ep": 2, "parallel.pp": 2},  # 1f1b
+        # zero bubble (the TP linears' W deferred; the grouped experts' dW comes in B) and the whole layer
+        # recomputed in backward: the MoE layer routes again, its shares are not added twice
+        {"parallel.dp": 2, "parallel.ep": 2, "parallel.pp": 2, "parallel.schedule": "zb-h1",
+         "parallel.recompute": "full"},
+        {"parallel.dp": 2, "parallel.ep": 2, "parallel.pp": 2, "parallel.schedule": "gpipe",
+         "parallel.recompute": "selective"}],
 }
 PACKED = {"parallel.num_microbatches": 2, "parallel.micro_batch_size": 1}
 
@@ -123,8 +129,9 @@ def one_process(mixtral):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_step0_at_every_layout_equals_one_process_fp64(rank_pool, mixtral, one_process, world, fresh_seed):
-    """EP2 and DP2 (world 2), EP2×TP2+SP and EP2×PP2 (world 4): loss, aux / z losses, the per-expert load,
-    the gradient norm and every gradient equal the one-process run."""
+    """EP2 and DP2 (world 2), EP2×TP2+SP and EP2×PP2 under 1f1b, zb-h1 + full recompute and gpipe +
+    selective recompute (world 4): loss, aux / z losses, the per-expert load, the gradient norm and every
+    gradient equal the one-process run."""
     seed = fresh_seed % 2**31
     ref = one_process(seed)
     assert ref["moe/aux_loss"] > 0 and ref["moe/z_loss"] > 0
