@@ -260,6 +260,8 @@ def _errors_worker(rank, world):
         lambda: dispatch_combine(torch.randn(3 * world, 4), good, lambda r, c: r[:1], dist.group.WORLD,
                                  num_local_experts=L),
         lambda: dispatch_combine(torch.randn(5, 4), torch.tensor([2, 2]), fn, None, num_local_experts=2),
+        lambda: dispatch_combine(torch.randn(3 * world, 4), [1, 2] * world, fn, dist.group.WORLD, num_local_experts=L),
+        lambda: dispatch_combine(torch.randn(3 * world), good, fn, dist.group.WORLD, num_local_experts=L),
     ])
     if rank == 1:
         msgs += error_messages([lambda: dispatch_combine(torch.randn(3, 4), torch.tensor([1, 2]), fn, lonely,
@@ -282,4 +284,6 @@ def test_bad_inputs_are_named_on_every_rank(rank_pool):
         assert msgs[4].startswith("expert_fn must return (M, H_out) for its M = ")
         assert msgs[5] == ("counts must be non-negative and sum to the number of rows of x_sorted (5), got counts "
                            "summing to 4: [2, 2]")
-    assert out[1][6].startswith("rank 1 is not a member of the given process group (its global ranks: [0])")
+        assert msgs[6] == "counts must be a 1-D integer tensor (rows per expert), got a list"
+        assert msgs[7] == "x_sorted must be an (N, H) tensor, got shape (6,)"
+    assert out[1][8].startswith("rank 1 is not a member of the given process group (its global ranks: [0])")

@@ -360,9 +360,16 @@ def _find_params(outputs: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor 
     return given + found
 
 
+def _check_types(x_sorted, counts) -> None:
+    if not isinstance(x_sorted, torch.Tensor):
+        raise ValueError(f"x_sorted must be an (N, H) tensor, got a {type(x_sorted).__name__}")
+    if not isinstance(counts, torch.Tensor):
+        raise ValueError(f"counts must be a 1-D integer tensor (rows per expert), got a {type(counts).__name__}")
+
+
 def _check(x_sorted: torch.Tensor, counts: torch.Tensor, num_local_experts, chunks, world: int) -> None:
     if x_sorted.dim() != 2:
-        raise ValueError(f"x_sorted must be (N, H), got shape {tuple(x_sorted.shape)}")
+        raise ValueError(f"x_sorted must be an (N, H) tensor, got shape {tuple(x_sorted.shape)}")
     if counts.dim() != 1 or counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
         raise ValueError(f"counts must be a 1-D integer tensor (rows per expert), got shape {tuple(counts.shape)} "
                          f"{counts.dtype}")
@@ -411,6 +418,7 @@ def dispatch_combine(x_sorted: torch.Tensor, counts: torch.Tensor, expert_fn: Ex
     else:
         rank, world = group_rank_size(group)  # raises, naming the rank, when it is not in the group
     grad_on = torch.is_grad_enabled()
+    _check_types(x_sorted, counts)
     if world > 1:  # before any check that can fail on some ranks only: the others would wait in the transfer
         consistency.agree(group, "dispatch_combine", **{
             "x_sorted.shape[1]": x_sorted.shape[-1] if x_sorted.dim() else 0, "x_sorted.dtype": x_sorted.dtype,
