@@ -230,6 +230,12 @@ def test_held_out_moe_rows_read_as_published():
     qwen = model_preset("Qwen3-30B-A3B")  # the rows' shape is the preset's, without its q/k norms
     assert rows[0].spec.num_active_params() == pytest.approx(qwen.num_active_params(), rel=1e-4)
     assert rows[0].spec.num_params() == pytest.approx(qwen.num_params(), rel=1e-4)
+    for r in rows[:3]:  # the shape's FLOPs per token are the source's (it halves the causal attention)
+        s = r.training.seq_length
+        lin, core = r.spec.forward_flops_per_layer(1, s)
+        per_token = 3 * (r.spec.num_layers * (lin + core / 2) + r.spec.logits_forward_flops(1, s)) / s
+        published = r.published_tflops_per_gpu * 1e12 / (r.training.tokens / r.published_step_s / r.gpus)
+        assert per_token == pytest.approx(published, rel=0.01), r.label
     for r in rows:
         assert not layout_errors(r.spec, r.training, r.cluster, r.config)
         t = predict(r).time
