@@ -193,6 +193,28 @@ def test_autograd_uses(rank_pool, fresh_seed, world):
     assert rank_pool(world).run(_autograd_worker, fresh_seed) == [True] * world
 
 
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7])
+def test_every_chunk_holds_a_slice_of_every_destination(fresh_seed, chunks):
+    """The cut rule both sides apply: chunk c takes rows [c·n//C, (c+1)·n//C) of each peer's block; the
+    per-expert counts of the chunks add up to the block's, and each chunk holds 1/C of every peer's rows
+    (±1), whatever the skew or the empty experts."""
+    from tpkernels.functional.moe_dispatch import _cut  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(fresh_seed)
+    per_expert = torch.randint(0, 9, (4, 5), generator=g) * torch.randint(0, 2, (4, 5), generator=g)
+    per_expert[0] = 0  # a peer that sends nothing
+    per_expert[1, 2] = 50  # one expert takes most rows
+    rows, counts = _cut(per_expert, chunks)
+    assert torch.equal(counts.sum(0), per_expert) and torch.equal(counts.sum(2), rows)
+    n = per_expert.sum(1)
+    assert ((rows - n / chunks).abs() < 1).all()
+    # chunk c's rows of a peer are the next ones after chunk c-1's: expert by expert, in order
+    flat = [torch.repeat_interleave(torch.arange(5), counts[c, p]) for p in range(4) for c in range(chunks)]
+    for p in range(4):
+        got = torch.cat(flat[p * chunks:(p + 1) * chunks])
+        assert torch.equal(got, torch.repeat_interleave(torch.arange(5), per_expert[p]))
+
+
 def test_compiled_models_do_not_trace_into_the_op():
     """torch.compile traced into the EP path fails (measured: AOT autograd's alias check on the received
     rows); the op is a graph break instead, and an expert_fn compiled on its own still compiles. Checked
