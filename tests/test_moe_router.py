@@ -135,6 +135,9 @@ def _shares(rank, world_size, logits, experts, seq, mask):
                             per_sequence=seq[mine])
     z = z_loss(lg, token_mask=mask[mine], group=dist.group.WORLD)
     grads = [torch.autograd.grad(v, lg, retain_graph=True)[0] for v in (a, b, z)]
+    # group None: this rank's tokens only, even inside an initialised process group
+    alone = z_loss(lg, token_mask=mask[mine])
+    assert torch.allclose(alone, (torch.logsumexp(lg[mask[mine]], -1) ** 2).mean()), "group=None must stay local"
     return [a.item(), b.item(), z.item()], mine, grads
 
 

@@ -191,6 +191,12 @@ def route(logits: Tensor, top_k: int, *, score: str = "softmax", normalize: bool
 
 # ---- auxiliary losses ----
 
+def _sum_over(t: Tensor, group) -> Tensor:
+    """``t`` summed over ``group`` without gradient; ``group`` None: this rank's own (not the default world
+    group, which control's helpers would take None for)."""
+    return t if group is None else control.all_reduce_(t, group=group)
+
+
 def _token_weights(token_mask: Tensor | None, t: int, like: Tensor) -> Tensor:
     if token_mask is None:
         return torch.ones(t, dtype=like.dtype, device=like.device)
@@ -244,7 +250,7 @@ def load_balancing_loss(scores: Tensor, experts: Tensor, num_experts: int, *, to
     hits = torch.zeros(t, e, dtype=scores.dtype, device=scores.device).scatter_add_(
         1, experts.clamp_min(0).to(scores.device), valid.to(scores.dtype).to(scores.device)) * m[:, None]
     if per_sequence is None:
-        stats = control.all_reduce_(torch.cat([hits.sum(0), m.sum().reshape(1)]).detach(), group=group)
+        stats = _sum_over(torch.cat([hits.sum(0), m.sum().reshape(1)]).detach(), group=group)
         f, n = stats[:e], stats[e].clamp_min(1.0)
         return e * torch.sum(f / n * (probs * m[:, None]).sum(0) / n)
     if not isinstance(per_sequence, Tensor) or per_sequence.shape != (t,) or per_sequence.dtype.is_floating_point:
@@ -252,13 +258,15 @@ def load_balancing_loss(scores: Tensor, experts: Tensor, num_experts: int, *, to
                          f"{tuple(per_sequence.shape) if isinstance(per_sequence, Tensor) else type(per_sequence).__name__}")
     seq = per_sequence.to(scores.device)
     local = [int(seq.max()) + 1 if t else 0, -int(seq.min()) if t else 0]
-    num_seq, neg = (int(v) for v in control.all_reduce_values(local, op="max", group=group))
+    if group is not None:
+        local = control.all_reduce_values(local, op="max", group=group)
+    num_seq, neg = (int(v) for v in local)
     if neg > 0:
         raise ValueError(f"per_sequence ids must be >= 0, got {-neg}")
     s = max(num_seq, 1)
     f_s = torch.zeros(s, e, dtype=scores.dtype, device=scores.device).index_add_(0, seq, hits)
     n_s = torch.zeros(s, dtype=scores.dtype, device=scores.device).index_add_(0, seq, m)
-    stats = control.all_reduce_(torch.cat([f_s, n_s[:, None]], dim=1).detach(), group=group)
+    stats = _sum_over(torch.cat([f_s, n_s[:, None]], dim=1).detach(), group=group)
     f_s, n_s = stats[:, :e], stats[:, e]
     sequences = (n_s > 0).sum().clamp_min(1)
     p_s = torch.zeros(s, e, dtype=scores.dtype, device=scores.device).index_add(0, seq, probs * m[:, None])
@@ -273,7 +281,7 @@ def z_loss(logits: Tensor, *, token_mask: Tensor | None = None, group=None) -> T
     logits: (T, E) (``Routing.logits``); token_mask: (T,) bool or 0/1. Returns a 0-d tensor."""
     _check_logits(logits)
     m = _token_weights(token_mask, logits.shape[0], logits)
-    n = control.all_reduce_(m.sum().reshape(1).detach(), group=group)[0].clamp_min(1.0)
+    n = _sum_over(m.sum().reshape(1).detach(), group=group)[0].clamp_min(1.0)
     return torch.sum(torch.logsumexp(logits, dim=-1).square() * m) / n
 
 
