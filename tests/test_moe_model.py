@@ -186,7 +186,7 @@ def moe_checkpoints(tmp_path_factory):
             folder = tmp_path_factory.mktemp(kind)
             model = _hf_moe(kind, seed % 10_000)
             model.save_pretrained(str(folder))
-            ids = torch.randint(0, VOCAB, (4, 10), generator=torch.Generator().manual_seed(seed))
+            ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(seed))
             ref = _reference(model, ids)
             model.config.output_router_logits = False  # the token loss alone (a pipeline's loss, below)
             cache[kind + "-ce"] = _reference(model, ids)
@@ -306,35 +306,39 @@ def _pipeline_worker(rank, world, folder, layout, ids, reference):
     import torch.distributed as dist
 
     from model_checks import all_stages
+    from tpkernels.functional.context_parallel import zigzag_split
     from tpkernels.models import ParallelTransformer, next_token_targets
     from tpkernels.parallel.state import ParallelState
 
     _, ref_loss, _, ref_grads = reference
     state = ParallelState.create(ParallelConfig(**layout))
     pc = state.config
-    model = ParallelTransformer.from_hf(folder, state, dtype=torch.float64, layer_counts=[2, 1])  # 3 layers
+    counts = [2, 1] if pc.pp == 2 else None  # 3 layers
+    model = ParallelTransformer.from_hf(folder, state, dtype=torch.float64, layer_counts=counts)
     rows = slice(state.dp_rank * ids.shape[0] // pc.dp, (state.dp_rank + 1) * ids.shape[0] // pc.dp)
     targets = next_token_targets(ids[rows])
-    loss = model.step(ids[rows] if state.is_first_stage else None, targets if state.is_last_stage else None,
-                      schedule=pc.pipeline_schedule)
+    share = (lambda t: zigzag_split(t, pc.cp, state.cp_rank, dim=1)) if pc.cp > 1 else (lambda t: t)  # noqa: E731
+    loss = model.step(share(ids[rows]) if state.is_first_stage else None,
+                      share(targets) if state.is_last_stage else None, schedule=pc.pipeline_schedule)
     model.finish_grad_sync()
     t = torch.tensor([loss if state.is_last_stage else 0.0], dtype=torch.float64)
     dist.all_reduce(t)
-    torch.testing.assert_close(t[0] / (pc.dp * pc.tp), ref_loss.double(), rtol=1e-5, atol=1e-9)  # HF: fp32 loss
+    torch.testing.assert_close(t[0] / (pc.dp * pc.cp * pc.tp), ref_loss.double(), rtol=1e-5, atol=1e-9)  # fp32
     grads = all_stages(model.to_hf_state_dict("grad"))
     assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
     for name, want in ref_grads.items():
         torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_expert_parallel_with_a_pipeline_matches_transformers(rank_pool, moe_checkpoints, fresh_seed, schedule):
-    """EP2 × PP2 with two micro-batches through the pipeline runtime (zb-h1: deferred weight gradients): the
-    token loss and every gradient of transformers' model (its router losses left out: with a pipeline they
-    are the trainer's, tpkernels.train)."""
+@pytest.mark.parametrize("layout", [dict(dp=2, pp=2, ep=2, num_microbatches=2, schedule="1f1b"),
+                                    dict(dp=2, pp=2, ep=2, num_microbatches=2, schedule="zb-h1"),
+                                    dict(cp=2, ep=2, num_microbatches=2)], ids=["ep2pp2", "ep2pp2-zb", "ep2-over-cp2"])
+def test_expert_parallel_with_a_pipeline_matches_transformers(rank_pool, moe_checkpoints, fresh_seed, layout):
+    """EP2 × PP2 with two micro-batches through the pipeline runtime (zb-h1: deferred weight gradients), and EP2
+    over the two CP ranks of one sequence (zigzag shares): the token loss and every gradient of transformers'
+    model (its router losses left out: through model.step they are the trainer's, tpkernels.train)."""
     folder, ids, _ = moe_checkpoints("mixtral", fresh_seed)
-    layout = dict(dp=2, pp=2, ep=2, num_microbatches=2, schedule=schedule)
-    rank_pool(4).run(_pipeline_worker, folder, layout, ids, moe_checkpoints("mixtral-ce", fresh_seed), timeout=120)
+    rank_pool(ParallelConfig(**layout).world_size).run(_pipeline_worker, folder, layout, ids, moe_checkpoints("mixtral-ce", fresh_seed), timeout=120)
 
 
 def test_router_loss_records_equal_the_router_functions(fresh_seed):
