@@ -195,3 +195,76 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep4_ep1_and_ep2tp2(rank_pool, mixtra
         assert {k for k in keys if k.startswith(f"{kind}::model.layers.1.block_sparse_moe.experts.")} == {
             f"{kind}::model.layers.1.block_sparse_moe.experts.{e}.{w}.weight::{'0-32::0-24' if w == 'w2' else '0-24::0-32'}"
             for e in range(4) for w in ("w1", "w2", "w3")}
+
+
+# ---- fine-tuning: SFT with LoRA, DPO with a frozen reference and validation ----
+
+def _finetune_cfgs(folder, data, seed):
+    from data_checks import CHATS, MARKED, make_tokenizer, write_jsonl
+    from test_dpo import _pairs
+
+    if not (data / "tok").exists():
+        make_tokenizer(data / "tok", MARKED)
+        write_jsonl(data / "chat.jsonl", CHATS * 4)
+        write_jsonl(data / "pairs.jsonl", _pairs(12))
+    common = {"data.tokenizer": str(data / "tok"), "data.seq_length": 48, "training.seed": seed, **PACKED}
+    return {"sft-lora": {**common, "data.source": str(data / "chat.jsonl"), "model.finetune": "lora",
+                         "model.lora_rank": 4},
+            "dpo": {**common, "data.source": str(data / "pairs.jsonl"), "dpo.reference": "model",
+                    "eval.source": str(data / "pairs.jsonl"), "eval.every": 1, "eval.batches": 1}}
+
+
+def _finetune(cfg: TrainConfig) -> dict:
+    t = Trainer(cfg)
+    experts = {n: p.detach().clone() for n, p in t.model.named_parameters() if "w_gate_up" in n or "w_down" in n}
+    hist = t.train()
+    moved = {n: not torch.equal(p.detach(), experts[n]) for n, p in t.model.named_parameters() if n in experts}
+    rows = t.pc.global_batch_size * cfg.data.seq_length
+    return {"loss": [h["loss"] for h in hist], "aux": [h["moe/aux_loss"] for h in hist],
+            "assignments": [[sum(v) for v in h["moe/load"].values()] for h in hist], "tokens": rows,
+            "experts_moved": moved, "eval": [h.get("eval/loss") for h in hist]}
+
+
+def _finetune_worker(rank, world, folder, data, seed):
+    return {k: _finetune(cfg_of(folder, **kw, **{"parallel.dp": 2, "parallel.ep": 2}))
+            for k, kw in _finetune_cfgs(folder, data, seed).items()}
+
+
+def test_sft_lora_and_dpo_at_ep2_train_what_one_process_trains(rank_pool, mixtral, tmp_path, fresh_seed):
+    """SFT with LoRA (adapters on attention: router and experts stay frozen) and DPO (its reference a frozen
+    copy run every step, validation after every step) at EP2 = one process, in float64; the load counts
+    only the training steps' tokens (reference and validation passes record no metric)."""
+    folder, seed = mixtral[0], fresh_seed % 2**31
+    got = rank_pool(2).run(_finetune_worker, folder, tmp_path, seed, timeout=300)[0]
+    for task, kw in _finetune_cfgs(folder, tmp_path, seed).items():
+        want = _finetune(cfg_of(folder, **{**kw, "parallel.micro_batch_size": 2}))
+        mine = got[task]
+        torch.testing.assert_close(torch.tensor(mine["loss"]), torch.tensor(want["loss"]), rtol=1e-9, atol=0)
+        torch.testing.assert_close(torch.tensor(mine["aux"]), torch.tensor(want["aux"]), rtol=1e-6, atol=0)
+        for r in (mine, want):
+            assert r["assignments"] == [[K * r["tokens"]] * 2] * 2, task  # every token routed to K experts
+        assert not any(mine["experts_moved"].values()) if task == "sft-lora" else all(mine["experts_moved"].values())
+    assert got["dpo"]["eval"][0] is not None
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"training.precision": "fp8"}, r"training.precision fp8 with a mixture-of-experts model, .* \(num_experts 4\): "
+                                    r"the experts' grouped GEMMs have no FP8 path"),
+    ({"model.finetune": "qlora"}, r"model.finetune qlora with a mixture-of-experts model, .*: the experts' stacked "
+                                  r"weights have no nf4 format"),
+    ({"training.moe_aux_loss_style": "transformers", "parallel.pp": 2, "parallel.dp": 1},
+     r"training.moe_aux_loss_style \(transformers\) pools the tokens of every MoE layer, which needs them all on one "
+     r"pipeline stage \(parallel.pp 1, now 2"),
+])
+def test_what_moe_cannot_train_with_is_named(mixtral, values, message):
+    with pytest.raises(ValueError, match=message):
+        Trainer(cfg_of(mixtral[0], **values))
+
+
+def test_moe_keys_on_a_dense_model_and_bad_coefficients_are_named(mixtral):
+    from test_train import small
+
+    with pytest.raises(ValueError, match=r"training.moe_aux_loss_coeff \(0.1\) set for .*a dense model"):
+        Trainer(small(**{"training.moe_aux_loss_coeff": 0.1}))
+    with pytest.raises(ValueError, match=r"training.moe_z_loss_coeff \(-1.0\) must be a finite number >= 0"):
+        cfg_of(mixtral[0], **{"training.moe_z_loss_coeff": -1.0})

@@ -290,6 +290,10 @@ class TrainConfig:
             v = getattr(t, f)
             if v is not None and not (math.isfinite(v) and v >= 0):
                 errs.append(f"training.{f} ({v!r}) must be a finite number >= 0, or none (the model's)")
+        if t.moe_aux_loss_style == "transformers" and (self.parallel.pp > 1 or self.parallel.virtual_stages > 1):
+            errs.append(f"training.moe_aux_loss_style (transformers) pools the tokens of every MoE layer, which needs "
+                        f"them all on one pipeline stage (parallel.pp 1, now {self.parallel.pp}; virtual_stages "
+                        f"{self.parallel.virtual_stages}); use per_layer")
         if not t.initial_loss_scale > 0:
             errs.append(f"training.initial_loss_scale ({t.initial_loss_scale}) must be > 0")
         for f in ("lr", "min_lr", "weight_decay", "clip_grad"):
