@@ -382,3 +382,22 @@ def test_router_loss_records_equal_the_router_functions(fresh_seed):
                                          r"rank ran 1 of them.*use style 'per_layer'"):
         losses.aux_loss("transformers")
     torch.testing.assert_close(losses.aux_loss("per_layer"), 3 * torch.sum(rec.f * rec.p) / 3)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_from_an_in_memory_transformers_module(fresh_seed, kind):
+    """A transformers module holds its experts fused (experts.gate_up_proj (E, 2F, H)); from_hf splits them as
+    transformers' own save does, and to_hf_state_dict gives back exactly the checkpoint tensors."""
+    from tpkernels.models import ParallelTransformer
+    from tpkernels.models.hf_checkpoint import unfuse_experts
+
+    hf = _hf_moe(kind, fresh_seed % 1000)
+    ours = ParallelTransformer.from_hf(hf, dtype=torch.float64)
+    want = unfuse_experts(hf.state_dict(), kind)
+    got = ours.to_hf_state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert any(".experts.3." in k for k in got) and not any("gate_up_proj" in k for k in got)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-5, atol=2e-5)
