@@ -123,7 +123,7 @@ def _read(src, name: str, parts: list[Part], like: torch.Tensor) -> tuple[torch.
     """This rank's value of parameter ``name`` (shape and dtype of ``like``) and the rows of each part."""
     pieces = [src.read(part, like.dtype) for part in parts]
     value = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    if like.dim() == 3 and value.dim() == 2 and value.numel() == like.numel():  # stacked experts
+    if getattr(like, "hf_view", None) == "experts" and value.numel() == like.numel():  # stacked experts
         value = from_experts_view(value, tuple(like.shape))
     if value.shape != like.shape:
         raise ValueError(f"{name}: the checkpoint gives shape {tuple(value.shape)}, the model at this "
@@ -178,7 +178,7 @@ def to_hf_state_dict(model, which: str = "data") -> dict[str, torch.Tensor]:
             else:
                 ep_shards = [(model.ctx.ep_rank, tp_shard)]
             for q, shard in ep_shards:
-                if shard.dim() == 3:
+                if getattr(p, "hf_view", None) == "experts":
                     shard = experts_view(shard)
                 offset = 0
                 for part in all_parts[r][q][name]:
