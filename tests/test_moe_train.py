@@ -181,13 +181,28 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep4_ep1_and_ep2tp2(rank_pool, mixtra
     """Saved at step 2 at DP4 with EP2 (ZeRO-1: expert moments sharded over their edp pair), resumed at EP4,
     EP1 and EP2×TP2: step 2 (loss and aux loss, after two AdamW steps of weights and moments read back) equals
     the uninterrupted run's. Expert e of layer l is
-    stored under its Hugging Face name whatever EP rank held it, so every layout finds it."""
+    stored under its Hugging Face name whatever EP rank held it, so every layout finds it; export-hf of the
+    checkpoint is a Mixtral folder that transformers loads and runs as the checkpoint's model does."""
     got = rank_pool(4).run(_resume_worker, mixtral[0], tmp_path, fresh_seed % 2**31, timeout=300)[0]
     full = torch.tensor(got.pop("full"))
     assert len(got) == len(RESUMED_AT)
     for layout, losses in got.items():
         torch.testing.assert_close(torch.tensor(losses), full[2:], rtol=1e-6, atol=0,
                                    msg=lambda m, k=layout: f"resumed at {k}: {m}")
+    # export-hf of the EP2 checkpoint: transformers' Mixtral loads it and computes what the checkpoint's model does
+    from tpkernels.models import ParallelTransformer
+    from tpkernels.train import checkpoint
+
+    step2 = tmp_path / "a" / "step_00000002"
+    checkpoint.export_hf(step2, tmp_path / "hf")
+    hf = mixtral[1].AutoModelForCausalLM.from_pretrained(tmp_path / "hf", experts_implementation="eager",
+                                                         attn_implementation="eager", dtype=torch.float64)
+    ours = ParallelTransformer(checkpoint.config_of(checkpoint.read_meta(step2)).model_config(), None, init=None,
+                               dtype=torch.float64)
+    checkpoint.load(step2, ours)
+    ids = torch.randint(0, MIXTRAL["vocab_size"], (2, 11))
+    torch.testing.assert_close(hf(input_ids=ids).logits, ours(ids), rtol=1e-5, atol=1e-6)
+
     from tpkernels.train.checkpoint_files import read_dcp_metadata
 
     keys = set(read_dcp_metadata(tmp_path / "a" / "step_00000002").state_dict_metadata)
