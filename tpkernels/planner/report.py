@@ -139,7 +139,8 @@ def no_fit_message(p: Plan) -> str:
         return (f"No layout fits in {e.memory_capacity_gib:.3g} GiB per GPU. The smallest, {label(e)}, needs "
                 f"{e.memory.total / GIB:.1f} GiB on pipeline stage {e.memory.stage} "
                 f"({', '.join(f'{k} {v:.1f}' for k, v in e.memory.as_gib().items() if k != 'total')} GiB): "
-                "add GPUs, use ZeRO-1/recompute, a smaller micro-batch, LoRA or QLoRA.")
+                + ("add GPUs (EP splits the experts over the data-parallel ones), " if p.model.is_moe else "add GPUs, ")
+                + "use ZeRO-1/recompute, a smaller micro-batch, LoRA or QLoRA.")
     return "No valid layout: " + "; ".join(f"{r} ({n}×)" for r, n in p.rejected.most_common())
 
 
