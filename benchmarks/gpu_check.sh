@@ -78,6 +78,61 @@ gpu_step() {
   if [ -n "$DRY" ]; then step "$1"; echo "skipped: $DRY"; record "$1" skipped 0 "$DRY"; return 0; fi
   run_step "$@" || { status=1; return 1; }
 }
+# dry_check NAME LOG FLAGS...: in a dry run, queue `python -m tpkernels.train FLAGS --dry-run` (the CLI's own
+# checks: config, layout plan, data); dry_checks_run runs the queue in one process (each command's output to
+# $OUT/LOG, its first 4 lines to the console, its result to steps.tsv as a step of its own): one start-up of
+# torch, transformers and the planner instead of one per command (~5 s each on 2 CPU cores)
+DRY_Q="$OUT/.dry_checks"
+if [ -n "$DRY" ]; then rm -rf "$DRY_Q"; fi  # a queue an interrupted dry run left in this OUT
+dry_check() {
+  [ -n "$DRY" ] || return 0
+  local name=$1 log=$2 n
+  shift 2
+  mkdir -p "$DRY_Q"
+  n=$(find "$DRY_Q" -name '*.args' | wc -l)
+  printf '%s\t%s\n' "$name" "$log" > "$DRY_Q/$n.what"
+  printf '%s\0' "$@" --dry-run > "$DRY_Q/$n.args"
+}
+dry_checks_run() {
+  [ -n "$DRY" ] && [ -d "$DRY_Q" ] || return 0
+  local n name log rc secs
+  # a file, not stdin: a process the checks spawn (multiprocessing) imports the main module again
+  cat > "$DRY_Q/run.py" <<'PY'
+import contextlib, os, sys, time, warnings
+from pathlib import Path
+
+if __name__ == "__main__":
+    from tpkernels.train.cli import main
+
+    queue, out = Path(sys.argv[1]), Path(sys.argv[2])
+    for n in range(len(list(queue.glob("*.args")))):
+        log = (queue / f"{n}.what").read_text().rstrip("\n").split("\t")[1]
+        argv = (queue / f"{n}.args").read_bytes().decode().split("\0")[:-1]
+        t0 = time.monotonic()
+        os.environ.pop("TPK_TRAIN_SAID_WARNINGS", None)  # each command says its warnings, as its own process would
+        with open(out / log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), \
+                warnings.catch_warnings():
+            try:
+                rc = main(argv)
+            except BaseException as e:  # noqa: BLE001  (a crash is this command's failure, not the queue's)
+                print(f"{type(e).__name__}: {e}")
+                rc = 1
+        (queue / f"{n}.rc").write_text(f"{rc or 0} {time.monotonic() - t0:.0f}")
+PY
+  TPKERNELS_CACHE_DIR="$CKPT/planner_cache" timeout "$(cap 300)" $PY "$DRY_Q/run.py" "$DRY_Q" "$OUT"
+  for n in $(seq 0 $(($(find "$DRY_Q" -name '*.args' | wc -l) - 1))); do
+    IFS=$'\t' read -r name log < "$DRY_Q/$n.what"
+    step "$name"
+    sed -n 1,4p "$OUT/$log" 2> /dev/null
+    if [ -f "$DRY_Q/$n.rc" ]; then read -r rc secs < "$DRY_Q/$n.rc"; else rc=124; secs=0; fi
+    case $rc in
+      0) record "$name" ok "$secs" "$log" ;;
+      124) echo "TIMED OUT (the dry-run checks' process)"; record "$name" timeout "$secs" "$log"; status=1 ;;
+      *) echo "FAILED with exit code $rc (see $OUT/$log)"; record "$name" "failed ($rc)" "$secs" "$log"; status=1 ;;
+    esac
+  done
+  rm -rf "$DRY_Q"
+}
 
 step "machine"
 if [ -n "$DRY" ]; then
@@ -121,11 +176,9 @@ MAIN_JOB=(--config python/configs/demo_llama_tp2_pp2.yaml --parallel.tp 1 --para
           --parallel.sequence_parallel false --layout auto --autotune 2 --data.source README.md
           --training.precision bf16 --training.steps 20 --checkpoint.save_dir "$CKPT/main"
           --logging.progress false)
-if [ -n "$DRY" ]; then  # the same flags through the CLI's own checks: config, layout plan, data
-  HEAD=4 run_step "main job's command line (tpkernels train --dry-run, the same flags)" 60 train_nccl_dry_run.log \
-    "${TRAIN[@]}" -m tpkernels.train "${MAIN_JOB[@]}" --logging.metrics_file "$OUT/train_nccl_metrics.jsonl" --dry-run \
-    || status=1
-fi
+# the same flags through the CLI's own checks: config, layout plan, data
+dry_check "main job's command line (tpkernels train --dry-run, the same flags)" train_nccl_dry_run.log \
+  "${MAIN_JOB[@]}" --logging.metrics_file "$OUT/train_nccl_metrics.jsonl"
 TAIL=8 gpu_step "main job: torchrun --standalone --nproc-per-node 1 (NCCL), --layout auto --autotune 2, packed text" \
   120 train_nccl.log "${TRAIN[@]}" -m torch.distributed.run --standalone --nproc-per-node 1 -m tpkernels.train "${MAIN_JOB[@]}" \
   --logging.metrics_file "$OUT/train_nccl_metrics.jsonl"
@@ -134,10 +187,8 @@ TAIL=8 gpu_step "main job: torchrun --standalone --nproc-per-node 1 (NCCL), --la
 # on the CPU with gloo: "step 0 loss 6.251701 at TP1 PP1 DP1 mbs8 vs 6.251713 ...: equal")
 STEP0=(--nproc 1 --verify-step0 "${MAIN_JOB[@]}" --autotune 0 --training.steps 1 --optimizer.warmup_steps 0
        --checkpoint.save_dir "$CKPT/step0")
-if [ -n "$DRY" ]; then
-  HEAD=4 run_step "step 0 check's command line (tpkernels train --dry-run, the same flags)" 60 train_step0_dry_run.log \
-    "${TRAIN[@]}" -m tpkernels.train "${STEP0[@]}" --dry-run || status=1
-fi
+dry_check "step 0 check's command line (tpkernels train --dry-run, the same flags)" train_step0_dry_run.log \
+  "${STEP0[@]}"
 TAIL=3 gpu_step "main job's step 0 vs fp64 (tpkernels train --nproc 1 --verify-step0)" 60 train_step0.log \
   "${TRAIN[@]}" -m tpkernels.train "${STEP0[@]}"
 # ---- fine-tuning as users run it, one GPU under torchrun (NCCL), a few steps each: chat SFT (the loss on
@@ -158,14 +209,9 @@ QLORA=("${SFT[@]}" --model.finetune qlora --model.quant nf4 --model.lora_rank 16
 if $PY -c "import datasets" 2> /dev/null; then
   run_step "chat corpus (python/chat_data.py: tokenizer with a chat template, random Llama, SFT and DPO records)" 30 \
     chat_data.log $PY python/chat_data.py "$CHAT" || status=1
-  if [ -n "$DRY" ]; then
-    HEAD=4 run_step "SFT's command line (tpkernels train --dry-run, the same flags)" 60 train_sft_dry_run.log \
-      "${TRAIN[@]}" -m tpkernels.train "${SFT[@]}" --dry-run || status=1
-    HEAD=4 run_step "DPO's command line (tpkernels train --dry-run, the same flags)" 60 train_dpo_dry_run.log \
-      "${TRAIN[@]}" -m tpkernels.train "${DPO[@]}" --dry-run || status=1
-    HEAD=4 run_step "QLoRA's command line (tpkernels train --dry-run, the same flags)" 60 train_qlora_dry_run.log \
-      "${TRAIN[@]}" -m tpkernels.train "${QLORA[@]}" --dry-run || status=1
-  fi
+  dry_check "SFT's command line (tpkernels train --dry-run, the same flags)" train_sft_dry_run.log "${SFT[@]}"
+  dry_check "DPO's command line (tpkernels train --dry-run, the same flags)" train_dpo_dry_run.log "${DPO[@]}"
+  dry_check "QLoRA's command line (tpkernels train --dry-run, the same flags)" train_qlora_dry_run.log "${QLORA[@]}"
   TAIL=4 gpu_step "SFT: torchrun --nproc-per-node 1 (NCCL), chat records, assistant tokens only" 60 train_sft.log \
     "${TRAIN[@]}" -m torch.distributed.run --standalone --nproc-per-node 1 -m tpkernels.train "${SFT[@]}" \
     --logging.metrics_file "$OUT/train_sft_metrics.jsonl"
@@ -196,10 +242,8 @@ FP8_JOB=(--config python/configs/demo_llama_tp2_pp2.yaml --parallel.tp 1 --paral
          --model.kv_heads 8 --data.source README.md --data.seq_length 1024 --parallel.micro_batch_size 4
          --parallel.num_microbatches 1 --training.precision fp8 --fp8.layers auto --training.steps 8
          --checkpoint.save_dir none --logging.progress false --logging.log_every 2)
-if [ -n "$DRY" ]; then
-  HEAD=4 run_step "FP8 job's command line (tpkernels train --dry-run, the same flags)" 60 train_fp8_dry_run.log \
-    "${TRAIN[@]}" -m tpkernels.train "${FP8_JOB[@]}" --dry-run || status=1
-fi
+dry_check "FP8 job's command line (tpkernels train --dry-run, the same flags)" train_fp8_dry_run.log "${FP8_JOB[@]}"
+dry_checks_run  # the queued dry-run checks above, in one process
 TAIL=16 gpu_step "FP8: torchrun --nproc-per-node 1 (NCCL), training.precision fp8, fp8.layers auto (the choice table)" \
   60 train_fp8.log "${TRAIN[@]}" -m torch.distributed.run --standalone --nproc-per-node 1 -m tpkernels.train \
   "${FP8_JOB[@]}" --logging.metrics_file "$OUT/train_fp8_metrics.jsonl"
