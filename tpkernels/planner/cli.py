@@ -64,8 +64,8 @@ class WorkloadSection:
                                     "step time (1: balanced routing)")
     moe_peak_imbalance: float = opt(2.0, "the same at its worst, sizing the dispatch buffers of a dropless model "
                                          "(a capacity factor bounds it instead)")
-    moe_chunks: int = opt(1, "chunks of the expert-parallel dispatch, each one's expert GEMMs overlapping the next "
-                             "one's all-to-all (1: no overlap)")
+    moe_chunks: int = opt(2, "chunks of the expert-parallel dispatch, each one's expert GEMMs overlapping the next "
+                             "one's all-to-all (1: no overlap; 2: what tpkernels train runs)")
     moe_dispatch: str = opt("alltoall", "alltoall (each of a token's k copies to its expert's rank, as tpkernels "
                                         "train does) or dedup (once per rank and node: DeepEP, HybridEP)", MOE_DISPATCH)
 

@@ -61,7 +61,7 @@ class TrainingSetup:
         any of its experts, forwarding it inside the node over NVLink (DeepEP, HybridEP).
     moe_chunks: the expert-parallel dispatch is cut into this many chunks, the expert GEMMs of chunk i
         running while chunk i + 1 is in flight (tpkernels.functional.moe_dispatch's ``chunks``); 1
-        overlaps nothing.
+        overlaps nothing. 2: what tpkernels train runs (ParallelTransformer's ``moe_chunks``).
     task: "pretrain", "sft" or "dpo". SFT costs what pre-training does on the same tokens (the
         prompt's masked tokens still run forward and backward); DPO's rows hold both sequences of
         each pair (global_batch counts rows of seq_length tokens, as for the others).
@@ -87,7 +87,7 @@ class TrainingSetup:
     grad_reduce_fp32: bool = True
     moe_imbalance: float = 1.0
     moe_peak_imbalance: float = 2.0
-    moe_chunks: int = 1
+    moe_chunks: int = 2
     moe_dispatch: str = "alltoall"
 
     def __post_init__(self):
