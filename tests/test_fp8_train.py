@@ -1,4 +1,4 @@
-"""FP8 training in the job: a Llama at TP2×PP2+SP trained 50 steps on packed text (LICENSE, byte
+"""FP8 training in the job: a Llama at TP2×PP2+SP trained 30 steps on packed text (LICENSE, byte
 tokens) in fp8 with each recipe tracks the bf16 run (10-step means) within a band derived from the
 same run's bf16 distance to fp32, with no NaN; the guardrail moves a linear whose inputs saturate back to bf16 and
 says so; the per-linear choice is kept in the metrics file; bad input is named."""
@@ -24,7 +24,9 @@ LAYOUT = {"tp": 2, "pp": 2, "sequence_parallel": True, "num_microbatches": 1, "m
 
 
 def _losses(rank, world, kw):
-    t = Trainer(small(**{**TEXT, **LAYOUT, "steps": 50, **kw}))
+    # 30 steps, three 10-step windows (was 50: the same gaps, 0.6-0.8% at 30 and 0.7-1.0% at 50, against the
+    # 2% allowed; fp32's windows 4.64 -> 3.06 -> 3.47 learn; the five runs cost ~25 s less)
+    t = Trainer(small(**{**TEXT, **LAYOUT, "steps": 30, **kw}))
     return [h["loss"] for h in t.train()]
 
 
