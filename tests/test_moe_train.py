@@ -99,6 +99,7 @@ def test_one_process_objective_is_transformers_mixtral_with_its_aux_loss(mixtral
         torch.testing.assert_close(ours[k], theirs[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
 
 
+LORA = {"model.finetune": "lora", "model.lora_rank": 3}
 # world: layouts run one after the other on the same ranks; each against the one-process run (the same
 # global micro-batches: dp 2 × mbs 1, 2 micro-batches)
 LAYOUTS = {
@@ -110,7 +111,9 @@ LAYOUTS = {
         {"parallel.dp": 2, "parallel.ep": 2, "parallel.pp": 2, "parallel.schedule": "zb-h1",
          "parallel.recompute": "full"},
         {"parallel.dp": 2, "parallel.ep": 2, "parallel.pp": 2, "parallel.schedule": "gpipe",
-         "parallel.recompute": "selective"}],
+         "parallel.recompute": "selective"},
+        # LoRA on attention and on every expert (B_gu split over TP, B_d's gradient a partial sum over TP)
+        {"parallel.dp": 2, "parallel.ep": 2, "parallel.tp": 2, "parallel.sequence_parallel": True, **LORA}],
 }
 PACKED = {"parallel.num_microbatches": 2, "parallel.micro_batch_size": 1}
 
@@ -122,22 +125,25 @@ def _layouts_worker(rank, world, folder, seed):
 @pytest.fixture(scope="module")
 def one_process(mixtral):
     """The one-process float64 step 0 of the layouts' global batch: 2 micro-batches of 2 rows."""
-    def get(seed):
-        return step0(cfg_of(mixtral[0], **{**PACKED, "parallel.micro_batch_size": 2, "training.seed": seed}))
+    def get(seed, **kw):
+        return step0(cfg_of(mixtral[0], **{**PACKED, "parallel.micro_batch_size": 2, "training.seed": seed, **kw}))
     return get
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_step0_at_every_layout_equals_one_process_fp64(rank_pool, mixtral, one_process, world, fresh_seed):
     """EP2 and DP2 (world 2), EP2×TP2+SP and EP2×PP2 under 1f1b, zb-h1 + full recompute and gpipe +
-    selective recompute (world 4): loss, aux / z losses, the per-expert load, the gradient norm and every
-    gradient equal the one-process run."""
+    selective recompute, EP2×TP2+SP with LoRA on attention and experts (world 4): loss, aux / z losses, the
+    per-expert load, the gradient norm (LoRA: the adapters' only) and every gradient equal the one-process
+    run."""
     seed = fresh_seed % 2**31
-    ref = one_process(seed)
-    assert ref["moe/aux_loss"] > 0 and ref["moe/z_loss"] > 0
+    refs = {False: one_process(seed)}
+    if any("model.finetune" in kw for kw in LAYOUTS[world]):
+        refs[True] = one_process(seed, **LORA)
+    assert refs[False]["moe/aux_loss"] > 0 and refs[False]["moe/z_loss"] > 0
     for per_rank in rank_pool(world).run(_layouts_worker, mixtral[0], seed, timeout=300):
         for kw, got in zip(LAYOUTS[world], per_rank):
-            where = f"{kw}: "
+            ref, where = refs["model.finetune" in kw], f"{kw}: "
             assert got["loss"] == pytest.approx(ref["loss"], rel=1e-10), where
             for k in ("moe/aux_loss", "moe/z_loss"):
                 assert got[k] == pytest.approx(ref[k], rel=1e-6), where + k
@@ -234,10 +240,11 @@ def _finetune(cfg: TrainConfig) -> dict:
     experts = {n: p.detach().clone() for n, p in t.model.named_parameters() if "w_gate_up" in n or "w_down" in n}
     hist = t.train()
     moved = {n: not torch.equal(p.detach(), experts[n]) for n, p in t.model.named_parameters() if n in experts}
+    adapters = [bool(p.detach().abs().sum() > 0) for n, p in t.model.named_parameters() if ".mlp.lora.B_" in n]
     rows = t.pc.global_batch_size * cfg.data.seq_length
     return {"loss": [h["loss"] for h in hist], "aux": [h["moe/aux_loss"] for h in hist],
             "assignments": [[sum(v) for v in h["moe/load"].values()] for h in hist], "tokens": rows,
-            "experts_moved": moved, "eval": [h.get("eval/loss") for h in hist]}
+            "experts_moved": moved, "eval": [h.get("eval/loss") for h in hist], "expert_adapters": adapters}
 
 
 def _finetune_worker(rank, world, folder, data, seed):
@@ -246,7 +253,8 @@ def _finetune_worker(rank, world, folder, data, seed):
 
 
 def test_sft_lora_and_dpo_at_ep2_train_what_one_process_trains(rank_pool, mixtral, tmp_path, fresh_seed):
-    """SFT with LoRA (adapters on attention: router and experts stay frozen) and DPO (its reference a frozen
+    """SFT with LoRA (adapters on attention and on every routed expert: the router and the experts' base
+    weights stay frozen, the experts' adapters train) and DPO (its reference a frozen
     copy run every step, validation after every step) at EP2 = one process, in float64; the load counts
     only the training steps' tokens (reference and validation passes record no metric)."""
     folder, seed = mixtral[0], fresh_seed % 2**31
@@ -259,6 +267,7 @@ def test_sft_lora_and_dpo_at_ep2_train_what_one_process_trains(rank_pool, mixtra
         for r in (mine, want):
             assert r["assignments"] == [[K * r["tokens"]] * 2] * 2, task  # every token routed to K experts
         assert not any(mine["experts_moved"].values()) if task == "sft-lora" else all(mine["experts_moved"].values())
+        assert mine["expert_adapters"] == ([True] * 4 if task == "sft-lora" else [])  # B_gu, B_d of 2 layers trained
     assert got["dpo"]["eval"][0] is not None
 
 
@@ -283,3 +292,27 @@ def test_moe_keys_on_a_dense_model_and_bad_coefficients_are_named(mixtral):
         Trainer(small(**{"training.moe_aux_loss_coeff": 0.1}))
     with pytest.raises(ValueError, match=r"training.moe_z_loss_coeff \(-1.0\) must be a finite number >= 0"):
         cfg_of(mixtral[0], **{"training.moe_z_loss_coeff": -1.0})
+
+
+def test_expert_adapters_merge_into_the_experts(mixtral, fresh_seed):
+    """The experts' adapters (one (A, B) per expert) run unfused in the layer and merge into the stacked
+    weights (W += alpha/r · A·B): logits before and after the merge agree in float64; B = 0 at the start
+    leaves the model as it was."""
+    from tpkernels.models import ParallelTransformer
+    from tpkernels.models.lora import EXPERTS, TARGETS, apply_lora, merge_lora_
+
+    mc = cfg_of(mixtral[0]).model_config()
+    model = ParallelTransformer(mc, None, seed=fresh_seed % 2**31, dtype=torch.float64)
+    ids = torch.randint(0, mc.vocab_size, (2, 9))
+    base = model(ids)
+    done = apply_lora(model, 3, 5.0, TARGETS + (EXPERTS,), seed=1)
+    assert sum(d.endswith(".mlp.experts") for d in done) == 2
+    torch.testing.assert_close(model(ids), base, rtol=1e-12, atol=1e-12)  # the unfused MLP: rounding only
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora." in n:
+                p.normal_(0, 0.3)
+    adapted = model(ids)
+    assert (adapted - base).abs().max() > 1e-3
+    assert merge_lora_(model) == 2 + 2 * 2  # two MoE layers, each layer's qkv and out
+    torch.testing.assert_close(model(ids), adapted, rtol=1e-10, atol=1e-10)

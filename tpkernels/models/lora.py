@@ -1,4 +1,5 @@
-"""LoRA adapters on the TP-sharded linear layers (q/k/v, output, gate/up, down), sharded with them.
+"""LoRA adapters on the TP-sharded linear layers (q/k/v, output, gate/up, down), sharded with them,
+and (target ``experts``) on a MoE layer's routed experts (:mod:`tpkernels.models.expert_lora`).
 
     apply_lora(model, rank=16, alpha=32)     # base weights frozen; only A and B train
     model.merge_lora_()                       # W += alpha/r · B·A, shard by shard (then save_hf)
@@ -31,7 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tpkernels.models.expert_lora import ExpertLoRA, experts_with_lora
 from tpkernels.models.hf_checkpoint import Part
+from tpkernels.models.moe import MoE
 from tpkernels.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from tpkernels.parallel.param_tags import tag, tag_of
 from tpkernels.parallel.mappings import (
@@ -42,6 +45,7 @@ from tpkernels.parallel.mappings import (
 )
 
 TARGETS = ("qkv", "out", "gate_up", "up", "down")
+EXPERTS = "experts"  # a MoE layer's routed experts (tpkernels.models.expert_lora), a target of MoE models
 SCALING = "alpha/rank"  # the update is (alpha / rank)·B·A, not rsLoRA's alpha / sqrt(rank): part of their meaning
 
 
@@ -123,6 +127,10 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets=
             m._lora_base_forward = m.forward
             m.forward = types.MethodType(_forward_with_lora, m)
             done.append(name)
+        elif isinstance(m, MoE) and EXPERTS in targets:
+            m.lora = ExpertLoRA(m, rank, alpha)
+            m._experts = types.MethodType(experts_with_lora, m)
+            done.append(f"{name}.experts")
     if not done:
         raise ValueError(f"no layer of the model matches lora targets {list(targets)}")
     model.lora_spec = spec
@@ -140,6 +148,8 @@ def _init_a(model, seed: int) -> None:
     """Kaiming-uniform A of the whole layer, U(±1/sqrt(in_features)), from a generator keyed by its name."""
     base = model.param_parts()
     for name, m in model.named_modules():
+        if isinstance(getattr(m, "lora", None), ExpertLoRA):
+            m.lora.init_a(m, seed)
         if not isinstance(getattr(m, "lora", None), LoRA):
             continue
         part_list = base[f"{name}.weight"]
@@ -159,6 +169,9 @@ def merge_lora_(model: nn.Module) -> int:
     n = 0
     for m in model.modules():
         lora = getattr(m, "lora", None)
+        if isinstance(lora, ExpertLoRA):
+            lora.merge_into(m)
+            n += 1
         if isinstance(lora, LoRA):
             if getattr(m, "qweight", None) is not None:
                 raise ValueError("merge_lora_ needs full-precision base weights; call dequantize_() on the quantised "
@@ -176,6 +189,8 @@ def lora_parts(model, tp_rank: int | None = None) -> dict[str, list[Part]]:
     out = {}
     for name, m in model.named_modules():
         lora = getattr(m, "lora", None)
+        if isinstance(lora, ExpertLoRA):  # this rank's experts at this layout's TP rank
+            out.update({f"{name}.lora.{k}": v for k, v in lora.parts(m).items()})
         if not isinstance(lora, LoRA):
             continue
         wparts = base[f"{name}.weight"]
@@ -198,6 +213,8 @@ def lora_shapes(model) -> dict[str, tuple[int, int]]:
     base = model.param_parts()
     for name, m in model.named_modules():
         lora = getattr(m, "lora", None)
+        if isinstance(lora, ExpertLoRA):
+            full.update(lora.shapes(m))
         if not isinstance(lora, LoRA):
             continue
         for p in base[f"{name}.weight"]:
@@ -209,5 +226,5 @@ def lora_shapes(model) -> dict[str, tuple[int, int]]:
     return full
 
 
-__all__ = ["LoRA", "LoRASpec", "SCALING", "TARGETS", "apply_lora", "lora_parts", "lora_shapes", "lora_spec",
+__all__ = ["EXPERTS", "LoRA", "LoRASpec", "SCALING", "TARGETS", "apply_lora", "lora_parts", "lora_shapes", "lora_spec",
            "merge_lora_"]

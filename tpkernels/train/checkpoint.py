@@ -482,6 +482,10 @@ def export_peft(path: str | Path, out: str | Path) -> Path:
     if spec is None:
         raise ValueError(f"export-peft: checkpoint {str(path)!r} was trained with model.finetune {ms.finetune!r}: it "
                          "holds no adapters (export-hf writes its weights)")
+    if "experts" in spec.targets:
+        raise ValueError(f"export-peft: checkpoint {str(path)!r} holds adapters on a mixture-of-experts model's routed "
+                         "experts, which PEFT cannot load onto transformers' fused experts (experts.gate_up_proj is "
+                         "no Linear); export-hf writes the merged model")
     model = _export_model(cfg, spec)
     load(path, model)
     return write_peft(model, out, base_model=peft_base_path(ms.init_from), rank=spec.rank, alpha=spec.alpha)

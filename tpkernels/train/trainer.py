@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from tpkernels.models import ParallelTransformer
 from tpkernels.models.grad_sync import DataParallelGradReduce
-from tpkernels.models.lora import apply_lora
+from tpkernels.models.lora import EXPERTS as LORA_EXPERTS, TARGETS as LORA_TARGETS, apply_lora
 from tpkernels.parallel import control
 from tpkernels.parallel.param_tags import tag_of
 from tpkernels.parallel.state import ParallelState
@@ -185,7 +185,9 @@ class Trainer:
         dtype = DTYPES[cfg.training.precision]
         self.model = self.build_model()
         ms, opt = cfg.model, cfg.optimizer
-        self.lora_layers = apply_lora(self.model, ms.lora_rank, ms.lora_alpha, seed=cfg.training.seed) \
+        # a MoE model's routed experts get adapters too (one pair per expert, split over TP and EP like them)
+        targets = LORA_TARGETS + ((LORA_EXPERTS,) if self.mc.num_experts else ())
+        self.lora_layers = apply_lora(self.model, ms.lora_rank, ms.lora_alpha, targets, seed=cfg.training.seed) \
             if ms.adapters else []
         self.fp8 = Fp8Policy(self) if cfg.training.precision == "fp8" else None
         self.mp = MixedPrecision(self.model, dtype, init_scale=cfg.training.initial_loss_scale) \
