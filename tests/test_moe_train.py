@@ -314,3 +314,27 @@ def test_expert_adapters_merge_into_the_experts(mixtral, fresh_seed):
     assert (adapted - base).abs().max() > 1e-3
     assert merge_lora_(model) == 2 + 2 * 2  # two MoE layers, each layer's qkv and out
     torch.testing.assert_close(model(ids), adapted, rtol=1e-10, atol=1e-10)
+
+
+def test_moe_metrics_reach_the_metrics_file_the_progress_line_and_tensorboard(mixtral, tmp_path, capsys):
+    """One process, 2 steps: the metrics file's step records hold the moe/* values, the plain progress line
+    shows aux and load max/mean, and TensorBoard's own reader finds the same aux curve and the per-layer
+    load as text."""
+    from test_experiment_log import read_events
+    from tpkernels.train.experiment_log import close_logs
+
+    cfg = cfg_of(mixtral[0], **{"logging.metrics_file": str(tmp_path / "m.jsonl"), "logging.log_every": 1,
+                                "logging.progress": True, "logging.tensorboard_dir": str(tmp_path / "tb"),
+                                "parallel.micro_batch_size": 2})
+    Trainer(cfg).train()
+    close_logs()
+    recs = [r for r in map(json.loads, (tmp_path / "m.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in recs] == [0, 1]
+    for r in recs:
+        assert r["moe/aux_loss"] > 0 and r["moe/load_max_over_mean"] >= 1 and r["moe/dropped_tokens"] == 0
+        assert set(r["moe/load"]) == {"0", "1"} and all(sum(v) == K * 2 * 16 for v in r["moe/load"].values())
+    out = capsys.readouterr().out
+    assert f"aux {recs[1]['moe/aux_loss']:.4f}  load max/mean {recs[1]['moe/load_max_over_mean']:.2f}" in out
+    scalars, texts = read_events(tmp_path / "tb")
+    assert [v for _, v in scalars["moe/aux_loss"]] == pytest.approx([r["moe/aux_loss"] for r in recs], rel=1e-6)
+    assert texts["moe/load/1"][-1] == (1, ", ".join(map(str, recs[1]["moe/load"]["1"])))
