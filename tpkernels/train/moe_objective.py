@@ -90,21 +90,15 @@ class RouterObjective:
         self.aux_coef, self.z_coef, self.style = float(aux_coef), float(z_coef), style
         self.tp = model.state.config.tp
         self._scale: float | None = None
-        self._handles = []
-        for chunk in model.chunks:
-            layers = [b.layer for b in chunk.layers if mc.is_moe_layer(b.layer)]
-            if layers:
-                self._handles.append(chunk.register_forward_hook(self._hook(layers)))
-        if style == "transformers" and len(self._handles) > 1 or (
-                style == "transformers" and self._handles and len(self._chunk_layers()) != self.num_moe_layers):
-            raise ValueError(f"training.moe_aux_loss_style 'transformers' pools the tokens of every MoE layer, which "
+        self._m = 1
+        chunks = [(c, [b.layer for b in c.layers if mc.is_moe_layer(b.layer)]) for c in model.chunks]
+        chunks = [(c, layers) for c, layers in chunks if layers]
+        if style == "transformers" and (len(chunks) > 1 or sum(len(ls) for _, ls in chunks) != self.num_moe_layers):
+            raise ValueError(f"training.moe_aux_loss_style (transformers) pools the tokens of every MoE layer, which "
                              f"needs them all on one pipeline stage (parallel.pp 1, now {model.state.config.pp}); "
-                             "use 'per_layer'")
+                             "use per_layer")
+        self._handles = [c.register_forward_hook(self._hook(layers)) for c, layers in chunks]
         self._reset()
-
-    def _chunk_layers(self) -> list[int]:
-        mc = self.model.config
-        return [b.layer for c in self.model.chunks for b in c.layers if mc.is_moe_layer(b.layer)]
 
     def _reset(self) -> None:
         self._aux = self._z = None
@@ -176,14 +170,14 @@ class RouterObjective:
             if i in self._counts:
                 vec[3 + j * e:3 + (j + 1) * e] = self._counts[i].to(device=device, dtype=torch.float64)
         vec = control.all_reduce_(vec, "sum", group).cpu()
-        m = max(self._m, 1) if hasattr(self, "_m") else 1
-        # every TP rank of a layer routes the same tokens: its counts are there tp times
-        counts = (vec[3:] / self.tp).round().view(len(layers), e)
+        m = self._m
+        # every TP rank routes its own 1/tp of the tokens (tpkernels.models.moe): the sum counts each once
+        counts = vec[3:].round().view(len(layers), e)
         mean = counts.mean(dim=1).clamp_min(1e-12)
         imbalance = (counts.max(dim=1).values / mean)
         return {"moe/aux_loss": float(vec[0]) / m, "moe/z_loss": float(vec[1]) / m,
                 "moe/load_max_over_mean": float(imbalance.max()) if len(layers) else 1.0,
-                "moe/dropped_tokens": int(round(float(vec[2]) / self.tp)),
+                "moe/dropped_tokens": int(round(float(vec[2]))),
                 "moe/load": {str(i): [int(c) for c in counts[j].tolist()] for j, i in enumerate(layers)}}
 
 
