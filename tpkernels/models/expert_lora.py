@@ -42,7 +42,9 @@ class ExpertLoRA(nn.Module):
         super().__init__()
         e, h, f, tp = moe.num_local, moe.ctx.mc.hidden_size, moe.f, moe.ctx.tp_size
         self.rank, self.scale, self.f = rank, alpha / rank, f
-        kw = dict(device=moe.w_gate_up.device, dtype=moe.w_gate_up.dtype)
+        # a quantised base (QLoRA) keeps only a meta stand-in of the stacked weight: its codes say where it lives
+        dev = moe.quantized["w_gate_up"].device if moe.quantized is not None else moe.w_gate_up.device
+        kw = dict(device=dev, dtype=moe.w_gate_up.dtype)
         self.A_gu = tag(nn.Parameter(torch.empty(e, h, rank, **kw)), partial_grad=tp > 1, expert_parallel=True)
         self.B_gu = tag(nn.Parameter(torch.zeros(e, rank, 2 * f, **kw)), split_dim=2, expert_parallel=True)
         self.A_d = tag(nn.Parameter(torch.empty(e, f, rank, **kw)), split_dim=1, expert_parallel=True)
@@ -53,16 +55,19 @@ class ExpertLoRA(nn.Module):
     def mlp(self, moe, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' SwiGLU MLP with the adapters over ``rows`` (M, H) grouped by local expert -> (M, H),
         partial over TP."""
-        s = self.scale
-        gate_up = grouped_gemm(rows, moe.w_gate_up, counts) + \
+        s = self.scale  # the base in its weight format (dense, or QLoRA's frozen NF4 / int8): moe.expert_gemm
+        gate_up = moe.expert_gemm("w_gate_up", rows, counts) + \
             s * grouped_gemm(grouped_gemm(rows, self.A_gu, counts), self.B_gu, counts)
         a = F.silu(gate_up[:, :self.f]) * gate_up[:, self.f:]
-        return grouped_gemm(a, moe.w_down, counts) + s * grouped_gemm(grouped_gemm(a, self.A_d, counts), self.B_d,
-                                                                      counts)
+        return moe.expert_gemm("w_down", a, counts) + s * grouped_gemm(grouped_gemm(a, self.A_d, counts), self.B_d,
+                                                                       counts)
 
     @torch.no_grad()
     def merge_into(self, moe) -> None:
         """W += (alpha/r)·A·B expert by expert (this rank's shards), then B = 0."""
+        if moe.quantized is not None:
+            raise ValueError("merge_lora_ needs full-precision base weights; the routed experts hold a quantised "
+                             "base: call dequantize_() on each of moe.quantized_weights() first (export-hf does)")
         moe.w_gate_up += (self.scale * torch.bmm(self.A_gu, self.B_gu)).to(moe.w_gate_up.dtype)
         moe.w_down += (self.scale * torch.bmm(self.A_d, self.B_d)).to(moe.w_down.dtype)
         self.B_gu.zero_()

@@ -132,8 +132,15 @@ def _read(src, name: str, parts: list[Part], like: torch.Tensor) -> tuple[torch.
 
 
 def quantized_layers(model) -> dict[str, nn.Module]:
-    """Our weight name -> the TP linear that holds it quantised (``layer.qweight``)."""
-    return {f"{name}.weight": m for name, m in model.named_modules() if getattr(m, "qweight", None) is not None}
+    """Our weight name -> what holds it quantised: a TP linear (``layer.qweight``), or a MoE layer's stacked
+    experts (:class:`tpkernels.models.moe_quant.QuantizedExperts`, the same interface)."""
+    out = {}
+    for name, m in model.named_modules():
+        if getattr(m, "qweight", None) is not None:
+            out[f"{name}.weight"] = m
+        if hasattr(m, "quantized_weights"):
+            out.update({f"{name}.{k}": v for k, v in m.quantized_weights().items()})
+    return out
 
 
 def init_weights_(model, seed: int):

@@ -42,13 +42,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpkernels.functional.grouped_gemm import grouped_swiglu_mlp
+from tpkernels.functional.grouped_gemm import grouped_gemm, grouped_swiglu_mlp
+from tpkernels.functional.grouped_quantized import grouped_quantized_gemm
 from tpkernels.functional.moe_dispatch import dispatch_combine
 from tpkernels.functional.moe_permute import permute, unpermute
 from tpkernels.functional.moe_router import route
 from tpkernels.models.context import LayerContext, replicated
 from tpkernels.models.hf_checkpoint import Part
 from tpkernels.models.mlp import MLP
+from tpkernels.models.moe_quant import quantize_experts, quantized_weights
 from tpkernels.parallel import control
 from tpkernels.parallel.mappings import (
     copy_to_tensor_parallel,
@@ -189,6 +191,9 @@ class MoE(nn.Module):
                           expert_parallel=True)
         for p in (self.w_gate_up, self.w_down):
             p.hf_view = "experts"  # its HF parts are those of (E/ep · out, in): hf_checkpoint.experts_view
+        self.quantized = None
+        if ctx.quant:  # QLoRA: the experts are a frozen NF4 / int8 base (tpkernels.models.moe_quant)
+            quantize_experts(self, ctx.quant)
         s = mc.shared_expert_ffn_hidden_size
         self.shared = None
         if s:
@@ -207,7 +212,22 @@ class MoE(nn.Module):
         tensors stay out of the checkpoint's hooks, or each nested backward, a graph task of its own, would
         run the whole layer's recomputation again (and re-enter its context: an error)."""
         with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-            return grouped_swiglu_mlp(rows, self.w_gate_up, self.w_down, counts)
+            if self.quantized is None:
+                return grouped_swiglu_mlp(rows, self.w_gate_up, self.w_down, counts)
+            gate_up = self.expert_gemm("w_gate_up", rows, counts)
+            return self.expert_gemm("w_down", F.silu(gate_up[:, :self.f]) * gate_up[:, self.f:], counts)
+
+    def expert_gemm(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, in) grouped by local expert times the local experts' ``name`` ("w_gate_up" or "w_down") in
+        its weight format: the dense stacked tensor (grouped_gemm) or the quantised base
+        (grouped_quantized_gemm, frozen) -> (M, out)."""
+        if self.quantized is not None and name in self.quantized:
+            return grouped_quantized_gemm(x, self.quantized[name], counts)
+        return grouped_gemm(x, getattr(self, name), counts)
+
+    def quantized_weights(self) -> dict:
+        """The expert weights held quantised, by parameter name (tpkernels.models.moe_quant.QuantizedExperts)."""
+        return quantized_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx, mc = self.ctx, self.ctx.mc
@@ -224,9 +244,9 @@ class MoE(nn.Module):
             dropped = int(r.dropped.sum()) if r.dropped is not None else 0
             self.losses.record(self.layer, LayerRouterStats(f, p, z, counts, dropped))
         x_sorted, counts, row_map = permute(tokens, experts, self.num_experts)
+        weights = [w for w in (self.w_gate_up, self.w_down) if isinstance(w, nn.Parameter)]  # not a quantised base
         y_sorted = dispatch_combine(x_sorted, counts, self._experts, ctx.ep_group if ctx.ep_size > 1 else None,
-                                    num_local_experts=self.num_local, chunks=self.chunks,
-                                    params=[self.w_gate_up, self.w_down])
+                                    num_local_experts=self.num_local, chunks=self.chunks, params=weights)
         y = unpermute(y_sorted, row_map, r.weights, b * s).view(b, s, h)
         if self.shared is not None:
             shared = self.shared(x)  # the dense MLP: its own SP gather and reduction, full on return
