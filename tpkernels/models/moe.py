@@ -2,35 +2,42 @@
 
     y = moe(x)          # x, y: (batch, seq[/TP], hidden), in place of the dense MLP of a MoE layer
 
-One layer, in order (T = the tokens of this rank's (batch, seq) after the SP gather):
+One layer, in order (Megatron-Core's alltoall dispatcher with expert TP = TP; T = the tokens of this
+rank's (batch, seq), tp the TP size):
 
-1. Enter the TP region: with SP the tokens are all-gathered over TP (backward: reduce-scatter), else
-   copied (backward: all-reduce), as the dense MLP's column-parallel GEMM does. Every TP rank then
-   routes the same T tokens.
+1. This TP rank's tokens: with SP its sequence shard (T/tp tokens, no communication); without SP its
+   1/tp block of the replicated T tokens (cut locally; backward: the blocks' gradients all-gathered).
+   Each TP rank routes different tokens.
 2. Router: a replicated linear (E × hidden) in the model's dtype, scores in float32
    (:func:`tpkernels.functional.moe_router.route`, transformers' Mixtral / Qwen2-MoE routing step for
-   step). Its gradient is a partial sum on each TP rank (the combine weights multiply this rank's
-   partial expert outputs, step 5): tagged ``partial_grad`` and summed over TP like an SP norm weight.
-3. Permutation (:func:`~tpkernels.functional.moe_permute.permute`): the T·k token copies grouped by
-   global expert; capacity-dropped copies are left out.
+   step). Each TP rank's gradient covers its own tokens: tagged ``partial_grad`` and summed over TP like
+   an SP norm weight. A capacity limit counts the assignments of this rank's tokens.
+3. Permutation (:func:`~tpkernels.functional.moe_permute.permute`): this rank's T·k/tp token copies
+   grouped by global expert; capacity-dropped copies are left out.
 4. Experts: :func:`~tpkernels.functional.moe_dispatch.dispatch_combine` sends each copy to the EP rank
-   that holds its expert (``ep`` = 1: a direct call), which runs the grouped SwiGLU MLP
-   (:func:`~tpkernels.functional.grouped_gemm.grouped_swiglu_mlp`) over its E/ep local experts. The
-   experts are stacked parameters ``w_gate_up`` (E/ep, hidden, 2F/tp) = [gate | up] and ``w_down``
-   (E/ep, F/tp, hidden), TP-split like the dense MLP (columns of gate/up, rows of down), so each TP
-   rank's output is a partial sum.
+   that holds its expert (``ep`` = 1: a direct call). There (:meth:`MoE._expert_tp`) the rows are
+   all-gathered over the TP group (each TP rank holds an F/tp slice of every local expert, so each needs
+   every row of its local experts), regrouped by local expert, run through the grouped SwiGLU MLP
+   (:func:`~tpkernels.functional.grouped_gemm.grouped_swiglu_mlp`) over the E/ep local experts, and the
+   partial results reduce-scattered over TP back to the TP rank that received the rows
+   (:mod:`tpkernels.functional.moe_expert_tp`); the return all-to-all carries them home. The experts are
+   stacked parameters ``w_gate_up`` (E/ep, hidden, 2F/tp) = [gate | up] and ``w_down`` (E/ep, F/tp,
+   hidden), TP-split like the dense MLP (columns of gate/up, rows of down).
 5. Combine (:func:`~tpkernels.functional.moe_permute.unpermute`): each token's k rows weighted by the
-   router weights; the shared expert (a dense :class:`~tpkernels.models.mlp.MLP` times Qwen2-MoE's
-   sigmoid gate) is added; one reduction over TP (SP: reduce-scatter; else all-reduce) leaves the layer.
+   router weights, complete on this rank. With SP that is the layer's sequence shard; without SP the
+   blocks are all-gathered over TP (backward: this rank's block). The shared expert (a dense
+   :class:`~tpkernels.models.mlp.MLP` times Qwen2-MoE's sigmoid gate, with its own TP reduction) is added.
+
+The EP all-to-all therefore carries T·k/tp copies per rank each way (Megatron-Core's volume), and the
+TP group moves the received rows once each way (all-gather, reduce-scatter).
 
 Router losses (:class:`RouterLosses`, one per model, ``model.moe_losses``): each MoE layer records this
 rank's share of its load-balancing and z-loss statistics on every forward. Shares and the global
-objective: the tokens of a micro-batch are split over the DP × CP ranks (and, under SP, the TP ranks,
-which the gather of step 1 puts back together); f_e (the fraction of assignments expert e got) is
-all-reduced over DP × CP without gradient; P_e's sum over this rank's tokens is divided by the global
-token count; every TP rank computes the same values, so a rank's share is divided by tp. The shares of
-all the ranks of a pipeline stage (TP × DP × CP) therefore sum to the micro-batch's global loss and
-gradient, whatever the layout; under DP gradient averaging (``DataParallelGradReduce`` divides by
+objective: the tokens of a micro-batch are split over the TP × DP × CP ranks (step 1: each TP rank
+routes its own 1/tp of them); f_e (the fraction of assignments expert e got) is all-reduced over TP and
+DP × CP without gradient; P_e's and the z-loss's sums over this rank's tokens are divided by the global
+token count. The shares of all the ranks of a pipeline stage (TP × DP × CP) therefore sum to the
+micro-batch's global loss and gradient, whatever the layout; under DP gradient averaging (``DataParallelGradReduce`` divides by
 dp · cp) a rank backpropagates dp · cp × its share, as it does its token-loss share.
 """
 
@@ -45,6 +52,7 @@ from torch import nn
 from tpkernels.functional.grouped_gemm import grouped_gemm, grouped_swiglu_mlp
 from tpkernels.functional.grouped_quantized import grouped_quantized_gemm
 from tpkernels.functional.moe_dispatch import dispatch_combine
+from tpkernels.functional.moe_expert_tp import even_sizes, gather_rows, reduce_scatter_rows, split_rows
 from tpkernels.functional.moe_permute import permute, unpermute
 from tpkernels.functional.moe_router import route
 from tpkernels.models.context import LayerContext, replicated
@@ -52,12 +60,6 @@ from tpkernels.models.hf_checkpoint import Part
 from tpkernels.models.mlp import MLP
 from tpkernels.models.moe_quant import quantize_experts, quantized_weights
 from tpkernels.parallel import control
-from tpkernels.parallel.mappings import (
-    copy_to_tensor_parallel,
-    gather_from_sequence_parallel,
-    reduce_from_tensor_parallel,
-    reduce_scatter_to_sequence_parallel,
-)
 from tpkernels.parallel.param_tags import tag
 
 AUX_STYLES = ("per_layer", "transformers")
@@ -69,8 +71,8 @@ class LayerRouterStats:
 
     f: (E,) fraction of the micro-batch's global tokens routed to each expert (top-k assignments /
         tokens, summing to k), no gradient. p: (E,) this rank's share of the mean router score of each
-        expert (its tokens' sum / the global token count / tp), with gradient. z: this rank's share of
-        the z-loss (mean over the global tokens of logsumexp(logits)², / tp), with gradient.
+        expert (its tokens' sum / the global token count), with gradient. z: this rank's share of the
+        z-loss (its tokens' sum of logsumexp(logits)² / the global token count), with gradient.
     counts: (E,) assignments this rank's tokens made to each expert (int64, no gradient).
     dropped: assignments dropped by the capacity limit on this rank (0 when dropless)."""
 
@@ -143,21 +145,24 @@ class RouterLosses:
         return {k: r.counts for k, r in sorted(self.records.items())}
 
 
-def _stats(scores: torch.Tensor, logits: torch.Tensor, experts: torch.Tensor, num_experts: int, group,
-           tp_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(f, p share, z share, local counts) of one layer (see :class:`LayerRouterStats`). One all-reduce of
-    E + 1 values over ``group`` (the DP × CP ranks), as load_balancing_loss and z_loss do."""
+def _stats(scores: torch.Tensor, logits: torch.Tensor, experts: torch.Tensor, num_experts: int,
+           groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(f, p share, z share, local counts) of one layer (see :class:`LayerRouterStats`). E + 1 values
+    all-reduced over each of ``groups`` in turn (the TP group, then the DP × CP ranks: together the
+    ranks whose tokens make up the micro-batch), as load_balancing_loss and z_loss do."""
     t = scores.shape[0]
     valid = experts >= 0
     counts = torch.zeros(num_experts, dtype=torch.int64, device=scores.device).scatter_add_(
         0, experts.clamp_min(0).reshape(-1), valid.reshape(-1).to(torch.int64))
     stats = torch.cat([counts.to(scores.dtype), torch.tensor([float(t)], dtype=scores.dtype, device=scores.device)])
-    stats = control.all_reduce_(stats.detach(), group=group)
+    stats = stats.detach()
+    for group in groups:
+        stats = control.all_reduce_(stats, group=group)
     n = stats[-1].clamp_min(1.0)
     f = stats[:-1] / n
     probs = scores / scores.sum(dim=-1, keepdim=True)  # a no-op for softmax scores
-    p = probs.sum(0) / n / tp_size
-    z = torch.logsumexp(logits, dim=-1).square().sum() / n / tp_size
+    p = probs.sum(0) / n
+    z = torch.logsumexp(logits, dim=-1).square().sum() / n
     return f, p, z, counts
 
 
@@ -204,6 +209,30 @@ class MoE(nn.Module):
         self.chunks = ctx.moe_chunks  # dispatch_combine's overlap pieces (tpkernels.functional.moe_dispatch)
 
     # ---- forward ----
+    def _expert_tp(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """dispatch_combine's expert_fn: ``rows`` (M, hidden) this TP rank received, grouped by local expert
+        (``counts`` (E/ep,)) -> (M, hidden), complete. The TP group's rows are all-gathered (rank-major),
+        regrouped expert-major for :meth:`_experts`, and its partial results reduce-scattered back
+        (module docstring, step 4). One host read of the TP group's counts per call."""
+        tp, group = self.ctx.tp_size, self.ctx.tp_group
+        if tp == 1:
+            return self._experts(rows, counts)
+        per_rank = control.all_gather_ints(counts, group)                # (tp, L) host
+        sizes = per_rank.sum(1).tolist()
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):     # see _experts
+            full = gather_rows(rows, sizes, group)                        # rank-major, each expert-grouped
+            order = None
+            if self.num_local > 1:
+                at = (torch.cumsum(per_rank.reshape(-1), 0) - per_rank.reshape(-1)).view(per_rank.shape)
+                order = torch.cat([torch.arange(int(a), int(a) + int(n)) for a, n in
+                                   zip(at.t().reshape(-1), per_rank.t().reshape(-1))]).to(rows.device)
+                full = full.index_select(0, order)                        # expert-major
+            y = self._experts(full, per_rank.sum(0).to(counts.device))
+            if order is not None:  # back to rank-major: the inverse permutation
+                y = y.index_select(0, torch.empty_like(order).index_copy_(0, order, torch.arange(
+                    order.numel(), device=order.device)))
+            return reduce_scatter_rows(y, sizes, group)
+
     def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """This rank's experts over ``rows`` (M, hidden) grouped by local expert -> (M, hidden), partial over TP.
 
@@ -231,31 +260,34 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx, mc = self.ctx, self.ctx.mc
-        sp = ctx.sequence_parallel and ctx.tp_size > 1
-        full = gather_from_sequence_parallel(x, ctx.tp_group, dim=1) if sp else copy_to_tensor_parallel(x, ctx.tp_group)
-        b, s, h = full.shape
-        tokens = full.reshape(b * s, h)
+        b, s, h = x.shape
+        tokens = x.reshape(b * s, h)
+        split = ctx.tp_size > 1 and not ctx.sequence_parallel  # replicated tokens: this TP rank's block (step 1)
+        if split:
+            sizes = even_sizes(b * s, ctx.tp_size)
+            tokens = split_rows(tokens, sizes, ctx.tp_group)
         logits = F.linear(tokens, self.router)
         r = route(logits, self.top_k, score=mc.router_score, normalize=mc.router_normalize,
                   capacity_factor=mc.capacity_factor)
         experts = r.experts if r.dropped is None else r.experts.masked_fill(r.dropped, -1)
         if self.losses is not None:
-            f, p, z, counts = _stats(r.scores, r.logits, experts, self.num_experts, ctx.dp_cp_group, ctx.tp_size)
+            f, p, z, counts = _stats(r.scores, r.logits, experts, self.num_experts, (ctx.tp_group, ctx.dp_cp_group))
             dropped = int(r.dropped.sum()) if r.dropped is not None else 0
             self.losses.record(self.layer, LayerRouterStats(f, p, z, counts, dropped))
         x_sorted, counts, row_map = permute(tokens, experts, self.num_experts)
         weights = [w for w in (self.w_gate_up, self.w_down) if isinstance(w, nn.Parameter)]  # not a quantised base
-        y_sorted = dispatch_combine(x_sorted, counts, self._experts, ctx.ep_group if ctx.ep_size > 1 else None,
+        y_sorted = dispatch_combine(x_sorted, counts, self._expert_tp, ctx.ep_group if ctx.ep_size > 1 else None,
                                     num_local_experts=self.num_local, chunks=self.chunks, params=weights)
-        y = unpermute(y_sorted, row_map, r.weights, b * s).view(b, s, h)
-        if self.shared is not None:
-            shared = self.shared(x)  # the dense MLP: its own SP gather and reduction, full on return
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
-            # added after the routed experts' reduction: the shared output is complete already
-        y = reduce_scatter_to_sequence_parallel(y, ctx.tp_group, dim=1) if sp else \
-            reduce_from_tensor_parallel(y, ctx.tp_group)
-        return y + shared if self.shared is not None else y
+        y = unpermute(y_sorted, row_map, r.weights, tokens.shape[0])  # complete for this rank's tokens
+        if split:  # the next layer reads replicated activations (backward: this rank's block of the gradient)
+            y = gather_rows(y, sizes, ctx.tp_group, reduce_grad=False)
+        y = y.view(b, s, h)
+        if self.shared is None:
+            return y
+        shared = self.shared(x)  # the dense MLP: its own SP gather and reduction, full on return
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+        return y + shared
 
     # ---- Hugging Face parts (tpkernels.models.hf_checkpoint) ----
     def hf_parts(self, tp_rank: int, tp_size: int | None = None, ep_rank: int | None = None) -> dict[str, list[Part]]:
