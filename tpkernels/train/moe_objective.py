@@ -77,9 +77,12 @@ class RouterObjective:
     ``router_aux_loss_coef`` / ``router_z_loss_coef`` unless the training config overrides them);
     ``style``: "per_layer" (Megatron-Core's: the mean over the MoE layers of each layer's switch loss)
     or "transformers" (the tokens of every layer pooled, as transformers' ``load_balancing_loss_func``;
-    every MoE layer on one stage: pp = 1)."""
+    every MoE layer on one stage: pp = 1). ``tokens_per_microbatch``: the tokens of a global micro-batch
+    (micro_batch_size × dp × seq_length), which turn each layer's f (the fraction of them routed to each
+    expert, the same on every rank of its stage however TP splits the routing) into counts."""
 
-    def __init__(self, model, aux_coef: float, z_coef: float, style: str = "per_layer"):
+    def __init__(self, model, aux_coef: float, z_coef: float, style: str = "per_layer", *,
+                 tokens_per_microbatch: int):
         if style not in AUX_STYLES:
             raise ValueError(f"training.moe_aux_loss_style ({style!r}) must be one of {', '.join(AUX_STYLES)}")
         self.model, self.losses = model, model.moe_losses
@@ -88,7 +91,9 @@ class RouterObjective:
         self.num_moe_layers = mc.num_moe_layers
         self.moe_layers = [i for i in range(mc.num_layers) if mc.is_moe_layer(i)]
         self.aux_coef, self.z_coef, self.style = float(aux_coef), float(z_coef), style
-        self.tp = model.state.config.tp
+        pc = model.state.config
+        self.stage_ranks = pc.tp * pc.dp * pc.cp  # the ranks of one pipeline stage: each holds the stage's f
+        self.tokens, self.top_k = int(tokens_per_microbatch), mc.experts_per_token
         self._scale: float | None = None
         self._m = 1
         chunks = [(c, [b.layer for b in c.layers if mc.is_moe_layer(b.layer)]) for c in model.chunks]
@@ -103,7 +108,6 @@ class RouterObjective:
     def _reset(self) -> None:
         self._aux = self._z = None
         self._counts: dict[int, torch.Tensor] = {}
-        self._dropped = 0
         self._microbatches = 0
 
     def remove(self) -> None:
@@ -148,8 +152,9 @@ class RouterObjective:
                 self._z = z.detach().double() + (0 if self._z is None else self._z)
                 for i in layers:
                     r = self.losses.records[i]
-                    self._counts[i] = r.counts + self._counts[i] if i in self._counts else r.counts.clone()
-                    self._dropped += int(r.dropped)
+                    # the global micro-batch's kept assignments per expert: f × its tokens
+                    c = r.f.detach().double() * self.tokens
+                    self._counts[i] = c + self._counts[i] if i in self._counts else c
             share = self.aux_coef * aux + self.z_coef * z
             if not share.requires_grad or (self.aux_coef == 0 and self.z_coef == 0):
                 return None
@@ -162,22 +167,22 @@ class RouterObjective:
         ``group`` (default: the world) of the ranks' shares and counts. Collective."""
         e, layers = self.num_experts, self.moe_layers
         device = next(iter(self._counts.values())).device if self._counts else torch.device("cpu")
-        vec = torch.zeros(3 + len(layers) * e, dtype=torch.float64, device=device)
+        vec = torch.zeros(2 + len(layers) * e, dtype=torch.float64, device=device)
         if self._aux is not None:
             vec[0], vec[1] = self._aux.to(device), self._z.to(device)
-        vec[2] = float(self._dropped)
         for j, i in enumerate(layers):
             if i in self._counts:
-                vec[3 + j * e:3 + (j + 1) * e] = self._counts[i].to(device=device, dtype=torch.float64)
+                vec[2 + j * e:2 + (j + 1) * e] = self._counts[i].to(device=device, dtype=torch.float64)
         vec = control.all_reduce_(vec, "sum", group).cpu()
         m = self._m
-        # every TP rank routes its own 1/tp of the tokens (tpkernels.models.moe): the sum counts each once
-        counts = vec[3:].round().view(len(layers), e)
+        # every rank of a layer's stage holds the same f (over its TP × DP × CP tokens)
+        counts = (vec[2:] / self.stage_ranks).round().view(len(layers), e)
+        dropped = self.top_k * self.tokens * m * len(layers) - int(counts.sum())  # assignments not kept
         mean = counts.mean(dim=1).clamp_min(1e-12)
         imbalance = (counts.max(dim=1).values / mean)
         return {"moe/aux_loss": float(vec[0]) / m, "moe/z_loss": float(vec[1]) / m,
                 "moe/load_max_over_mean": float(imbalance.max()) if len(layers) else 1.0,
-                "moe/dropped_tokens": int(round(float(vec[2]))),
+                "moe/dropped_tokens": int(dropped),
                 "moe/load": {str(i): [int(c) for c in counts[j].tolist()] for j, i in enumerate(layers)}}
 
 

@@ -131,8 +131,8 @@ def dp_rows(rows: int, dp: int, dp_rank: int, num_microbatches: int) -> torch.Te
 
 def refuse_moe_unsupported(cfg: TrainConfig, mc) -> None:
     """What a mixture-of-experts model cannot train with yet, named before anything is built: the routed
-    experts are stacked parameters run by grouped GEMMs (tpkernels.functional.grouped_gemm), outside the
-    TP linears' weight formats that FP8 and the quantised (QLoRA) base go through."""
+    experts' grouped GEMMs have a dense and a quantised (QLoRA: tpkernels.functional.grouped_quantized)
+    weight format, no FP8 one."""
     if not mc.num_experts:
         return
     what = f"{mc.name or mc.model_type} (num_experts {mc.num_experts})"
@@ -140,11 +140,6 @@ def refuse_moe_unsupported(cfg: TrainConfig, mc) -> None:
         raise ValueError(f"training.precision fp8 with a mixture-of-experts model, {what}: the experts' grouped GEMMs "
                          "have no FP8 path (only the TP linears do), so most of the model's FLOPs would stay bf16 "
                          "without a word; use training.precision bf16")
-    if cfg.model.base_quant is not None:
-        raise ValueError(f"model.finetune qlora with a mixture-of-experts model, {what}: the experts' stacked weights "
-                         f"have no {cfg.model.base_quant} format (only the TP linears are quantised), so the base "
-                         "would stay mostly full precision; use model.finetune lora (adapters on attention, the "
-                         "experts frozen) or full")
 
 
 def agree_on_config(cfg: TrainConfig) -> None:
@@ -307,7 +302,8 @@ class Trainer:
             return None
         aux = mc.router_aux_loss_coef if t.moe_aux_loss_coeff is None else t.moe_aux_loss_coeff
         z = mc.router_z_loss_coef if t.moe_z_loss_coeff is None else t.moe_z_loss_coeff
-        return RouterObjective(self.model, aux, z, t.moe_aux_loss_style)
+        return RouterObjective(self.model, aux, z, t.moe_aux_loss_style,
+                               tokens_per_microbatch=self.pc.micro_batch_size * self.pc.dp * self.cfg.data.seq_length)
 
     def build_model(self) -> ParallelTransformer:
         """This rank's part of the run's model as it starts: ``model.init_from``'s weights, or the seed's
