@@ -186,3 +186,37 @@ def test_quantised_experts_at_ep2_tp2_equal_one_process_on_their_dequantised_val
     assert quantised and all(not got["grads"][n].any() for n in quantised)
     for name in set(want) - set(quantised):
         torch.testing.assert_close(got["grads"][name], want[name], rtol=1e-7, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ---- tpkernels train: QLoRA SFT on a Mixtral (adapters on attention and every routed expert, NF4 base) ----
+
+def _qlora_cfgs(folder, data, seed):
+    from test_moe_train import _finetune_cfgs
+
+    kw = _finetune_cfgs(folder, data, seed)["sft-lora"]
+    return {**kw, "model.finetune": "qlora"}
+
+
+def _qlora_worker(rank, world, folder, data, seed):
+    from test_moe_train import _finetune, cfg_of
+
+    return _finetune(cfg_of(folder, **_qlora_cfgs(folder, data, seed), **{"parallel.dp": 2, "parallel.ep": 2}))
+
+
+def test_qlora_sft_at_ep2_trains_what_one_process_trains(rank_pool, tmp_path, fresh_seed):
+    """model.finetune qlora on a Mixtral: the experts (and attention) an NF4 base, adapters on attention and on
+    every routed expert; at EP2 (each rank quantises its own experts: the same bytes as one process) the losses
+    and aux losses of every step equal the one-process run's (float64), and the expert adapters train."""
+    import json
+
+    from test_moe_train import MIXTRAL, _finetune, cfg_of
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**MIXTRAL, "num_local_experts": 4}))
+    folder, seed = tmp_path / "m", fresh_seed % 2**31
+    got = rank_pool(2).run(_qlora_worker, folder, tmp_path, seed, timeout=300)[0]
+    want = _finetune(cfg_of(folder, **{**_qlora_cfgs(folder, tmp_path, seed), "parallel.micro_batch_size": 2}))
+    torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(want["loss"]), rtol=1e-9, atol=0)
+    torch.testing.assert_close(torch.tensor(got["aux"]), torch.tensor(want["aux"]), rtol=1e-6, atol=0)
+    assert got["experts_moved"] == {}  # no full-precision expert parameter exists
+    assert got["expert_adapters"] == [True] * 4  # B_gu, B_d of 2 layers trained
