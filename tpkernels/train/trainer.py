@@ -302,7 +302,8 @@ class Trainer:
             return None
         aux = mc.router_aux_loss_coef if t.moe_aux_loss_coeff is None else t.moe_aux_loss_coeff
         z = mc.router_z_loss_coef if t.moe_z_loss_coeff is None else t.moe_z_loss_coeff
-        return RouterObjective(self.model, aux, z, t.moe_aux_loss_style)
+        return RouterObjective(self.model, aux, z, t.moe_aux_loss_style,
+                               tokens_per_microbatch=self.pc.micro_batch_size * self.pc.dp * self.cfg.data.seq_length)
 
     def build_model(self) -> ParallelTransformer:
         """This rank's part of the run's model as it starts: ``model.init_from``'s weights, or the seed's
