@@ -103,7 +103,8 @@ LORA = {"model.finetune": "lora", "model.lora_rank": 3}
 # world: layouts run one after the other on the same ranks; each against the one-process run (the same
 # global micro-batches: dp 2 × mbs 1, 2 micro-batches)
 LAYOUTS = {
-    2: [{"parallel.dp": 2, "parallel.ep": 2}, {"parallel.dp": 2}],
+    2: [{"parallel.dp": 2, "parallel.ep": 2}, {"parallel.dp": 2},
+        {"parallel.dp": 1, "parallel.cp": 2, "parallel.ep": 2, "parallel.micro_batch_size": 2}],  # EP inside CP
     4: [{"parallel.dp": 2, "parallel.ep": 2, "parallel.tp": 2, "parallel.sequence_parallel": True},
         {"parallel.dp": 2, "parallel.ep": 2, "parallel.pp": 2, "parallel.recompute": "selective"},  # 1f1b
         # zero bubble (the TP linears' W deferred; the grouped experts' dW comes in B) and the whole layer
@@ -117,7 +118,7 @@ PACKED = {"parallel.num_microbatches": 2, "parallel.micro_batch_size": 1}
 
 
 def _layouts_worker(rank, world, folder, seed):
-    return [step0(cfg_of(folder, **PACKED, **kw, **{"training.seed": seed})) for kw in LAYOUTS[world]]
+    return [step0(cfg_of(folder, **{**PACKED, **kw, "training.seed": seed})) for kw in LAYOUTS[world]]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,7 @@ def one_process(mixtral):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_step0_at_every_layout_equals_one_process_fp64(rank_pool, mixtral, one_process, world, fresh_seed):
-    """EP2 and DP2 (world 2), EP2×TP2+SP and EP2×PP2 under 1f1b + selective recompute and zb-h1 + full
+    """EP2, DP2 and CP2×EP2 (world 2), EP2×TP2+SP and EP2×PP2 under 1f1b + selective recompute and zb-h1 + full
     recompute, EP2×TP2+SP with LoRA on attention and experts (world 4): loss, aux / z losses, the
     per-expert load, the gradient norm (LoRA: the adapters' only) and every gradient equal the one-process
     run."""
