@@ -197,26 +197,54 @@ def _qlora_cfgs(folder, data, seed):
     return {**kw, "model.finetune": "qlora"}
 
 
-def _qlora_worker(rank, world, folder, data, seed):
-    from test_moe_train import _finetune, cfg_of
+def _qlora_run(cfg, ids) -> dict:
+    """Train ``cfg``; the losses, aux losses, which expert adapters moved and the trained model's logits on ids."""
+    from tpkernels.train import Trainer
 
-    return _finetune(cfg_of(folder, **_qlora_cfgs(folder, data, seed), **{"parallel.dp": 2, "parallel.ep": 2}))
+    t = Trainer(cfg)
+    hist = t.train()
+    t.finish_saving()
+    adapters = [bool(p.detach().abs().sum() > 0) for n, p in t.model.named_parameters() if ".mlp.lora.B_" in n]
+    experts = [n for n, _ in t.model.named_parameters() if "w_gate_up" in n or "w_down" in n]
+    with torch.no_grad():
+        logits = t.model(ids)
+    return {"loss": [h["loss"] for h in hist], "aux": [h["moe/aux_loss"] for h in hist], "logits": logits,
+            "expert_adapters": adapters, "expert_params": experts}
 
 
-def test_qlora_sft_at_ep2_trains_what_one_process_trains(rank_pool, tmp_path, fresh_seed):
+def _qlora_worker(rank, world, folder, data, seed, ids):
+    from test_moe_train import cfg_of
+
+    return _qlora_run(cfg_of(folder, **_qlora_cfgs(folder, data, seed), **{
+        "parallel.dp": 2, "parallel.ep": 2, "checkpoint.save_dir": str(data / "ckpt"), "checkpoint.save_every": 2}),
+        ids)
+
+
+def test_qlora_sft_at_ep2_trains_what_one_process_trains_and_exports_it(rank_pool, tmp_path, fresh_seed):
     """model.finetune qlora on a Mixtral: the experts (and attention) an NF4 base, adapters on attention and on
     every routed expert; at EP2 (each rank quantises its own experts: the same bytes as one process) the losses
-    and aux losses of every step equal the one-process run's (float64), and the expert adapters train."""
+    and aux losses of every step equal the one-process run's (float64), the expert adapters train, no
+    full-precision expert parameter exists; export-hf of the EP2 checkpoint (the base dequantised as the run
+    quantised it, adapters merged) loads in transformers' MixtralForCausalLM with the trained model's logits."""
     import json
 
-    from test_moe_train import MIXTRAL, _finetune, cfg_of
+    import transformers
+
+    from test_moe_train import MIXTRAL as CFG, cfg_of
+    from tpkernels.train import checkpoint
 
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps({**MIXTRAL, "num_local_experts": 4}))
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**CFG, "num_local_experts": 4}))
     folder, seed = tmp_path / "m", fresh_seed % 2**31
-    got = rank_pool(2).run(_qlora_worker, folder, tmp_path, seed, timeout=300)[0]
-    want = _finetune(cfg_of(folder, **{**_qlora_cfgs(folder, tmp_path, seed), "parallel.micro_batch_size": 2}))
+    ids = torch.randint(0, CFG["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(seed))
+    got = rank_pool(2).run(_qlora_worker, folder, tmp_path, seed, ids, timeout=300)[0]
+    want = _qlora_run(cfg_of(folder, **{**_qlora_cfgs(folder, tmp_path, seed), "parallel.micro_batch_size": 2}), ids)
     torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(want["loss"]), rtol=1e-9, atol=0)
     torch.testing.assert_close(torch.tensor(got["aux"]), torch.tensor(want["aux"]), rtol=1e-6, atol=0)
-    assert got["experts_moved"] == {}  # no full-precision expert parameter exists
-    assert got["expert_adapters"] == [True] * 4  # B_gu, B_d of 2 layers trained
+    torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-7, atol=1e-9)
+    assert got["expert_params"] == [] and got["expert_adapters"] == [True] * 4  # B_gu, B_d of 2 layers trained
+    checkpoint.export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", experts_implementation="eager",
+                                                           attn_implementation="eager", dtype=torch.float64)
+    # transformers routes in fp32 (a combine weight rounded there moves a logit by ~1e-8 relative to ours)
+    torch.testing.assert_close(hf(input_ids=ids).logits, got["logits"], rtol=1e-5, atol=1e-6)
