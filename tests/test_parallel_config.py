@@ -133,3 +133,13 @@ def test_schedule_default_follows_virtual_stages_and_dp_follows_the_world():
     assert errors_of(cfg, world_size=10) == ["world_size (10) must be divisible by tp (2) × pp (3) = 6"]
     with pytest.raises(ValueError, match=r"dp is not set"):
         cfg.world_size
+
+
+def test_moe_chunks_is_a_layout_field():
+    assert ParallelConfig().moe_chunks == 2
+    assert errors_of(ParallelConfig(moe_chunks=0)) == ["moe_chunks (0) must be a positive integer"]
+    assert errors_of(ParallelConfig(moe_chunks=True)) == ["moe_chunks (True) must be a positive integer"]
+    # shown in the label only where it changes something (ep > 1) and differs from the default
+    assert ParallelConfig(dp=4, ep=2, moe_chunks=3).short() == "TP1 PP1 DP4 EP2 chunks3 mbs1"
+    assert ParallelConfig(dp=4, ep=2).short() == "TP1 PP1 DP4 EP2 mbs1"
+    assert ParallelConfig(dp=4, moe_chunks=3).short() == "TP1 PP1 DP4 mbs1"

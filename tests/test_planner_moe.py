@@ -165,10 +165,10 @@ def test_chunked_overlap_is_monotone(fresh_seed):
     # through the whole step: more chunks, or slower GEMMs (more time to hide behind), never a slower step
     m, cluster = model_preset("Mixtral-8x7B"), ClusterSpec(H100, 8, 2)
     cfg = ParallelConfig(tp=2, dp=8, ep=8, num_microbatches=4, sequence_parallel=True, zero1=True)
-    steps = [step_time(m, TrainingSetup(32, 4096, moe_chunks=c), cfg, cluster, EFF) for c in (1, 2, 4, 8)]
+    steps = [step_time(m, TrainingSetup(32, 4096), cfg.replace(moe_chunks=c), cluster, EFF) for c in (1, 2, 4, 8)]
     assert all(b.total <= a.total + 1e-12 and b.ep_exposed <= a.ep_exposed + 1e-12 for a, b in zip(steps, steps[1:]))
     assert steps[-1].ep_exposed < steps[0].ep_exposed
-    slow = step_time(m, TrainingSetup(32, 4096, moe_chunks=4), cfg, cluster, EFF.replace(gemm=0.4))
+    slow = step_time(m, TrainingSetup(32, 4096), cfg.replace(moe_chunks=4), cluster, EFF.replace(gemm=0.4))
     assert slow.ep_exposed <= steps[2].ep_exposed
 
 
@@ -295,3 +295,61 @@ def test_every_moe_preset_is_estimated(name, nodes, layout):
     other, experts = stage_param_split(m, cfg, 0)
     assert experts * layout["ep"] * layout["tp"] * cfg.pp == pytest.approx(
         m.expert_params_per_layer() * m.num_layers)  # every layer has experts: stages alike
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_tp_ranks_dispatch_their_own_tokens(sp):
+    """tpkernels.models.moe at TP t: each TP rank routes and sends T/t tokens (the all-to-all is 1/t of
+    TP1's at the same tokens), the received rows are all-gathered and the results reduce-scattered over TP
+    (without SP the combined tokens all-gathered too), in place of the dense MLP's TP collectives."""
+    from tpkernels.planner.collectives import group_collective_time  # noqa: PLC0415
+    from tpkernels.planner.expert_parallel import moe_layer_time  # noqa: PLC0415
+
+    m, cluster, train = model_preset("Mixtral-8x7B"), ClusterSpec(H100, 8, 2), TrainingSetup(32, 4096)
+    h, k, tokens, b = m.hidden_size, m.experts_per_token, 4096, train.activation_bytes
+    cfg = ParallelConfig(tp=2, dp=8, ep=8, num_microbatches=4, sequence_parallel=sp, zero1=True)
+    t2 = moe_layer_time(m, train, cfg, cluster, EFF, precision="bf16")
+    # EP members are tp = 2 apart: 8 of them span the 2 nodes; each sends T·k/2 copies each way
+    assert t2["a2a_f"] == pytest.approx(2 * all_to_all_time(tokens * k / 2 * h * b, 8, 2, cluster, EFF))
+    t1 = moe_layer_time(m, train, cfg.replace(tp=1, sequence_parallel=False), cluster, EFF, precision="bf16")
+    assert t1["a2a_f"] == pytest.approx(2 * all_to_all_time(tokens * k * h * b, 8, 1, cluster, EFF))
+    assert t1["etp_f"] == t1["etp_b"] == 0
+    ag = group_collective_time("all_gather", tokens * k * h * b, 2, 1, cluster, EFF)
+    out = 0 if sp else group_collective_time("all_gather", tokens * h * b, 2, 1, cluster, EFF)
+    assert t2["etp_f"] == pytest.approx(2 * ag + out) and t2["etp_b"] == pytest.approx(2 * ag + out)
+    # in the step: the MoE layers' TP communication is the expert-TP exchange plus attention's collectives
+    bare = step_time(m, train, cfg.replace(overlap_comm=False), cluster, EFF)
+    one = group_collective_time("all_gather", tokens * h * b, 2, 1, cluster, EFF)
+    ar = group_collective_time("all_reduce", tokens * h * b, 2, 1, cluster, EFF)
+    attention = one * 5 if sp else ar * 2
+    head = 2 * one if sp else ar  # the last stage's output layer
+    assert bare.tp_comm == pytest.approx(4 * (m.num_layers * (attention + 2 * (2 * ag + out)) + head))
+
+
+def test_moe_chunks_is_the_layouts():
+    """tpkernels plan scores each layout's ParallelConfig.moe_chunks (what tpkernels train runs): fixed
+    with --fix, shown in the layout's label; the old --training.moe_chunks flag is gone."""
+    from tpkernels.cli import main  # noqa: PLC0415
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = main(["plan", "--model", "Qwen3-30B-A3B", "--nodes", "2", "--global-batch", "64", "--seq-len", "4096",
+                     "--fix", "PP=1,TP=1,EP=8,moe_chunks=4", "--top", "3"])
+    text = out.getvalue()
+    assert code == 0 and "all-to-all in 4 chunks" in text and " EP8 chunks4 " in text, text
+    with pytest.raises(SystemExit), redirect_stdout(io.StringIO()):
+        main(["plan", "--model", "Qwen3-30B-A3B", "--nodes", "1", "--training.moe_chunks", "4"])
+    m, cluster, train = model_preset("Qwen3-30B-A3B"), ClusterSpec(H100, 8, 2), TrainingSetup(64, 4096)
+    best = plan(m, train, cluster, EFF, fixed={"pp": 1}).best
+    assert best.config.moe_chunks == 2
+
+
+def test_parallel_transformer_reads_moe_chunks_from_its_layout():
+    import torch  # noqa: PLC0415
+
+    from tpkernels.models.transformer import ParallelTransformer  # noqa: PLC0415
+    from tpkernels.parallel.state import ParallelState  # noqa: PLC0415
+
+    m = ModelConfig("mixtral", 1, 16, 2, 32, 64, num_experts=4, experts_per_token=2, moe_ffn_hidden_size=8)
+    model = ParallelTransformer(m, ParallelState.create(ParallelConfig(moe_chunks=3)), dtype=torch.float64)
+    assert model.ctx.moe_chunks == 3 and all(mod.chunks == 3 for mod in model.modules() if hasattr(mod, "num_local"))

@@ -37,7 +37,7 @@ class LayerContext:
     ep_size: int = 1
     dp_cp_group: object = None  # the ranks whose tokens the router's balancing losses average over
     moe_losses: object = None  # the model's RouterLosses (tpkernels.models.moe), shared by its MoE layers
-    moe_chunks: int = 2  # pieces of a MoE layer's token exchange over EP (overlapped with the expert GEMMs)
+    moe_chunks: int = 2  # ParallelConfig.moe_chunks: pieces of a MoE layer's token exchange over EP (overlapped with the GEMMs)
 
     @property
     def names(self) -> dict[str, str]:

@@ -132,17 +132,15 @@ class ParallelTransformer(nn.Module):
         init: "random" (seeded, layout independent) or None (leave for ``load_hf_``).
         quant: "nf4" or "int8": the layers' linears hold a frozen quantised base (QLoRA: each rank
             quantises its own shard as it is loaded, see tpkernels.functional.quantized_weight).
-        moe_chunks: a MoE layer's token exchange is cut into this many pieces, so that the expert GEMMs of
-            one run while the next is in flight (tpkernels.functional.moe_dispatch; only with ep > 1).
+        The MoE layers' token exchange is cut into ``state.config.moe_chunks`` pieces, so that the expert
+        GEMMs of one run while the next is in flight (tpkernels.functional.moe_dispatch; only with ep > 1).
     """
 
     def __init__(self, config: ModelConfig, state: ParallelState | None = None, *, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device=None, overlap_comm: bool = True, algo: str = "auto",
-                 layer_counts=None, init: str | None = "random", quant: str | None = None, moe_chunks: int = 2):
+                 layer_counts=None, init: str | None = "random", quant: str | None = None):
         super().__init__()
         config.require_buildable()
-        if isinstance(moe_chunks, bool) or not isinstance(moe_chunks, int) or moe_chunks < 1:
-            raise ValueError(f"moe_chunks ({moe_chunks!r}) must be a positive integer")
         state = state or ParallelState.create(ParallelConfig())
         pc = state.config
         pc.validate(world_size=pc.world_size, **config.layout_rules(), layer_counts=layer_counts)
@@ -156,7 +154,7 @@ class ParallelTransformer(nn.Module):
                                 recompute=pc.recompute, cp_group=state.cp_group, cp_rank=state.cp_rank,
                                 cp_size=pc.cp, cp_algo=pc.cp_algo, quant=quant, ep_group=state.ep_group,
                                 ep_rank=state.ep_rank, ep_size=pc.ep, dp_cp_group=state.dp_cp_group,
-                                moe_losses=self.moe_losses, moe_chunks=moe_chunks)
+                                moe_losses=self.moe_losses, moe_chunks=pc.moe_chunks)
         self.num_virtual = pc.pp * pc.virtual_stages
         self.stage_layers = stage_layers(config.num_layers, pc.pp, pc.virtual_stages, layer_counts)
         self.chunks = nn.ModuleList()

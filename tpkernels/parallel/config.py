@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+MOE_CHUNKS_DEFAULT = 2
 CP_ALGOS = ("ring", "allgather", "a2a")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 # The short spellings of ParallelConfig's fields in a layout string (``TP=4,SP=on,mbs=2``: ``tpkernels plan
@@ -109,6 +110,9 @@ class ParallelConfig:
     ep: int = field(default=1, metadata={"help": "expert-parallel size (mixture-of-experts models): each MoE layer's "
                                                  "experts split over ep ranks of the dp · cp ranks (ep divides "
                                                  "dp · cp; the world size stays tp · cp · pp · dp)"})
+    moe_chunks: int = field(default=MOE_CHUNKS_DEFAULT, metadata={"help": "pieces each MoE layer's expert-parallel token exchange is "
+                                                         "cut into, the expert GEMMs of one overlapping the transfer "
+                                                         "of the next, forward and backward (1: no overlap)"})
 
     # ------------------------------------------------------------------ derived
     @property
@@ -142,11 +146,13 @@ class ParallelConfig:
         return self.replace(dp=max(1, world_size // (self.tp * self.cp * self.pp)) if not self.layout_errors() else 1)
 
     def short(self) -> str:
-        """Compact label, e.g. ``TP4 PP2 DP8 v2 mbs1 SP rc=selective ZeRO1`` (``EP4`` after DP with experts split)."""
+        """Compact label, e.g. ``TP4 PP2 DP8 v2 mbs1 SP rc=selective ZeRO1`` (``EP4`` after DP with experts split,
+        then ``chunks4`` when its dispatch is cut into other than the default 2 pieces)."""
         parts = [f"TP{self.tp}"] + ([f"CP{self.cp}" + ("" if self.cp_algo == "ring" else f"-{self.cp_algo}")]
                                      if self.cp > 1 else []) + \
             [f"PP{self.pp}", f"DP{self.dp if self.dp is not None else 'auto'}"] + \
-            ([f"EP{self.ep}"] if self.ep != 1 else [])
+            ([f"EP{self.ep}"] if self.ep != 1 else []) + \
+            ([f"chunks{self.moe_chunks}"] if self.ep > 1 and self.moe_chunks != MOE_CHUNKS_DEFAULT else [])
         if self.virtual_stages > 1:
             parts.append(f"v{self.virtual_stages}")
         parts.append(f"mbs{self.micro_batch_size}")
@@ -164,7 +170,8 @@ class ParallelConfig:
         (e.g. "parallel.")."""
         k = key_prefix
         sizes = dict(tp=self.tp, cp=self.cp, pp=self.pp, virtual_stages=self.virtual_stages,
-                     micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches, ep=self.ep)
+                     micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches, ep=self.ep,
+                     moe_chunks=self.moe_chunks)
         if self.dp is not None:
             sizes["dp"] = self.dp
         errs = positive_int_errors(**{k + name: v for name, v in sizes.items()})

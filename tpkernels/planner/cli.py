@@ -33,7 +33,7 @@ EPILOG = """examples:
       --dpo.reference adapters
   tpkernels plan --model Llama-2-13B --gpu A10-24GB --nodes 4 --model.finetune qlora --model.quant nf4
   tpkernels plan --model Mixtral-8x7B --gpu H100-SXM --nodes 2 --global-batch 256 --seq-len 4096
-  tpkernels plan --model Qwen3-30B-A3B --nodes 2 --global-batch 1024 --seq-len 4096 --fix EP=8 --training.moe_chunks 4
+  tpkernels plan --model Qwen3-30B-A3B --nodes 2 --global-batch 1024 --seq-len 4096 --fix EP=8,moe_chunks=4
 """
 
 
@@ -64,8 +64,6 @@ class WorkloadSection:
                                     "step time (1: balanced routing)")
     moe_peak_imbalance: float = opt(2.0, "the same at its worst, sizing the dispatch buffers of a dropless model "
                                          "(a capacity factor bounds it instead)")
-    moe_chunks: int = opt(2, "chunks of the expert-parallel dispatch, each one's expert GEMMs overlapping the next "
-                             "one's all-to-all (1: no overlap; 2: what tpkernels train runs)")
     moe_dispatch: str = opt("alltoall", "alltoall (each of a token's k copies to its expert's rank, as tpkernels "
                                         "train does) or dedup (once per rank and node: DeepEP, HybridEP)", MOE_DISPATCH)
 
@@ -102,7 +100,7 @@ class PlanConfig:
         errs = self.model.errors("model.")
         for path, v in (("cluster.gpus_per_node", c.gpus_per_node), ("cluster.nodes", c.nodes),
                         ("training.global_batch", t.global_batch), ("training.seq_length", t.seq_length),
-                        ("training.moe_chunks", t.moe_chunks), ("top", self.top)):
+                        ("top", self.top)):
             if v is not None and v < 1:
                 errs.append(f"{path} ({v}) must be a positive integer")
         for f in ("intra_node_gbs", "inter_node_gbs", "gpu_tflops", "gpu_memory_gib", "gpu_hbm_gbs", "gpu_fp8_tflops"):
@@ -193,7 +191,7 @@ def run(args) -> int:
     train = TrainingSetup(t.global_batch, seq_len, t.precision, t.optimizer, cfg.model.finetune, cfg.model.lora_rank,
                           quant=cfg.model.base_quant, flash_attention=t.flash_attention, task=t.task,
                           dpo_reference=cfg.dpo.reference, moe_imbalance=t.moe_imbalance,
-                          moe_peak_imbalance=t.moe_peak_imbalance, moe_chunks=t.moe_chunks,
+                          moe_peak_imbalance=t.moe_peak_imbalance,
                           moe_dispatch=t.moe_dispatch)
     if not cfg.json:
         for reason in model.build_errors():

@@ -1,15 +1,17 @@
 """Seconds of one mixture-of-experts (MoE) block per micro-batch on one GPU: router, grouped expert
 GEMMs, shared expert, and the expert-parallel (EP) all-to-all with the overlap the code gives it.
 
-Per MoE layer and micro-batch, with T = b·s/cp tokens on the rank (every TP rank holds all T after
-the block's input is gathered, as for the dense MLP), k experts per token, E experts, expert width F,
-EP size ep (inside DP × CP: ep ranks of one TP rank, ``tp`` apart) and ρ the busiest EP rank's rows
-over its balanced share (:func:`busiest_share`):
+Per MoE layer and micro-batch, with T = b·s/cp tokens of the TP group, each TP rank routing its own
+T/tp of them (tpkernels.models.moe: the SP shard, or a 1/tp block of the replicated tokens; Megatron-
+Core's alltoall dispatcher with expert TP = TP), k experts per token, E experts, expert width F, EP size
+ep (inside DP × CP: ep ranks of one TP rank, ``tp`` apart) and ρ the busiest EP rank's rows over its
+balanced share (:func:`busiest_share`):
 
-  router        (T × h)·(h × E) on every TP rank (tpkernels.models.moe routes the gathered tokens),
-                forward, input gradient and weight gradient through the GEMM model.
+  router        (T/tp × h)·(h × E) on each TP rank, forward, input gradient and weight gradient
+                through the GEMM model.
   experts       one grouped GEMM per projection over the E/ep local experts, each with
-                m = ρ · ep · T · k / E rows (the EP group's T·k token copies spread over E experts):
+                m = ρ · ep · T · k / E rows (the EP group's T·k token copies spread over E experts,
+                all-gathered over TP: every TP rank runs every row of its local experts):
                 gate|up (m × h)·(h × 2F/tp) and down (m × F/tp)·(F/tp × h), forward, input and weight
                 gradient, timed by gemm_model.gemm_time at that shape with batch = E/ep (one launch,
                 its tiles spread over the SMs together): small experts are small GEMMs, and the weight
@@ -21,12 +23,20 @@ over its balanced share (:func:`busiest_share`):
   permutation   the permute / unpermute passes are memory-bound: their bytes are in the block's
                 produced activations (activations.moe_block_activations), charged with the other
                 memory-bound kernels (Efficiency.elementwise_traffic over HBM).
-  all-to-all    dispatch and combine each move the rank's ρ·T·k rows of h values (16-bit): forward
-                2·ρ·T·k·h·bytes, backward the same, (ep − 1)/ep of it leaving the rank
+  all-to-all    dispatch and combine each move the rank's ρ·T·k/tp rows of h values (16-bit): forward
+                2·ρ·T·k·h·bytes/tp, backward the same, (ep − 1)/ep of it leaving the rank
                 (collectives.all_to_all_time: NVLink while ep · tp ≤ GPUs per node, else the share
                 for other nodes over the NIC). 0 at ep = 1. Full recompute dispatches again.
                 TrainingSetup.moe_dispatch "dedup" (DeepEP / HybridEP) sends a token once per rank
                 and once per node that holds any of its experts instead (:func:`dispatch_time`).
+  expert TP     (tp > 1) the rows a TP rank received are all-gathered over the TP group before the
+                expert GEMMs and the partial results reduce-scattered back: each an all-gather of
+                ρ·T·k·h·bytes over tp ranks (collectives.group_collective_time), forward AG + RS,
+                backward RS + AG, again under full recompute; without SP also the all-gather of the
+                combined T/tp-token blocks (forward) and of their input gradient (backward), which
+                replace the dense MLP's all-reduces. They run inside each chunk's expert step
+                (not hidden: "etp_f" / "etp_b"); step_time.py charges them in place of the dense
+                MLP's SP collectives for the MoE layers.
   overlap       tpkernels.functional.moe_dispatch cuts the exchange into c chunks and runs the expert
                 GEMMs of chunk i while chunk i + 1 is in flight (forward and backward). With A the
                 pass's all-to-all seconds and G its expert GEMM seconds:
@@ -48,7 +58,7 @@ import math
 
 from tpkernels.description import ModelConfig
 from tpkernels.parallel import ParallelConfig
-from tpkernels.planner.collectives import all_to_all_time, exchange_time, members_per_node
+from tpkernels.planner.collectives import all_to_all_time, exchange_time, group_collective_time, members_per_node
 from tpkernels.planner.efficiency import Efficiency
 from tpkernels.planner.gemm_model import gemm_time, linear_time
 from tpkernels.planner.hardware import ClusterSpec
@@ -113,7 +123,9 @@ def moe_layer_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig
     weight-gradient GEMMs of router, experts and shared expert), "up" / "down" ((f, b, w) of the
     expert projections, what the SP collectives pair with), "shared_up" / "shared_down" (the shared
     expert's), "a2a_f" / "a2a_b" (all-to-all per
-    forward / backward pass) and their "a2a_f_exposed" / "a2a_b_exposed", "rows" (ρ·T·k).
+    forward / backward pass) and their "a2a_f_exposed" / "a2a_b_exposed", "etp_f" / "etp_b" (the
+    expert-TP all-gathers / reduce-scatters per forward / backward pass, exposed), "rows" (ρ·T·k, the
+    rows every TP rank of the busiest EP rank runs).
     ``precision``/``quant``: the linear GEMMs' (FP8; QLoRA's dequantising kernels: linear_time's
     ``weight_bytes`` / ``compute_scale``)."""
     gpu, t, ep = cluster.gpu, cfg.tp, cfg.ep
@@ -138,8 +150,8 @@ def moe_layer_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig
     # the router stays in 16 bits under FP8 (a tiny GEMM whose scores pick the experts) and trains under
     # LoRA only if it is a LoRA target (it is not: ModelConfig.lora_params_per_layer)
     router_precision = "bf16" if precision == "fp8" else precision
-    # every TP rank routes all T tokens (tpkernels.models.moe gathers them first, as for the experts)
-    router = linear_time(tokens, h, e, gpu, eff, router_precision, weight_grad=not frozen)
+    # each TP rank routes its own T/tp tokens (tpkernels.models.moe)
+    router = linear_time(tokens / t, h, e, gpu, eff, router_precision, weight_grad=not frozen)
     shared_up = shared_down = (0.0, 0.0, 0.0)
     if model.shared_expert_ffn_hidden_size:
         s = model.shared_expert_ffn_hidden_size
@@ -148,10 +160,16 @@ def moe_layer_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig
     shared = tuple(x + y for x, y in zip(shared_up, shared_down))
     f_, b_, w_ = (up[i] + dn[i] + router[i] + shared[i] for i in range(3))
     b_ += up[0]  # grouped_swiglu_mlp keeps only its input: the backward recomputes gate|up first
-    # dispatch + combine, each ρ·T·k rows of h values on the busiest rank; EP members are tp apart
-    one = dispatch_time(model, rho * tokens, h * train.activation_bytes, ep, t, cluster, eff, train.moe_dispatch)
+    # dispatch + combine, each ρ·T·k/tp rows of h values on the busiest rank; EP members are tp apart
+    one = dispatch_time(model, rho * tokens / t, h * train.activation_bytes, ep, t, cluster, eff,
+                        train.moe_dispatch)
     a2a = 2.0 * one
-    chunks = train.moe_chunks
+    chunks = cfg.moe_chunks
+    # expert TP: the received rows all-gathered over TP, the results reduce-scattered back (each pass);
+    # without SP the combined token blocks are all-gathered too (forward: output; backward: input gradient)
+    etp = 2.0 * group_collective_time("all_gather", rows * h * train.activation_bytes, t, 1, cluster, eff)
+    if t > 1 and not cfg.sequence_parallel:
+        etp += group_collective_time("all_gather", tokens * h * train.activation_bytes, t, 1, cluster, eff)
 
     def exposed(gemms):
         hidden = a2a - chunked_exposed(a2a, gemms, chunks)
@@ -160,5 +178,5 @@ def moe_layer_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConfig
     return {"f": f_, "b": b_, "w": w_, "up": up, "down": dn, "shared_up": shared_up, "shared_down": shared_down,
             "a2a_f": a2a, "a2a_b": a2a,
             "a2a_f_exposed": exposed(up[0] + dn[0]), "a2a_b_exposed": exposed(up[0] + up[1] + dn[1] + up[2] + dn[2]),
-            "rows": rows}
+            "etp_f": etp, "etp_b": etp, "rows": rows}
 

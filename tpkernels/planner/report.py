@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tpkernels.parallel.config import MOE_CHUNKS_DEFAULT
 from tpkernels.planner.efficiency import is_calibrated
 from tpkernels.planner.estimate import Estimate
 from tpkernels.planner.memory import GIB
@@ -38,10 +39,11 @@ def describe_inputs(p: Plan) -> list[str]:
                                         f" (no published {p.cluster.gpu.generation} runs: Ampere's constants)"),
     ]
     if p.model.is_moe:
+        chunks = p.fixed.get("moe_chunks", MOE_CHUNKS_DEFAULT)  # ParallelConfig.moe_chunks of every candidate
         cap = (f"capacity factor {p.model.capacity_factor:g}" if p.model.capacity_factor is not None
                else f"dropless, dispatch buffers sized at {t.moe_peak_imbalance:g}× the balanced share")
         lines.append(f"experts  routing imbalance {t.moe_imbalance:g}× in the step time, {cap}; all-to-all in "
-                     f"{t.moe_chunks} chunk{'s' if t.moe_chunks > 1 else ''}")
+                     f"{chunks} chunk{'s' if chunks > 1 else ''}")
     if p.fixed:
         lines.append("fixed    " + ", ".join(f"{k}={v}" for k, v in p.fixed.items()))
     return lines

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from tpkernels import options
 from tpkernels.parallel import CP_ALGOS, RECOMPUTE_CHOICES, SCHEDULES, ParallelConfig
-from tpkernels.parallel.config import SHORT_NAMES
+from tpkernels.parallel.config import MOE_CHUNKS_DEFAULT, SHORT_NAMES
 from tpkernels.planner.efficiency import Efficiency, calibrated_for
 from tpkernels.planner.estimate import Estimate, estimate, layout_errors
 from tpkernels.planner.hardware import ClusterSpec
@@ -22,7 +22,7 @@ from tpkernels.planner.workload import TrainingSetup
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL_STAGES = 8
 FIXABLE = ("tp", "cp", "cp_algo", "pp", "dp", "ep", "virtual_stages", "micro_batch_size", "sequence_parallel",
-           "recompute", "zero1", "schedule")
+           "recompute", "zero1", "schedule", "moe_chunks")
 # Context parallelism is searched for long sequences only: below this, SP and recompute hold the
 # activations and CP's K/V exchange costs more than it saves. Each CP rank keeps at least
 # CP_MIN_TOKENS_PER_RANK tokens (fewer would leave the ring's hops nothing to hide behind).
@@ -108,10 +108,13 @@ def candidate_configs(model: ModelConfig, train: TrainingSetup, cluster: Cluster
                     choices("recompute", rcs),
                     choices("zero1", [False, True] if dp * cp > 1 else [False]),
                 )
+                # moe_chunks is not searched: 2 hides at least as much as 1 in the model (expert_parallel.
+                # chunked_exposed) at a few more launches, so the default, or the fixed value, is scored
+                chunks = fixed.get("moe_chunks", MOE_CHUNKS_DEFAULT)
                 for v, mbs, sp, rc, z, ep in itertools.product(*knobs, choices("ep", ep_choices(model, dp, cp))):
                     yield ParallelConfig(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch_size=mbs,
                                          num_microbatches=max(1, per_replica // mbs), sequence_parallel=sp,
-                                         recompute=rc, zero1=z, cp=cp, cp_algo=algo, ep=ep)
+                                         recompute=rc, zero1=z, cp=cp, cp_algo=algo, ep=ep, moe_chunks=chunks)
 
 
 def schedules_for(cfg: ParallelConfig, fixed: dict | None = None) -> list[ParallelConfig]:

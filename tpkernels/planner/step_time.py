@@ -169,6 +169,7 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
                   for k, n in _linear_shapes(model, t)]
     lin_f, lin_b, lin_w = (sum(lin[i] for lin in per_linear) for i in range(3))
     share = moe_layer_share(model)
+    dense_linear = list(per_linear)  # a dense layer's, for its SP collectives' overlap
     moe = None
     if share:  # a MoE layer's block replaces the dense MLP (expert_parallel.py); the layers mix in proportion
         moe = moe_layer_time(model, train, cfg, cluster, eff, precision=lin_precision, quant=quant)
@@ -221,7 +222,7 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
             head = 2 * one if last_stage else 0.0  # gather before the output layer, reduce-scatter its grad
             tp_comm = layers * per_layer + head
             if cfg.overlap_comm:
-                exposed_fwd, exposed_bwd = sp_exposed(one, per_linear, t)
+                exposed_fwd, exposed_bwd = sp_exposed(one, dense_linear, t)
                 layer_exposed = exposed_fwd * (2 if fwd_recompute else 1) + exposed_bwd
                 # the machine hides tp_overlap of what the software's overlap can hide
                 layer_exposed = per_layer - eff.tp_overlap * (per_layer - layer_exposed)
@@ -236,10 +237,24 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
                 extra_exposed = extra - eff.tp_overlap * (extra - extra_exposed)
                 per_layer, layer_exposed = per_layer + shared * extra, layer_exposed + shared * extra_exposed
                 tp_comm = layers * per_layer + head
+            if share:  # a MoE layer's routed block has no SP gather / reduce-scatter (each TP rank routes its
+                # own tokens): the dense MLP's give way to the expert-TP all-gathers / reduce-scatters
+                up_d, down_d = dense_linear[2], dense_linear[3]
+                mlp = one * (2 + 3 + (2 if fwd_recompute else 0))
+                mlp_exposed = mlp
+                if cfg.overlap_comm:
+                    mlp_fwd = ring_exposed(one, up_d[0], t) + ring_exposed(one, down_d[0], t)
+                    mlp_bwd = ring_exposed(one, down_d[1], t) + bulk_exposed(one, up_d[1]) + bulk_exposed(one, up_d[2])
+                    mlp_exposed = mlp - eff.tp_overlap * (mlp - (mlp_fwd * (2 if fwd_recompute else 1) + mlp_bwd))
+                etp = passes_f * moe["etp_f"] + moe["etp_b"]
+                per_layer, layer_exposed = per_layer + share * (etp - mlp), layer_exposed + share * (etp - mlp_exposed)
+                tp_comm = layers * per_layer + head
             tp_exposed = layers * layer_exposed + head  # the output layer's gather / reduce-scatter: exposed
         else:
             ar = group_collective_time("all_reduce", msg, t, 1, cluster, eff)
             per_layer = ar * (2 + 2 + (2 if fwd_recompute else 0) + shared * (2 + (1 if fwd_recompute else 0)))
+            if share:  # a MoE layer's routed block: expert-TP all-gathers / reduce-scatters for the MLP's all-reduces
+                per_layer += share * (passes_f * moe["etp_f"] + moe["etp_b"] - ar * (2 + (1 if fwd_recompute else 0)))
             head = ar if last_stage else 0.0  # all-reduce of the output layer's input gradient
             tp_comm = tp_exposed = layers * per_layer + head
     p2p = p2p_one = 0.0
@@ -268,7 +283,9 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
         4 + (2 if cfg.recompute == "full" else 0)
     ops = layers * (4 * gemms_per_linear + 2 + ELEMENTWISE_KERNELS_PER_LAYER * passes / 3.0 + tp_ops)
     if moe is not None:  # router and shared-expert GEMMs, the count exchange and the chunked all-to-alls
-        a2a_ops = 0 if cfg.ep == 1 else (2 + 4 * train.moe_chunks) * (passes_f + 1) / 2
+        a2a_ops = 0 if cfg.ep == 1 else (2 + 4 * cfg.moe_chunks) * (passes_f + 1) / 2
+        # expert TP: per chunk a count all-gather, the rows' all-gather and reduce-scatter (each pass)
+        a2a_ops += 0 if t == 1 else 3 * (cfg.moe_chunks if cfg.ep > 1 else 1) * (passes_f + 1)
         ops += layers * share * (gemms_per_linear * (1 + (2 if model.shared_expert_ffn_hidden_size else 0)) + a2a_ops)
     if last_stage:
         ops += 3 + 2

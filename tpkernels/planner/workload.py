@@ -59,9 +59,6 @@ class TrainingSetup:
         to its expert's rank (tpkernels.functional.moe_dispatch, Megatron-Core's alltoall dispatcher);
         "dedup" sends a token once to each rank and once across the network to each node that holds
         any of its experts, forwarding it inside the node over NVLink (DeepEP, HybridEP).
-    moe_chunks: the expert-parallel dispatch is cut into this many chunks, the expert GEMMs of chunk i
-        running while chunk i + 1 is in flight (tpkernels.functional.moe_dispatch's ``chunks``); 1
-        overlaps nothing. 2: what tpkernels train runs (ParallelTransformer's ``moe_chunks``).
     task: "pretrain", "sft" or "dpo". SFT costs what pre-training does on the same tokens (the
         prompt's masked tokens still run forward and backward); DPO's rows hold both sequences of
         each pair (global_batch counts rows of seq_length tokens, as for the others).
@@ -87,7 +84,6 @@ class TrainingSetup:
     grad_reduce_fp32: bool = True
     moe_imbalance: float = 1.0
     moe_peak_imbalance: float = 2.0
-    moe_chunks: int = 2
     moe_dispatch: str = "alltoall"
 
     def __post_init__(self):
@@ -97,7 +93,7 @@ class TrainingSetup:
                     and value >= 1):
                 raise ValueError(f"{f} ({value!r}) must be a finite number >= 1 (the busiest expert-parallel rank's "
                                  "rows over its balanced share)")
-        for f in ("global_batch", "seq_length", "lora_rank", "moe_chunks"):
+        for f in ("global_batch", "seq_length", "lora_rank"):
             value = getattr(self, f)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f} ({value!r}) must be a positive integer")
