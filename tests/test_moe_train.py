@@ -337,3 +337,32 @@ def test_moe_metrics_reach_the_metrics_file_the_progress_line_and_tensorboard(mi
     scalars, texts = read_events(tmp_path / "tb")
     assert [v for _, v in scalars["moe/aux_loss"]] == pytest.approx([r["moe/aux_loss"] for r in recs], rel=1e-6)
     assert texts["moe/load/1"][-1] == (1, ", ".join(map(str, recs[1]["moe/load"]["1"])))
+
+
+def test_zero_bubble_defers_the_expert_weight_gradients_to_w(mixtral, fresh_seed):
+    """A forward inside split_weight_grads (a zb-h1 F): B leaves the experts' stacked weights without a
+    gradient and queues dW (grouped_gemm_split); W (the store's flush) lands the same gradients as an
+    ordinary backward, every parameter's, in float64."""
+    from tpkernels.functional.weight_grad import WeightGradStore, defer_weight_grads, split_weight_grads
+    from tpkernels.models import ParallelTransformer
+
+    mc = cfg_of(mixtral[0]).model_config()
+    ids = torch.randint(0, mc.vocab_size, (2, 9))
+
+    def run(split: bool):
+        model = ParallelTransformer(mc, None, seed=fresh_seed % 2**31, dtype=torch.float64)
+        store = WeightGradStore()
+        with split_weight_grads(split):
+            loss = model(ids, target=ids)
+        with defer_weight_grads(store):
+            loss.backward()
+        in_b = {n: p.grad is not None for n, p in model.named_parameters() if "w_gate_up" in n or "w_down" in n}
+        store.flush()
+        return in_b, {n: p.grad for n, p in model.named_parameters()}
+
+    in_b, want = run(False)
+    assert all(in_b.values())
+    in_b, got = run(True)
+    assert not any(in_b.values()) and len(in_b) == 4
+    for k, g in want.items():
+        torch.testing.assert_close(got[k], g, rtol=1e-12, atol=1e-14, msg=lambda m, k=k: f"{k}: {m}")

@@ -49,8 +49,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpkernels.functional.grouped_gemm import grouped_gemm, grouped_swiglu_mlp
+from tpkernels.functional.grouped_gemm import grouped_swiglu_mlp
 from tpkernels.functional.grouped_quantized import grouped_quantized_gemm
+from tpkernels.functional.grouped_weight_grad import grouped_gemm_split
+from tpkernels.functional.weight_grad import splitting
 from tpkernels.functional.moe_dispatch import dispatch_combine
 from tpkernels.functional.moe_expert_tp import even_sizes, gather_rows, reduce_scatter_rows, split_rows
 from tpkernels.functional.moe_permute import permute, unpermute
@@ -241,7 +243,8 @@ class MoE(nn.Module):
         tensors stay out of the checkpoint's hooks, or each nested backward, a graph task of its own, would
         run the whole layer's recomputation again (and re-enter its context: an error)."""
         with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-            if self.quantized is None:
+            # zero bubble: unfused, each GEMM's dW queued for the W action (grouped_gemm_split)
+            if self.quantized is None and not splitting():
                 return grouped_swiglu_mlp(rows, self.w_gate_up, self.w_down, counts)
             gate_up = self.expert_gemm("w_gate_up", rows, counts)
             return self.expert_gemm("w_down", F.silu(gate_up[:, :self.f]) * gate_up[:, self.f:], counts)
@@ -252,7 +255,7 @@ class MoE(nn.Module):
         (grouped_quantized_gemm, frozen) -> (M, out)."""
         if self.quantized is not None and name in self.quantized:
             return grouped_quantized_gemm(x, self.quantized[name], counts)
-        return grouped_gemm(x, getattr(self, name), counts)
+        return grouped_gemm_split(x, getattr(self, name), counts)  # dW deferred to a zero-bubble W
 
     def quantized_weights(self) -> dict:
         """The expert weights held quantised, by parameter name (tpkernels.models.moe_quant.QuantizedExperts)."""
