@@ -248,3 +248,28 @@ def test_qlora_sft_at_ep2_trains_what_one_process_trains_and_exports_it(rank_poo
                                                            attn_implementation="eager", dtype=torch.float64)
     # transformers routes in fp32 (a combine weight rounded there moves a logit by ~1e-8 relative to ours)
     torch.testing.assert_close(hf(input_ids=ids).logits, got["logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_adapters_off_turns_off_the_expert_adapters_too(fresh_seed):
+    """DPO's reference 'adapters' (the base model): with trained (nonzero) adapters on attention and on the
+    routed experts, adapters_off gives the base model's logits exactly, over a QLoRA base; after it the
+    adapted logits come back."""
+    from tpkernels.models import ParallelTransformer
+    from tpkernels.models.lora import EXPERTS, TARGETS, apply_lora
+    from tpkernels.train.dpo import adapters_off
+
+    hf = _hf(fresh_seed)
+    model = ParallelTransformer.from_hf(hf, None, dtype=torch.float64, quant="nf4")
+    ids = torch.randint(0, MIXTRAL["vocab_size"], (2, 7))
+    with torch.no_grad():
+        base = model(ids)
+        apply_lora(model, 4, 8.0, TARGETS + (EXPERTS,), seed=fresh_seed)
+        for n, p in model.named_parameters():
+            if ".lora." in n and (n.endswith("B") or "B_" in n):
+                p.normal_(0.0, 0.3)
+        adapted = model(ids)
+        with adapters_off(model):
+            off = model(ids)
+        assert (adapted - base).abs().max() > 1e-3  # the expert and attention adapters move the logits
+        torch.testing.assert_close(off, base, rtol=0, atol=1e-12)
+        torch.testing.assert_close(model(ids), adapted, rtol=0, atol=0)

@@ -36,6 +36,7 @@ import torch
 
 from tpkernels.conventions import IGNORE_INDEX
 from tpkernels.functional.preference import METRIC_NAMES, REFERENCE_FREE
+from tpkernels.models.expert_lora import ExpertLoRA
 from tpkernels.models.lora import LoRA
 from tpkernels.models.preference import PreferenceObjective, SequenceLogps
 from tpkernels.parallel import control
@@ -80,8 +81,9 @@ class PairInfo:
 
 @contextlib.contextmanager
 def adapters_off(model):
-    """The model with every LoRA adapter's scale at 0 (its update exactly 0): the base model."""
-    mods = [m for m in model.modules() if isinstance(m, LoRA)]
+    """The model with every LoRA adapter's scale at 0 (its update exactly 0): the base model. The routed
+    experts' adapters too (a MoE model's reference would otherwise hold their updates)."""
+    mods = [m for m in model.modules() if isinstance(m, (LoRA, ExpertLoRA))]
     saved = [m.scale for m in mods]
     for m in mods:
         m.scale = 0.0
