@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tpkernels.functional.grouped_quantized import GroupedQuantizedWeight
+from tpkernels.functional.quantized_weight import triton_shape_problem
 from tpkernels.parallel.param_tags import tag
 
 EXPERT_WEIGHTS = ("w_gate_up", "w_down")
@@ -29,6 +30,10 @@ def quantize_experts(moe, fmt: str) -> None:
     for name in EXPERT_WEIGHTS:
         p = getattr(moe, name)
         e, inp, out = p.shape
+        if fmt == "nf4" and p.device.type == "cuda":  # the CUDA NF4 kernels step K one 64-block per row
+            problem = triton_shape_problem(inp, f"quantised experts {name} ({out}×{inp} per expert and rank)")
+            if problem:
+                raise ValueError(problem)
         meta = tag(torch.empty(p.shape, device="meta", dtype=p.dtype), split_dim=p.tp_tag.split_dim,
                    expert_parallel=True)
         meta.hf_view = "experts"
