@@ -144,3 +144,53 @@ def test_bad_shapes_name_the_field():
         base.replace(num_kv_heads=3)
     with pytest.raises(ValueError, match=r"vocab_size \(0\) must be a positive integer"):
         base.replace(vocab_size=0)
+
+
+def test_per_layer_counts_equal_the_sum_over_the_layers(fresh_seed):
+    """ModelConfig's per-layer means and totals are closed forms over the MoE / dense layer counts: they
+    equal the sums over every layer (layer_params / moe_params / the layer's shapes) for random
+    moe_layers patterns (a dense model, experts on every layer, any subset of the layers, none included)."""
+    import random  # noqa: PLC0415
+
+    rng = random.Random(fresh_seed)
+    for _ in range(60):
+        n = rng.randint(1, 9)
+        kind = rng.choice(["dense", "all", "subset"])
+        moe = {} if kind == "dense" else dict(
+            num_experts=rng.choice([2, 3, 4, 8]), experts_per_token=1, moe_ffn_hidden_size=rng.choice([8, 12]),
+            shared_expert_ffn_hidden_size=rng.choice([0, 16]))
+        if moe:
+            moe["experts_per_token"] = rng.randint(1, moe["num_experts"])
+            moe["shared_expert_gate"] = bool(moe["shared_expert_ffn_hidden_size"]) and rng.random() < 0.5
+        if kind == "subset":
+            moe["moe_layers"] = tuple(sorted(rng.sample(range(n), rng.randint(0, n))))
+        m = ModelConfig("qwen2_moe" if moe else "llama", n, 16, 2, rng.choice([24, 40]), 64, **moe)
+        ids = range(n)
+        moe_ids = [i for i in ids if m.is_moe_layer(i)]
+        assert m.num_moe_layers == len(moe_ids)
+        layer = [m.layer_params(i) for i in ids]
+        active = [m.layer_params(i, active=True) for i in ids]
+        experts = [m.moe_params(i).get("experts", 0) for i in ids]
+        k_of_e = [e // max(1, m.num_experts) * m.experts_per_token for e in experts]
+        attn_w = 16 * m.q_dim + 2 * 16 * m.kv_dim + m.q_dim * 16
+        weights = [attn_w + m._dense_mlp_params(i)[0] + m.moe_params(i).get("router", 0) + k_of_e[i]
+                   + m.moe_params(i).get("shared", 0) for i in ids]
+        extra = m.embedding_params() + m.head_params()
+        assert m.num_params() == sum(layer) + extra and m.num_active_params() == sum(active) + extra
+        assert m.params_per_layer() == pytest.approx(sum(layer) / n, rel=1e-15)
+        assert m.expert_params_per_layer() == pytest.approx(sum(experts) / n, rel=1e-15)
+        assert m.linear_weights_per_layer() == pytest.approx(sum(weights) / n, rel=1e-15)
+        r = rng.randint(1, 8)
+        mlp = lambda f: [(16, f)] * (m.mlp_matrices - 1) + [(f, 16)]  # noqa: E731
+        lora = 0
+        for i in ids:
+            shapes = [(16, m.q_dim), (16, m.kv_dim), (16, m.kv_dim), (m.q_dim, 16)]
+            if i in moe_ids:
+                shapes += mlp(m.expert_ffn) * m.num_experts + (mlp(m.shared_expert_ffn_hidden_size)
+                                                              if m.shared_expert_ffn_hidden_size else [])
+            else:
+                shapes += mlp(m.ffn_hidden_size)
+            lora += sum(r * (a + b) for a, b in shapes)
+        assert m.lora_params_per_layer(r) == pytest.approx(lora / n, rel=1e-15)
+        # an integer whenever the sum divides evenly, as before
+        assert isinstance(m.params_per_layer(), int) == (sum(layer) % n == 0)

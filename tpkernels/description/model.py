@@ -206,8 +206,6 @@ class ModelConfig:
         errs = []
         if self.model_type in PLAN_ONLY_TYPES:
             errs.append(PLAN_ONLY_TYPES[self.model_type])
-        elif self.qk_norm:
-            errs.append("qk_norm (True): per-head RMSNorms of q and k are not implemented by tpkernels.models yet")
         if self.dropout > 0:
             errs.append(f"{self.dropout_source or 'dropout'} ({self.dropout}) > 0: tpkernels models train without "
                         "dropout; pass drop_dropout=True (tpkernels train: model.drop_dropout true) to load the "
@@ -280,7 +278,19 @@ class ModelConfig:
 
     @property
     def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        """Layers with routed experts. The per-layer means below are closed forms over the two kinds of
+        layer (MoE and dense) weighted by their counts: the planner's search calls them per layout."""
+        if self.num_experts <= 0:
+            return 0
+        if self.moe_layers is None:
+            return self.num_layers
+        return len(self.moe_layers)  # sorted distinct ids below num_layers (a construction rule)
+
+    def _over_layers(self, per_kind) -> float:
+        """Mean over the layers of ``per_kind(moe: bool)`` (an integer when it divides evenly)."""
+        n = self.num_moe_layers
+        total = n * per_kind(True) + (self.num_layers - n) * per_kind(False) if n else self.num_layers * per_kind(False)
+        return total // self.num_layers if total % self.num_layers == 0 else total / self.num_layers
 
     def padded_vocab(self, tp: int) -> int:
         """Vocabulary rows of the embedding and head tables at tensor-parallel size ``tp``."""
@@ -319,7 +329,10 @@ class ModelConfig:
 
     def _dense_mlp_params(self, layer: int) -> tuple[int, int]:
         """(GEMM weights, biases) of layer ``layer``'s dense MLP (0 on a MoE layer)."""
-        if self.is_moe_layer(layer):
+        return self._dense_mlp_of(self.is_moe_layer(layer))
+
+    def _dense_mlp_of(self, moe: bool) -> tuple[int, int]:
+        if moe:
             return 0, 0
         h, f = self.hidden_size, self.ffn_hidden_size
         return self.mlp_matrices * h * f, (f * (self.mlp_matrices - 1) + h if self.mlp_bias else 0)
@@ -327,7 +340,10 @@ class ModelConfig:
     def moe_params(self, layer: int) -> dict[str, int]:
         """Parameters of layer ``layer``'s MoE block by kind: router (E × hidden), experts (E SwiGLU MLPs),
         shared (the shared expert and its gate). Empty on a dense layer."""
-        if not self.is_moe_layer(layer):
+        return self._moe_block_of(self.is_moe_layer(layer))
+
+    def _moe_block_of(self, moe: bool) -> dict[str, int]:
+        if not moe:
             return {}
         h, e, s = self.hidden_size, self.num_experts, self.shared_expert_ffn_hidden_size
         return dict(router=e * h, experts=e * 3 * h * self.expert_ffn,
@@ -336,11 +352,14 @@ class ModelConfig:
     def layer_params(self, layer: int, *, active: bool = False) -> int:
         """Parameters of decoder layer ``layer``; ``active``: those one token passes through (k of the E
         experts)."""
-        moe = self.moe_params(layer)
+        return self._layer_params_of(self.is_moe_layer(layer), active)
+
+    def _layer_params_of(self, is_moe: bool, active: bool = False) -> int:
+        moe = self._moe_block_of(is_moe)
         experts = moe.get("experts", 0)
         if active and experts:
             experts = experts // self.num_experts * self.experts_per_token
-        dense_w, dense_b = self._dense_mlp_params(layer)
+        dense_w, dense_b = self._dense_mlp_of(is_moe)
         return (self._attention_weights() + self._attention_extras() + 2 * self.norm_params() + dense_w + dense_b
                 + moe.get("router", 0) + moe.get("shared", 0) + experts)
 
@@ -348,13 +367,13 @@ class ModelConfig:
         """GEMM weights one token passes through in a layer (what FLOPs scale with), the mean over the
         layers: attention, the dense MLP or, on a MoE layer, the router, k of the E experts and the
         shared expert. An integer for a dense model."""
-        total = 0
-        for i in range(self.num_layers):
-            dense_w, _ = self._dense_mlp_params(i)
-            moe = self.moe_params(i)
+        def per_kind(is_moe: bool) -> int:
+            dense_w, _ = self._dense_mlp_of(is_moe)
+            moe = self._moe_block_of(is_moe)
             active = moe.get("experts", 0) // max(1, self.num_experts) * self.experts_per_token
-            total += self._attention_weights() + dense_w + moe.get("router", 0) + active + moe.get("shared", 0)
-        return total // self.num_layers if total % self.num_layers == 0 else total / self.num_layers
+            return self._attention_weights() + dense_w + moe.get("router", 0) + active + moe.get("shared", 0)
+
+        return self._over_layers(per_kind)
 
     def norm_params(self) -> int:
         return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
@@ -362,13 +381,11 @@ class ModelConfig:
     def params_per_layer(self) -> float:
         """Parameters of one decoder layer, the mean over the layers (an integer when every layer is
         alike: a dense model, or experts on every layer)."""
-        total = sum(self.layer_params(i) for i in range(self.num_layers))
-        return total // self.num_layers if total % self.num_layers == 0 else total / self.num_layers
+        return self._over_layers(self._layer_params_of)
 
     def expert_params_per_layer(self) -> float:
         """Routed-expert parameters of one layer, the mean over the layers (what EP shards)."""
-        total = sum(self.moe_params(i).get("experts", 0) for i in range(self.num_layers))
-        return total // self.num_layers if total % self.num_layers == 0 else total / self.num_layers
+        return self._over_layers(lambda is_moe: self._moe_block_of(is_moe).get("experts", 0))
 
     def embedding_params(self) -> int:
         """Input embedding + learned positions (first pipeline stage), without vocabulary padding."""
@@ -380,14 +397,16 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Every parameter (all experts of a MoE model), without vocabulary padding."""
-        return sum(self.layer_params(i) for i in range(self.num_layers)) + self.embedding_params() + \
-            self.head_params()
+        n = self.num_moe_layers
+        layers = n * self._layer_params_of(True) + (self.num_layers - n) * self._layer_params_of(False)
+        return layers + self.embedding_params() + self.head_params()
 
     def num_active_params(self) -> int:
         """The parameters one token passes through: :meth:`num_params` with k of the E experts of each
         MoE layer (the equal of num_params for a dense model)."""
-        return sum(self.layer_params(i, active=True) for i in range(self.num_layers)) + self.embedding_params() + \
-            self.head_params()
+        n = self.num_moe_layers
+        layers = n * self._layer_params_of(True, True) + (self.num_layers - n) * self._layer_params_of(False, True)
+        return layers + self.embedding_params() + self.head_params()
 
     def num_non_embedding_params(self) -> int:
         return self.num_params() - self.embedding_params() - (0 if self.tied_embeddings else
@@ -403,17 +422,17 @@ class ModelConfig:
         def mlp(f):
             return [(h, f)] * (self.mlp_matrices - 1) + [(f, h)]
 
-        total = 0
-        for i in range(self.num_layers):
+        def per_kind(is_moe: bool) -> int:
             shapes = list(attn)
-            if self.is_moe_layer(i):
+            if is_moe:
                 shapes += mlp(self.expert_ffn) * self.num_experts
                 if self.shared_expert_ffn_hidden_size:
                     shapes += mlp(self.shared_expert_ffn_hidden_size)
             else:
                 shapes += mlp(self.ffn_hidden_size)
-            total += sum(rank * (a + b) for a, b in shapes)
-        return total // self.num_layers if total % self.num_layers == 0 else total / self.num_layers
+            return sum(rank * (a + b) for a, b in shapes)
+
+        return self._over_layers(per_kind)
 
     # ------------------------------------------------------------------ FLOPs
     def forward_flops_per_layer(self, batch: int, seq: int) -> tuple[float, float]:
