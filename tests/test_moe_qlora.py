@@ -182,10 +182,11 @@ def test_quantised_experts_at_ep2_tp2_equal_one_process_on_their_dequantised_val
     ref(ids, target=next_token_targets(ids)).backward()
     want = ref.to_hf_state_dict("grad")
     assert set(got["grads"]) == set(want)
-    quantised = [n for n in want if ".experts." in n or "self_attn" in n or "mlp" in n and "gate.weight" not in n]
+    quantised = [n for n in want if ".experts." in n or "self_attn" in n]  # the NF4 base: the experts, attention
     assert quantised and all(not got["grads"][n].any() for n in quantised)
     for name in set(want) - set(quantised):
-        torch.testing.assert_close(got["grads"][name], want[name], rtol=1e-7, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(got["grads"][name], want[name], rtol=1e-7, atol=1e-10,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 # ---- tpkernels train: QLoRA SFT on a Mixtral (adapters on attention and every routed expert, NF4 base) ----
