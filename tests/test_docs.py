@@ -90,7 +90,11 @@ def test_page_code_runs(page, tmp_path):
         (tmp_path / name).symlink_to(ROOT / name)
     (tmp_path / "page.py").write_text(script)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "TQDM_DISABLE": "1"}
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "TQDM_DISABLE": "1",
+           # one intra-op thread per process: the pages' models are tiny, and on 2 shared cores (the suite's
+           # background compiles, a launch's other ranks) OpenMP threads that spin-wait for a busy core made a
+           # 2-step run 8x slower (its steps 1.42 s -> 0.17 s, the command 23 s -> 14 s, measured at load 7)
+           "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "page.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{page.name}:\n{r.stdout[-3000:]}\n{r.stderr[-4000:]}"
 
