@@ -167,7 +167,8 @@ def test_quantised_experts_at_ep2_tp2_equal_one_process_on_their_dequantised_val
     """EP2×TP2+SP (world 4) with an NF4 base (experts and TP linears): each rank's expert rectangles are
     bitsandbytes' bytes of that rectangle alone; logits and every gradient (router, norms, embedding, head:
     through the experts' input gradients) equal the one-process float64 model holding the layout's
-    dequantised weights; the quantised weights get no gradient."""
+    dequantised weights; the quantised weights get no gradient; an export's one-process rebuild of the TP2
+    base (dequantize_as_trained_at_) gives the same expert values."""
     from tpkernels.models import ParallelTransformer, next_token_targets
     from tpkernels.parallel import ParallelConfig
 
@@ -178,6 +179,13 @@ def test_quantised_experts_at_ep2_tp2_equal_one_process_on_their_dequantised_val
     got = rank_pool(world).run(_layout_worker, folder, sd, layout, ids, timeout=120)[0]
     ref = ParallelTransformer.from_hf(folder, None, dtype=torch.float64)
     ref.load_hf_(got["weights"])
+    # what an export of a TP2 run rebuilds in one process: the same dequantised values, bit for bit
+    from tpkernels.models.hf_io import dequantize_as_trained_at_
+
+    rebuilt = ParallelTransformer(ref.config, None, init=None, dtype=torch.float64, quant="nf4")
+    dequantize_as_trained_at_(rebuilt, folder, 2)
+    rebuilt_sd = rebuilt.to_hf_state_dict()
+    assert all(torch.equal(rebuilt_sd[n], got["weights"][n]) for n in got["weights"] if ".experts." in n)
     torch.testing.assert_close(got["logits"], ref(ids).detach(), rtol=1e-9, atol=1e-10)
     ref(ids, target=next_token_targets(ids)).backward()
     want = ref.to_hf_state_dict("grad")
