@@ -50,12 +50,12 @@ def _check_experts_are_bitsandbytes(moe, sd: dict, layer: int, tp_rank: int = 0,
         pre = f"model.layers.{layer}.block_sparse_moe.experts.{first + j}."
         gu, down = (moe.quantized[n].experts[j] for n in ("w_gate_up", "w_down"))
         want = [sd[pre + "w1.weight"][rows], sd[pre + "w3.weight"][rows], sd[pre + "w2.weight"][:, rows]]
-        for q, w in zip(gu.pieces() + down.pieces(), want):
-            values, packed = _bnb_values(w)
+        bnb = [_bnb_values(w) for w in want]
+        for q, (_, packed) in zip(gu.pieces() + down.pieces(), bnb):
             assert torch.equal(q.packed, packed), f"expert {first + j}: packed codes differ from bitsandbytes'"
         deq = moe.quantized["w_gate_up"].dequantize()[j]
-        assert torch.equal(deq.t(), torch.cat([_bnb_values(w)[0] for w in want[:2]]))
-        assert torch.equal(moe.quantized["w_down"].dequantize()[j].t(), _bnb_values(want[2])[0])
+        assert torch.equal(deq.t(), torch.cat([bnb[0][0], bnb[1][0]]))
+        assert torch.equal(moe.quantized["w_down"].dequantize()[j].t(), bnb[2][0])
 
 
 def _hf_names(hf) -> dict:
