@@ -104,21 +104,22 @@ def test_planner_and_model_agree_on_config_files(family, tmp_path):
 
 
 def test_what_the_model_cannot_build_is_planned_and_refused_alike(tmp_path, capsys):
-    """Qwen3 (per-head q/k norms) and dropout: read by the one reader; plan notes it, train refuses it,
-    with the same message; a family neither knows is refused by both alike."""
+    """A Qwen3 config with dropout: read by the one reader (its per-head q/k norms counted); plan notes the
+    dropout, train refuses it, with the same message; a family neither knows is refused by both alike."""
     from tpkernels.cli import main
 
     qwen3 = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                     attention_dropout=0.1)
     qwen3.save_pretrained(str(tmp_path / "q3"))
     mc = ModelConfig.read_hf(tmp_path / "q3")
     assert mc.model_type == "qwen3" and mc.qk_norm
     assert mc.num_params() - mc.replace(qk_norm=False).num_params() == 2 * 2 * 8  # q and k norms, 2 layers
-    reason = mc.build_errors()[0]
-    assert "q_norm, k_norm" in reason
-    with pytest.raises(ValueError, match="q_norm, k_norm"):
+    reason, = mc.build_errors()
+    assert reason.startswith("attention_dropout (0.1) > 0")
+    with pytest.raises(ValueError, match=r"attention_dropout \(0.1\) > 0"):
         ModelConfig.from_hf(tmp_path / "q3")
-    with pytest.raises(ValueError, match="q_norm, k_norm"):
+    with pytest.raises(ValueError, match=r"attention_dropout \(0.1\) > 0"):
         ParallelTransformer(mc)
     rc = main(["plan", "--model", str(tmp_path / "q3"), "--gpu", "H100-SXM", "--global-batch", "8", "--top", "1"])
     out = capsys.readouterr()

@@ -68,13 +68,16 @@ def test_qwen2_moe_fields_sparse_step_and_dense_layers():
     assert mc.num_params() - mc.num_active_params() == (3 - 2) * 3 * 24 * 14
 
 
-def test_qwen3_moe_is_planned_not_built():
-    mc = ModelConfig.read_hf(tiny("qwen3_moe", head_dim=8))
-    assert mc.qk_norm and mc.num_experts == 3 and mc.dhead == 8
+def test_qwen3_moe_fields_sparse_step_and_dense_layers():
+    """Qwen3-MoE is built (its per-head q/k norms: tests/test_qk_norm.py): decoder_sparse_step, mlp_only_layers and
+    norm_topk_prob are read as transformers' model uses them, and written back alike."""
+    cfg = tiny("qwen3_moe", head_dim=8, decoder_sparse_step=2, mlp_only_layers=[1], norm_topk_prob=True)
+    mc = ModelConfig.from_hf(cfg)
+    assert mc.qk_norm and mc.num_experts == 3 and mc.dhead == 8 and mc.build_errors() == []
+    assert mc.moe_layers == (3,) and mc.router_normalize and not mc.qkv_bias and not mc.shared_expert_ffn_hidden_size
     assert _meta_count(config_to_hf(mc)) == mc.num_params()
-    assert any("q_norm, k_norm" in e for e in mc.build_errors())
-    with pytest.raises(ValueError, match="q_norm, k_norm"):
-        ModelConfig.from_hf(tiny("qwen3_moe"))
+    assert ModelConfig.read_hf(config_to_hf(mc)).replace(name="") == mc.replace(name="")
+    assert not ModelConfig.read_hf(tiny("qwen3_moe", norm_topk_prob=False)).router_normalize
 
 
 def test_router_jitter_is_refused_like_dropout():

@@ -1,13 +1,9 @@
 """The model types the one Hugging Face reader knows, and which of them ``tpkernels.models`` builds."""
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
-BUILDABLE_TYPES = ("gpt2", "llama", "qwen2", "mistral", "mixtral", "qwen2_moe")
+BUILDABLE_TYPES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
 # Read and planned, not built; the reason is what ModelConfig.build_errors() says.
 PLAN_ONLY_TYPES = {
-    "qwen3": "model_type ('qwen3') has per-head RMSNorms of q and k (q_norm, k_norm), which tpkernels.models "
-             "does not implement yet",
-    "qwen3_moe": "model_type ('qwen3_moe') has per-head RMSNorms of q and k (q_norm, k_norm), which tpkernels.models "
-                 "does not implement yet",
     "qwen": "model_type ('qwen') is Qwen (v1): its checkpoints' weight names (transformer.h.N.attn.c_attn, "
             "mlp.w1/w2) are not mapped by tpkernels.models; convert it to Qwen2 first",
 }

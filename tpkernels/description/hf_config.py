@@ -11,7 +11,7 @@ normalised (its class defaults for missing keys; ``rope_scaling`` + ``rope_theta
 remote code, is read from its JSON keys. What no part of the package can use raises a ValueError
 naming the config field: other model types, experts in other families (a Llama config with
 ``num_experts``), unknown rope types, partial rotary, other activations. What only the models
-cannot build yet (Qwen3's q/k norms, Qwen v1's weight names, dropout, Mixtral's router jitter) is
+cannot build yet (Qwen v1's weight names, dropout, Mixtral's router jitter) is
 recorded and left to ``ModelConfig.build_errors``.
 """
 
@@ -241,6 +241,9 @@ def config_to_hf(mc):
                   initializer_range=mc.initializer_range, attention_dropout=0.0)
     if mc.model_type == "qwen2":
         return transformers.Qwen2Config(**common, **_qwen_windows(mc), architectures=["Qwen2ForCausalLM"])
+    if mc.model_type == "qwen3":
+        return transformers.Qwen3Config(**common, **_qwen_windows(mc), attention_bias=mc.qkv_bias,
+                                        architectures=["Qwen3ForCausalLM"])
     if mc.model_type in MOE_TYPES:
         return _moe_to_hf(mc, common)
     if mc.model_type == "mistral":

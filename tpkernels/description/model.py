@@ -206,8 +206,6 @@ class ModelConfig:
         errs = []
         if self.model_type in PLAN_ONLY_TYPES:
             errs.append(PLAN_ONLY_TYPES[self.model_type])
-        elif self.qk_norm:
-            errs.append("qk_norm (True): per-head RMSNorms of q and k are not implemented by tpkernels.models yet")
         if self.dropout > 0:
             errs.append(f"{self.dropout_source or 'dropout'} ({self.dropout}) > 0: tpkernels models train without "
                         "dropout; pass drop_dropout=True (tpkernels train: model.drop_dropout true) to load the "

@@ -8,6 +8,12 @@ one column-parallel GEMM (one all-gather under SP) serves all three. Replicated 
 partial gradients (from this rank's query heads only); the model sums them over the ranks that
 share the head at the end of the step (the weight's tag: ``kv_replica_rows``).
 
+Qwen3's per-head q/k norms (``qk_norm``): q and k are RMS-normalised over each head's head_dim before
+rotary, with two (head_dim,) weights shared by all heads (transformers' ``q_norm`` / ``k_norm``). The
+weights are whole on every TP rank, but a rank's heads are its own, so its gradient covers them only:
+tagged ``partial_grad`` and summed over TP at the end of the step (SP or not). The cache below holds
+the normalised, rotated keys, as transformers' cache does.
+
 Generation: ``kv_cache`` (None in training) is a :class:`~tpkernels.models.kv_cache.KVCache` bound
 for the duration of a generate call; the layer then stores its rotated keys and values there and,
 once a row holds earlier tokens, attends to them from the cache (one query per decoding step).
@@ -20,13 +26,14 @@ from torch import nn
 
 from tpkernels.functional.attention import flash_attn_func, flash_attn_varlen_func
 from tpkernels.functional.context_parallel import context_parallel_attention
+from tpkernels.functional.norms import rms_norm
 from tpkernels.functional.rotary import apply_rotary
 from tpkernels.models.context import LayerContext
 from tpkernels.models.hf_checkpoint import Part
 from tpkernels.models.recompute import recomputed
 from tpkernels.models.sequence import SequenceInfo
 from tpkernels.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from tpkernels.parallel.param_tags import retag
+from tpkernels.parallel.param_tags import retag, tag
 
 
 def kv_layout(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -66,6 +73,11 @@ class SelfAttention(nn.Module):
             for p in (self.qkv.weight, self.qkv.bias):
                 if p is not None:
                     retag(p, kv_replica_rows=rows, kv_replicas=replicas)
+        self.q_norm = self.k_norm = None
+        if mc.qk_norm:  # (head_dim,) each; partial over TP: this rank's heads only (module docstring)
+            self.norm_eps = mc.norm_eps
+            self.q_norm = tag(nn.Parameter(torch.ones(self.hd, **ctx.factory())), partial_grad=ctx.tp_size > 1)
+            self.k_norm = tag(nn.Parameter(torch.ones(self.hd, **ctx.factory())), partial_grad=ctx.tp_size > 1)
 
     def forward(self, x: torch.Tensor, info: SequenceInfo, rope) -> torch.Tensor:
         y = self.qkv(x)
@@ -79,6 +91,8 @@ class SelfAttention(nn.Module):
         """q/k/v split, rotary and attention: (batch, seq, width) -> (batch, seq, heads·head_dim)."""
         b, s = y.shape[:2]
         q, k, v = y.view(b, s, self.nq + 2 * self.nkv, self.hd).split([self.nq, self.nkv, self.nkv], dim=2)
+        if self.q_norm is not None:  # (batch, seq, heads, head_dim) rows of head_dim, before rotary (Qwen3)
+            q, k = rms_norm(q, self.q_norm, self.norm_eps), rms_norm(k, self.k_norm, self.norm_eps)
         if rope is not None:
             # positions were checked once for the step, on the host (ParallelTransformer)
             q, k = apply_rotary(q, k, rope[0], rope[1], position_ids=info.position_ids, check_positions=False)
@@ -124,6 +138,8 @@ class SelfAttention(nn.Module):
             parts["qkv.bias"] = self._qkv_parts(tp_rank, "bias", tp)
         if self.out.bias is not None:
             parts["out.bias"] = [Part(ctx.hf("out", i, "bias"))]
+        if self.q_norm is not None:  # replicated: whole on every rank
+            parts["q_norm"], parts["k_norm"] = [Part(ctx.hf("q_norm", i))], [Part(ctx.hf("k_norm", i))]
         return parts
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -141,4 +157,6 @@ class SelfAttention(nn.Module):
                     shapes[ctx.hf(role, i, "bias")] = (n,)
         if mc.out_bias:
             shapes[ctx.hf("out", i, "bias")] = (h,)
+        if mc.qk_norm:
+            shapes[ctx.hf("q_norm", i)] = shapes[ctx.hf("k_norm", i)] = (self.hd,)
         return shapes

@@ -4,7 +4,7 @@ Each entry is a module path (``{i}`` = layer index); ``.weight`` / ``.bias`` are
 tensor is split over TP ranks lives with the layer that owns it (``hf_parts`` of each module), so
 this table stays names only. GPT-2's linear layers are ``Conv1D``: weight stored (in, out), the
 transpose of ``nn.Linear`` (``transposed``); its q/k/v are one fused ``c_attn`` (``fused_qkv``).
-Llama, Qwen2 and Mistral share one naming; q/k/v and gate/up are fused on load into our
+Llama, Qwen2, Qwen3 and Mistral share one naming (Qwen3 adds ``q_norm`` / ``k_norm``); q/k/v and gate/up are fused on load into our
 ``qkv`` and ``gate_up`` column-parallel GEMMs.
 """
 
@@ -18,6 +18,8 @@ HF_NAMES: dict[str, dict[str, str]] = {
         "k": "model.layers.{i}.self_attn.k_proj",
         "v": "model.layers.{i}.self_attn.v_proj",
         "out": "model.layers.{i}.self_attn.o_proj",
+        "q_norm": "model.layers.{i}.self_attn.q_norm",  # Qwen3's per-head q/k norms (qk_norm)
+        "k_norm": "model.layers.{i}.self_attn.k_norm",
         "norm2": "model.layers.{i}.post_attention_layernorm",
         "gate": "model.layers.{i}.mlp.gate_proj",
         "up": "model.layers.{i}.mlp.up_proj",
