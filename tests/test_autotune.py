@@ -8,6 +8,7 @@ with or without periodic saves; bad autotune settings are named."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -48,7 +49,9 @@ def _autotune_worker(rank, world, kw, pcs, save_dir):
     return [h["step"] for h in history], [h["loss"] for h in history], weights
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(steps):
+    """The single-process run of ``steps`` steps (the config fixes every seed: one run per length per session)."""
     from model_checks import all_stages
     from tpkernels.train.trainer import Trainer
 
