@@ -1,8 +1,9 @@
 """Qwen3's per-head q/k RMSNorms (``qk_norm``, issue 42): Qwen3ForCausalLM and Qwen3MoeForCausalLM built from
 transformers' configs equal transformers in float64 (logits, loss, every gradient, the two norm weights' included)
-at one process, TP2 (dense; its q/k norm gradients summed over TP) and EP2 × TP2 (MoE) on gloo; from_hf ->
-save_hf gives files transformers loads with no missing or unexpected key; generation with the KV cache (keys
-normalised before they are cached) gives the uncached logits."""
+at one process, TP2 + SP (dense, one KV head shared by both ranks; the q/k norm gradients summed over TP) and
+EP2 × TP2 (MoE) on gloo; from_hf -> save_hf gives files transformers loads with no missing or unexpected key;
+greedy generation through the KV cache (keys normalised before they are cached) equals transformers'; LoRA
+leaves the norms frozen."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from tpkernels.parallel import ParallelConfig
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 59
-# odd sizes: hidden 30, 6 query heads over 2 KV heads, head_dim 10 (not hidden / heads), FFN 22, expert FFN 14 (EP2 × TP2 splits 6 experts and their FFN)
+# odd sizes: hidden 30, 6 query heads over 2 KV heads, head_dim 10 (not hidden / heads), FFN 22; expert FFN 14
+# and 6 experts (EP2 × TP2 splits them)
 COMMON = dict(vocab_size=VOCAB, hidden_size=30, intermediate_size=22, num_hidden_layers=3, num_attention_heads=6,
               num_key_value_heads=2, head_dim=10, max_position_embeddings=64, rms_norm_eps=1e-5,
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CONFIGS = {
-    "qwen3": lambda: transformers.Qwen3Config(**COMMON, attention_bias=True),  # biases on q/k/v/o too
+    # biases on q/k/v/o too; one KV head: at TP2 both ranks hold it (replicated KV rows and a k_norm gradient
+    # from each rank's query heads, summed over TP)
+    "qwen3": lambda: transformers.Qwen3Config(**{**COMMON, "num_key_value_heads": 1}, attention_bias=True),
     # layer 1 dense (mlp_only_layers), un-normalised top-k weights
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, num_experts=6, num_experts_per_tok=2,
                                                      moe_intermediate_size=14, mlp_only_layers=[1],
