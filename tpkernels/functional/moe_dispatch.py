@@ -392,7 +392,6 @@ def _check_out(y: torch.Tensor, rows: int, chunk: int, width: int | None) -> Non
                          "call must return the same width")
 
 
-@torch.compiler.disable  # data-dependent split sizes, async collectives and a Python callable: never traced
 def dispatch_combine(x_sorted: torch.Tensor, counts: torch.Tensor, expert_fn: ExpertFn, group, *,
                      num_local_experts: int, chunks: int = 1,
                      params: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
@@ -413,6 +412,25 @@ def dispatch_combine(x_sorted: torch.Tensor, counts: torch.Tensor, expert_fn: Ex
     Returns:
       (N, H_out) in x_sorted's row order, dtype of expert_fn's output.
     """
+    op = _UNTRACED[0] if _UNTRACED else _untraced()
+    return op(x_sorted, counts, expert_fn, group, num_local_experts=num_local_experts, chunks=chunks, params=params)
+
+
+_UNTRACED: list = []
+
+
+def _untraced():
+    """The op as a torch.compile graph break (data-dependent split sizes, async collectives and a Python
+    callable are never traced). Made on the first call, not at import: ``torch.compiler.disable`` imports
+    torch._dynamo (~1 s of start-up), which every process importing tpkernels would otherwise pay."""
+    _UNTRACED.append(torch.compiler.disable(_dispatch_combine))
+    return _UNTRACED[0]
+
+
+def _dispatch_combine(x_sorted: torch.Tensor, counts: torch.Tensor, expert_fn: ExpertFn, group, *,
+                      num_local_experts: int, chunks: int = 1,
+                      params: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """dispatch_combine's body (see there)."""
     if group is None:
         rank, world = 0, 1
     else:
