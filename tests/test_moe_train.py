@@ -271,8 +271,6 @@ def test_sft_lora_and_dpo_at_ep2_train_what_one_process_trains(rank_pool, mixtra
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"training.precision": "fp8"}, r"training.precision fp8 with a mixture-of-experts model, .* \(num_experts 4\): "
-                                    r"the experts' grouped GEMMs have no FP8 path"),
     ({"training.moe_aux_loss_style": "transformers", "parallel.pp": 2, "parallel.dp": 1},
      r"training.moe_aux_loss_style \(transformers\) pools the tokens of every MoE layer, which needs them all on one "
      r"pipeline stage \(parallel.pp 1, now 2"),

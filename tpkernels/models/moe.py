@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpkernels.functional.grouped_gemm import grouped_swiglu_mlp
+from tpkernels.functional.grouped_fp8 import check_fp8_shapes, grouped_fp8_gemm
 from tpkernels.functional.grouped_quantized import grouped_quantized_gemm
 from tpkernels.functional.grouped_weight_grad import grouped_gemm_split
 from tpkernels.functional.weight_grad import splitting
@@ -199,6 +200,7 @@ class MoE(nn.Module):
         for p in (self.w_gate_up, self.w_down):
             p.hf_view = "experts"  # its HF parts are those of (E/ep · out, in): hf_checkpoint.experts_view
         self.quantized = None
+        self.fp8 = {}  # parameter name -> its FP8 slot (enable_fp8)
         if ctx.quant:  # QLoRA: the experts are a frozen NF4 / int8 base (tpkernels.models.moe_quant)
             quantize_experts(self, ctx.quant)
         s = mc.shared_expert_ffn_hidden_size
@@ -244,7 +246,7 @@ class MoE(nn.Module):
         run the whole layer's recomputation again (and re-enter its context: an error)."""
         with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             # zero bubble: unfused, each GEMM's dW queued for the W action (grouped_gemm_split)
-            if self.quantized is None and not splitting():
+            if self.quantized is None and not splitting() and not self.fp8_active:
                 return grouped_swiglu_mlp(rows, self.w_gate_up, self.w_down, counts)
             gate_up = self.expert_gemm("w_gate_up", rows, counts)
             return self.expert_gemm("w_down", F.silu(gate_up[:, :self.f]) * gate_up[:, self.f:], counts)
@@ -255,7 +257,34 @@ class MoE(nn.Module):
         (grouped_quantized_gemm, frozen) -> (M, out)."""
         if self.quantized is not None and name in self.quantized:
             return grouped_quantized_gemm(x, self.quantized[name], counts)
+        slot = self.fp8.get(name)
+        if slot is not None and slot.enabled:  # FP8 (tpkernels.functional.grouped_fp8), dW deferrable likewise
+            return grouped_fp8_gemm(x, getattr(self, name), counts, slot)
         return grouped_gemm_split(x, getattr(self, name), counts)  # dW deferred to a zero-bubble W
+
+    FP8_MATRICES = {"w_gate_up": "gate_up", "w_down": "down"}
+
+    def fp8_names(self) -> dict[str, str]:
+        """The experts' FP8 linears by parameter: ``layers.<i>.experts.gate_up`` / ``.down`` (layout-independent)."""
+        return {p: f"layers.{self.layer}.experts.{m}" for p, m in self.FP8_MATRICES.items()}
+
+    def enable_fp8(self, state, names: list[str] | None = None) -> None:
+        """Run the routed experts' GEMMs (those of ``names``, default both) in FP8 through ``state``'s slots
+        (:mod:`tpkernels.functional.grouped_fp8`). The weight's first-step amax is agreed over the ranks
+        holding the other shards and experts (TP, then EP)."""
+        if self.quantized is not None:
+            raise ValueError("fp8 on quantised (QLoRA) experts: their GEMM is the dequantising NF4 / int8 kernel; "
+                             "FP8 training of a QLoRA base is not supported (use bf16 with qlora)")
+        ctx = self.ctx
+        group = tuple(g for g, n in ((ctx.tp_group, ctx.tp_size), (ctx.ep_group, ctx.ep_size)) if n > 1) or None
+        for p, name in self.fp8_names().items():
+            if names is None or name in names:
+                check_fp8_shapes(getattr(self, p), name)
+                self.fp8[p] = state.slot(name, group)
+
+    @property
+    def fp8_active(self) -> bool:
+        return any(s.enabled for s in self.fp8.values())
 
     def quantized_weights(self) -> dict:
         """The expert weights held quantised, by parameter name (tpkernels.models.moe_quant.QuantizedExperts)."""

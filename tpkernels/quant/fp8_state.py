@@ -295,9 +295,11 @@ class Fp8State:
 
 
 def _agree_amax(amax: Tensor, group) -> Tensor:
-    """``amax`` MAX-reduced in place over the TP ``group`` (a device tensor: the data plane)."""
-    if control.group_size(group) > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    """``amax`` MAX-reduced in place over the TP ``group`` (a device tensor: the data plane); a tuple of
+    groups is reduced over each in turn (a MoE layer's experts: their TP group, then their EP group)."""
+    for g in group if isinstance(group, tuple) else (group,):
+        if control.group_size(g) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=g)
     return amax
 
 

@@ -30,7 +30,7 @@ from tpkernels.options import opt, section
 from tpkernels.parallel.config import ParallelConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64", "fp8")
-FP8_KINDS = ("qkv", "out", "gate_up", "up", "down")  # the decoder layers' TP linears
+FP8_KINDS = ("qkv", "out", "gate_up", "up", "down", "experts")  # the decoder layers' TP linears, MoE experts
 LAYOUTS = ("manual", "auto")
 
 

@@ -33,6 +33,7 @@ from tpkernels.functional.fp8_format import Fp8Format
 from tpkernels.functional.tp_linear import column_parallel_linear, row_parallel_linear
 from tpkernels.models.attention import SelfAttention
 from tpkernels.models.mlp import MLP
+from tpkernels.models.moe import MoE
 from tpkernels.nn.tensor_parallel import ColumnParallelLinear
 from tpkernels.parallel import control
 from tpkernels.quant.fp8_state import Fp8Guard, Fp8Recipe, Fp8State
@@ -40,10 +41,14 @@ from tpkernels.train.config import FP8_KINDS
 
 
 def _linears(model) -> dict[str, tuple[str, torch.nn.Module]]:
-    """'layers.<i>.<kind>' -> (kind, the TP linear) for this rank's decoder layers."""
+    """'layers.<i>.<kind>' -> (kind, the TP linear) for this rank's decoder layers; a MoE layer's routed
+    experts are kind ``experts``, two FP8 linears 'layers.<i>.experts.gate_up' / '.down' (-> the MoE)."""
     out = {}
     for m in model.modules():
-        if isinstance(m, (SelfAttention, MLP)):
+        if isinstance(m, MoE):
+            for name in m.fp8_names().values():
+                out[name] = ("experts", m)
+        elif isinstance(m, (SelfAttention, MLP)):
             for kind in FP8_KINDS:
                 layer = getattr(m, kind, None)
                 if isinstance(layer, torch.nn.Module):
@@ -73,12 +78,26 @@ class Fp8Policy:
                              f"{', '.join(kinds_here)}")
         self.kinds = [k for k in kinds_here if k in wanted]
         # every rank lists the model's FP8 linears in one order: the step's one reduction is over all of them
-        names = [f"layers.{i}.{k}" for i in range(trainer.mc.num_layers) for k in self.kinds]
+        mc = trainer.mc
+        names = []
+        for i in range(mc.num_layers):
+            for k in self.kinds:
+                if k != "experts":
+                    names.append(f"layers.{i}.{k}")
+                elif mc.is_moe_layer(i):
+                    names += [f"layers.{i}.experts.{m}" for m in MoE.FP8_MATRICES.values()]
+        if self.recipe.rowwise and "experts" in self.kinds:
+            raise ValueError(f"fp8.recipe rowwise with fp8.layers ({f.layers!r}) taking the routed experts: their "
+                             "grouped GEMMs run tensorwise (delayed or current); use fp8.recipe delayed, or leave "
+                             "the experts bf16 (fp8.layers without experts)")
         self.state = Fp8State(self.recipe, names, trainer.device, guard=self.guard, record_outside_steps=False)
         for name, (kind, layer) in self.mine.items():
             if kind in self.kinds:
                 try:
-                    layer.enable_fp8(state=self.state, name=name)
+                    if kind == "experts":
+                        layer.enable_fp8(self.state, [name])
+                    else:
+                        layer.enable_fp8(state=self.state, name=name)
                 except ValueError as e:
                     raise ValueError(f"fp8.layers ({f.layers!r}): {name}: {e}") from e
 
@@ -132,6 +151,8 @@ class Fp8Policy:
         gen = torch.Generator(device=tr.device).manual_seed(0)  # the run's random streams stay untouched
         for kind in self.kinds_here:
             layer = first[kind]
+            if kind == "experts":  # a grouped GEMM, not a TP linear: no timing of its own (auto keeps it bf16)
+                continue
             column = isinstance(layer, ColumnParallelLinear)
             k, n = layer.weight.shape[1], layer.weight.shape[0]
             if k % 16 or n % 16 or layer.qweight is not None:
@@ -175,6 +196,9 @@ class Fp8Policy:
 
         head = (f"fp8 ({self.recipe.recipe}, gradients {self.recipe.grad_format}): FP8 linears "
                 f"{', '.join(self.kinds) or 'none'}")
+        if "experts" in self.kinds_here and "experts" not in self.kinds:
+            head += ("\nfp8: the routed experts stay bf16 (fp8.layers auto has no model of their grouped GEMMs: "
+                     "fp8.layers all, or a list with experts, runs them in FP8)")
         return head + ("\n" + format_choices(self.choices) if self.choices is not None else "")
 
     def choice_record(self) -> dict:

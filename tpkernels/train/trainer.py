@@ -129,19 +129,6 @@ def dp_rows(rows: int, dp: int, dp_rank: int, num_microbatches: int) -> torch.Te
     return (torch.arange(m)[:, None] * (dp * mbs) + dp_rank * mbs + torch.arange(mbs)[None, :]).reshape(-1)
 
 
-def refuse_moe_unsupported(cfg: TrainConfig, mc) -> None:
-    """What a mixture-of-experts model cannot train with yet, named before anything is built: the routed
-    experts' grouped GEMMs have a dense and a quantised (QLoRA: tpkernels.functional.grouped_quantized)
-    weight format, no FP8 one."""
-    if not mc.num_experts:
-        return
-    what = f"{mc.name or mc.model_type} (num_experts {mc.num_experts})"
-    if cfg.training.precision == "fp8":
-        raise ValueError(f"training.precision fp8 with a mixture-of-experts model, {what}: the experts' grouped GEMMs "
-                         "have no FP8 path (only the TP linears do), so most of the model's FLOPs would stay bf16 "
-                         "without a word; use training.precision bf16")
-
-
 def agree_on_config(cfg: TrainConfig) -> None:
     """Every rank must train the same config (a rank launched with other flags would diverge without a
     word, or hang in a collective of another shape): one exchange at start, the same error on every
@@ -169,7 +156,6 @@ class Trainer:
         agree_on_config(cfg)
         check_output_paths(cfg)  # every rank sees the same storage: the same verdict
         self.mc = cfg.model_config()
-        refuse_moe_unsupported(cfg, self.mc)
         seq = cfg.data.seq_length
         # validated as written (dp none: what the world leaves), then resolved for the world
         self.state = ParallelState.create(cfg.parallel, key_prefix="parallel.", **self.mc.layout_rules(seq))
