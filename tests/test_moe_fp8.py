@@ -7,6 +7,7 @@ restored by name: the resumed step and its histories equal the uninterrupted run
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -104,3 +105,38 @@ def test_experts_fp8_choice_and_refusals_are_named(mixtral16, tmp_path):
     with pytest.raises(ValueError, match=r"layers.0.experts.gate_up: the experts' per-rank \(in, out\) = "
                                          r"\(32, 48\) must be multiples of 16 .*out 48|layers.0.experts.down"):
         Trainer(cfg_of(odd, **{**FP8, "fp8.layers": "experts"}))
+
+
+def test_zero_bubble_defers_the_fp8_expert_weight_gradients_to_w(mixtral16, fresh_seed):
+    """A forward inside split_weight_grads (a zb-h1 F) with FP8 experts: B leaves the experts' weights without
+    a gradient and queues their FP8 dW products; W lands exactly the gradients of an ordinary backward."""
+    from tpkernels.functional.weight_grad import WeightGradStore, defer_weight_grads, split_weight_grads
+    from tpkernels.models import ParallelTransformer
+    from tpkernels.models.moe import MoE
+    from tpkernels.quant.fp8_state import Fp8Recipe, Fp8State
+
+    mc = cfg_of(mixtral16).model_config()
+    ids = torch.randint(0, mc.vocab_size, (2, 11))
+
+    def run(split: bool):
+        model = ParallelTransformer(mc, None, seed=fresh_seed % 2**31, dtype=torch.bfloat16)
+        state = Fp8State(Fp8Recipe("current"), NAMES)
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.enable_fp8(state)
+        store = WeightGradStore()
+        with split_weight_grads(split):
+            loss = model(ids, target=ids)
+        with defer_weight_grads(store) if split else contextlib.nullcontext():  # B, or an ordinary backward
+            loss.backward()
+        in_b = {n: p.grad is not None for n, p in model.named_parameters() if "w_gate_up" in n or "w_down" in n}
+        store.flush()
+        assert (state.step_amax[:, 2] > 0).all()  # every expert matrix cast its output gradient: FP8 ran
+        return in_b, {n: p.grad for n, p in model.named_parameters()}
+
+    in_b, want = run(False)
+    assert all(in_b.values())
+    in_b, got = run(True)
+    assert not any(in_b.values()) and len(in_b) == 4
+    for k, g in want.items():
+        assert torch.equal(got[k], g), k
