@@ -97,6 +97,14 @@ def test_experts_fp8_choice_and_refusals_are_named(mixtral16, tmp_path):
     t = Trainer(cfg_of(mixtral16, **{**FP8, "fp8.layers": "qkv,out", "training.steps": 1}))
     assert t.fp8.state.names == [f"layers.{i}.{k}" for i in range(2) for k in ("qkv", "out")]  # experts kept bf16
     assert "the routed experts stay bf16" in Trainer(cfg_of(mixtral16, **{**FP8, "fp8.layers": "auto"})).fp8.table()
+    # a matrix moved back to bf16 (the guardrail's disable) casts nothing from then on; its sibling still does
+    t = Trainer(cfg_of(mixtral16, **{**FP8, "training.steps": 1}))
+    st = t.fp8.state
+    st.disable("layers.0.experts.down")
+    t.train()
+    assert not st.history[st.index["layers.0.experts.down"]].any()
+    assert (st.history[st.index["layers.0.experts.gate_up"]][:, -1] > 0).all()
+    assert [m["layer"] for m in st.moved] == ["layers.0.experts.down"]
     with pytest.raises(ValueError, match=r"fp8.recipe rowwise .* the routed experts: their grouped GEMMs run tensorwise"):
         Trainer(cfg_of(mixtral16, **{**FP8, "fp8.recipe": "rowwise"}))
     odd = tmp_path / "odd"
