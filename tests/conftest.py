@@ -28,6 +28,10 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 os.environ.setdefault("TPKERNELS_CHECK_RANKS", "1")  # inherited by the rank pools' workers
+# one intra-op thread in every rank and subprocess a test starts: 2-4 ranks with their default threads
+# oversubscribe CI's 2 cores and spin-wait (test_moe_train + test_validation 46 s -> 40 s; a docs page's
+# tpkernels generate 23 s -> 14 s); in-process tests measured the same either way
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the planner's per-machine corrections (autotune writes them): a folder of this session's, not the user's
 os.environ["TPKERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpk_test_cache_")
 if not HAS_CUDA:
