@@ -279,10 +279,14 @@ def _memory_worker(rank, world, seed, window):
 def test_a_cp2_packed_step_holds_linear_memory(rank_pool, fresh_seed, window):
     """Live tensor bytes (every tensor PyTorch ops return, inside the op too) of a CP2 packed-document
     forward + backward at S = 16k and 32k (tiny heads: 2 query, 1 KV, head dim 16): the peak grows at
-    most 2.2× when S doubles, and no tensor holds (S/CP)² elements (no score matrix, no mask of a block)."""
+    most 2.2× when S doubles, beside the per-block working set, which does not grow with S (a few fp32 score
+    tiles of the largest block: whether the 16k case needs a whole tile depends on where the random documents
+    fall, e.g. 11.1 MB at 16k vs 38.1 MB at 32k for one seed, both holding 1024² tiles at 32k), and no tensor
+    holds (S/CP)² elements (no score matrix, no mask of a block)."""
     for (peak16, big16), (peak32, big32) in rank_pool(2).run(_memory_worker, fresh_seed % 1000, window,
                                                               timeout=300):
-        assert peak32 <= 2.2 * peak16, (peak16, peak32)
+        tiles = 8 * 4 * max(big16, big32)  # bytes of 8 fp32 tiles of the largest block (P, dS, their halves...)
+        assert peak32 <= 2.2 * peak16 + tiles, (peak16, peak32, tiles)
         assert big16 < (16384 // 2) ** 2 and big32 < (32768 // 2) ** 2, (big16, big32)
 
 

@@ -46,6 +46,8 @@ DATA_PLANE = {
     "tpkernels/functional/context_parallel_algos.py": {"_exchange", "_direct", "_all_to_all"},
     # MoE token rows and, in the same transfer, the per-expert counts, on the model's device
     "tpkernels/functional/moe_dispatch.py": {"_all_to_all"},
+    # expert TP: the received MoE rows gathered over TP and the partial results reduce-scattered back
+    "tpkernels/functional/moe_expert_tp.py": {"_all_gather_rows", "_reduce_scatter_rows"},
     "tpkernels/models/grad_sync.py": {"coalesced_all_reduce", "_launch"},
     "tpkernels/pipeline/p2p.py": {"*"},  # the pipeline's P2P engine: activations and gradients
     # the TP agreement of FP8 amaxes: device tensors, in the middle of a linear's forward or backward (the
