@@ -210,6 +210,9 @@ class MoE(nn.Module):
                               hf_name=lambda role, i, param="weight": ctx.moe_hf(f"shared_{role}", i, param=param))
         self.shared_gate = replicated(nn.Parameter(torch.empty(1, h, **kw)), ctx) if mc.shared_expert_gate else None
         self.losses = ctx.moe_losses
+        # (E,) float32 aux-loss-free selection bias (DeepSeek-V3), owned and updated by the trainer's
+        # tpkernels.train.moe_bias.ExpertBias; None: route on the scores alone
+        self.expert_bias: torch.Tensor | None = None
         self.chunks = ctx.moe_chunks  # dispatch_combine's overlap pieces (tpkernels.functional.moe_dispatch)
 
     # ---- forward ----
@@ -300,7 +303,7 @@ class MoE(nn.Module):
             tokens = split_rows(tokens, sizes, ctx.tp_group)
         logits = F.linear(tokens, self.router)
         r = route(logits, self.top_k, score=mc.router_score, normalize=mc.router_normalize,
-                  capacity_factor=mc.capacity_factor)
+                  capacity_factor=mc.capacity_factor, bias=self.expert_bias)
         experts = r.experts if r.dropped is None else r.experts.masked_fill(r.dropped, -1)
         if self.losses is not None:
             f, p, z, counts = _stats(r.scores, r.logits, experts, self.num_experts, (ctx.tp_group, ctx.dp_cp_group))

@@ -444,6 +444,7 @@ def export_hf(path: str | Path, out: str | Path) -> Path:
     With the base's special-token ids and generation_config.json and the run's tokenizer and chat template
     (:mod:`tpkernels.models.hf_export_files`), so ``pipeline("text-generation", model=out)`` works alone."""
     path, meta, cfg = _export_source(path, out)
+    _refuse_expert_bias("export-hf", path, cfg)
     model = _export_model(cfg, saved_adapters(path, meta))
     load(path, model)
     ms = cfg.model
@@ -457,6 +458,19 @@ def export_hf(path: str | Path, out: str | Path) -> Path:
     write_standalone_files(out, base=base_folder(ms.init_from, ms.name), tokenizer=cfg.data.tokenizer,
                            vocab_size=model.config.vocab_size)
     return Path(out)
+
+
+def _refuse_expert_bias(what: str, path, cfg: TrainConfig) -> None:
+    """Refuse to export a run trained with aux-loss-free balancing: Mixtral / Qwen-MoE in transformers have
+    no weight for the selection bias, and dropping it silently changes which experts the model picks
+    (docs/moe.md, "Aux-loss-free balancing")."""
+    rate = cfg.training.moe_expert_bias_rate
+    if rate:
+        raise ValueError(f"{what}: checkpoint {str(path)!r} was trained with training.moe_expert_bias_rate ({rate!r}): "
+                         f"its MoE layers route with a learned per-expert selection bias, which "
+                         f"{cfg.model_config().family} in transformers has no weight for, so the exported model "
+                         "would choose other experts than the model trained. Generate from the checkpoint itself "
+                         "(tpkernels generate), or train without the bias to export")
 
 
 def _export_model(cfg: TrainConfig, adapters: LoRASpec | None):
@@ -479,6 +493,7 @@ def export_peft(path: str | Path, out: str | Path) -> Path:
 
     path, meta, cfg = _export_source(path, out)
     ms, spec = cfg.model, saved_adapters(path, meta)
+    _refuse_expert_bias("export-peft", path, cfg)
     if spec is None:
         raise ValueError(f"export-peft: checkpoint {str(path)!r} was trained with model.finetune {ms.finetune!r}: it "
                          "holds no adapters (export-hf writes its weights)")

@@ -63,6 +63,10 @@ class TrainingSection:
                                                "each layer's switch loss, Megatron-Core's) or transformers (the "
                                                "tokens of every layer pooled, as transformers' Mixtral computes it; "
                                                "parallel.pp 1)", ("per_layer", "transformers"))
+    moe_expert_bias_rate: float = opt(0.0, "mixture-of-experts: aux-loss-free balancing (DeepSeek-V3; Megatron's "
+                                           "moe_router_bias_update_rate): each MoE layer's per-expert selection "
+                                           "bias moves by this rate toward balance once per step, from the step's "
+                                           "global expert load; 0 = off (docs/moe.md)")
 
 
 @dataclass(frozen=True)
@@ -290,6 +294,9 @@ class TrainConfig:
             v = getattr(t, f)
             if v is not None and not (math.isfinite(v) and v >= 0):
                 errs.append(f"training.{f} ({v!r}) must be a finite number >= 0, or none (the model's)")
+        r = t.moe_expert_bias_rate
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r >= 0):
+            errs.append(f"training.moe_expert_bias_rate ({r!r}) must be a finite number >= 0 (0: off)")
         if t.moe_aux_loss_style == "transformers" and (self.parallel.pp > 1 or self.parallel.virtual_stages > 1):
             errs.append(f"training.moe_aux_loss_style (transformers) pools the tokens of every MoE layer, which needs "
                         f"them all on one pipeline stage (parallel.pp 1, now {self.parallel.pp}; virtual_stages "

@@ -102,7 +102,12 @@ def load_for_generation(path: str | Path, state, *, dtype: str | None = None, de
                                 device=device)
     if spec is not None:
         apply_lora(model, spec.rank, spec.alpha, spec.targets)
-    ckpt.load(folder, model)  # verified, resharded to this layout
+    bias = None
+    if cfg.training.moe_expert_bias_rate and model.config.num_experts:  # the run's routing biases, frozen (rate 0)
+        from tpkernels.train.moe_bias import ExpertBias
+
+        bias = ckpt.RunState([ExpertBias(model, 0.0)])
+    ckpt.load(folder, model, run_state=bias)  # verified, resharded to this layout
     if ms.base_quant is not None:  # QLoRA: the base as the run computed with it
         source = ms.init_from or random_init(model, cfg.training.seed)
         dequantize_as_trained_at_(model, source, cfg.parallel.tp, DTYPES[precision])

@@ -61,6 +61,7 @@ from tpkernels.train.metrics import (
     step_trace_events,
     write_trace,
 )
+from tpkernels.train.moe_bias import ExpertBias
 from tpkernels.train.moe_objective import RouterObjective
 from tpkernels.train.optim import clip_grads_, global_grad_norm, lr_at, make_optimizer
 from tpkernels.train.progress import make_progress
@@ -195,6 +196,8 @@ class Trainer:
                                                  overlap=self.pc.overlap_dp, average_over=replicas) \
             if experts else None
         self.router = self._router_objective()
+        rate = cfg.training.moe_expert_bias_rate  # aux-loss-free balancing: its biases are run state
+        self.expert_bias = ExpertBias(self.model, rate) if self.router is not None and rate > 0 else None
         self.data = data_of(cfg, self.mc.vocab_size, self.pc.global_batch_size)
         epochs = cfg.training.epochs
         if epochs is not None:  # the run's length in passes over the data: now that the data's rows are known
@@ -280,6 +283,7 @@ class Trainer:
         if not mc.num_experts:
             given = [f"training.{k} ({getattr(t, k)!r})" for k in ("moe_aux_loss_coeff", "moe_z_loss_coeff")
                      if getattr(t, k) is not None]
+            given += [f"training.moe_expert_bias_rate ({t.moe_expert_bias_rate!r})"] if t.moe_expert_bias_rate else []
             if given or t.moe_aux_loss_style != "per_layer":
                 given += [f"training.moe_aux_loss_style ({t.moe_aux_loss_style!r})"] \
                     if t.moe_aux_loss_style != "per_layer" else []
@@ -443,7 +447,7 @@ class Trainer:
     @property
     def run_state(self) -> checkpoint.RunState:
         """The run's state owners, saved and restored with every checkpoint."""
-        return checkpoint.RunState([self.fp8.state if self.fp8 is not None else None])
+        return checkpoint.RunState([self.fp8.state if self.fp8 is not None else None, self.expert_bias])
 
     def reduce_gradients(self) -> float:
         """DP (and CP) average, then the TP-side sums; seconds spent waiting for them."""
@@ -523,6 +527,8 @@ class Trainer:
         preference = dpo.reduce_metrics(self, self.objective) \
             if self.task == "dpo" and self._logging_step(step) else None
         moe = self.router.step_metrics() if self.router is not None else {}
+        if self.expert_bias is not None:  # once per step, from the step's global load just reduced
+            self.expert_bias.after_step(moe["moe/load"])
         dt = time.perf_counter() - t0
         timeline = self.runtime.timeline
         rec = StepRecord(step=step, loss=loss, lr=lr, grad_norm=norm, step_s=dt,
