@@ -60,12 +60,24 @@ def run(cfg: TrainConfig, between=None) -> dict:
     return out
 
 
-def test_update_is_the_sign_rule_on_the_steps_global_load_and_moves_load_off_busy_experts(folder, fresh_seed):
+def test_update_is_the_sign_rule_frozen_outside_steps_and_moves_load_off_busy_experts(folder, fresh_seed):
     """Every step: bias += rate · sign(mean load − load) of that step's moe/load (the global count, summed over
-    both micro-batches), starting from 0, in float32. With a rate of 1 (above any softmax score gap) the
-    experts busier than the mean at step 0 get fewer assignments at step 1 than the same run without the bias."""
+    both micro-batches), starting from 0, in float32. The bias is frozen outside training steps: a validation
+    before every step leaves losses, loads and biases as they were, and a recomputed forward routes as its
+    forward did (recompute full = none). With a rate of 1 (above any softmax score gap) the experts busier
+    than the mean at step 0 get fewer assignments at step 1 than the same run without the bias."""
     seed = fresh_seed % 2**31
     got = run(cfg_of(folder, **{"training.seed": seed}))
+    seen = []
+    val = run(cfg_of(folder, **{"training.seed": seed, "eval.source": "random-documents", "eval.batches": 1,
+                                "eval.every": 1}),
+              between=lambda t: seen.append(t.validate()))
+    assert len(seen) == 3 and all(math.isfinite(v["eval/loss"]) for v in seen), seen
+    rc = run(cfg_of(folder, **{"training.seed": seed, "parallel.recompute": "full"}))
+    for name, other in (("validation", val), ("recompute", rc)):
+        assert other["bias"] == got["bias"], name
+        assert other["load"] == got["load"], name
+        torch.testing.assert_close(torch.tensor(other["loss"]), torch.tensor(got["loss"]), rtol=1e-12, atol=0)
     b = {i: torch.zeros(E, dtype=torch.float32) for i in range(2)}
     for load, after in zip(got["load"], got["bias"]):
         assert sum(load["0"]) == K * 2 * 2 * 16  # every assignment of the step's 64 tokens, dropless
@@ -85,23 +97,6 @@ def test_update_is_the_sign_rule_on_the_steps_global_load_and_moves_load_off_bus
         c0 = torch.tensor(on["load"][0][i], dtype=torch.float64)
         busy = c0 > c0.mean()
         assert int(torch.tensor(on["load"][1][i])[busy].sum()) < int(torch.tensor(off[1][i])[busy].sum())
-
-
-def test_validation_in_between_and_recompute_change_nothing(folder, fresh_seed):
-    """The bias is frozen outside training steps: a validation before every step leaves losses and biases
-    as they were, and a recomputed forward routes as its forward did (recompute full = none)."""
-    seed = fresh_seed % 2**31
-    ref = run(cfg_of(folder, **{"training.seed": seed}))
-    seen = []
-    val = run(cfg_of(folder, **{"training.seed": seed, "eval.source": "random-documents", "eval.batches": 1,
-                                "eval.every": 1}),
-              between=lambda t: seen.append(t.validate()))
-    assert len(seen) == 3 and all(math.isfinite(v["eval/loss"]) for v in seen), seen
-    rc = run(cfg_of(folder, **{"training.seed": seed, "parallel.recompute": "full"}))
-    for name, other in (("validation", val), ("recompute", rc)):
-        assert other["bias"] == ref["bias"], name
-        assert other["load"] == ref["load"], name
-        torch.testing.assert_close(torch.tensor(other["loss"]), torch.tensor(ref["loss"]), rtol=1e-12, atol=0)
 
 
 def _ep2_worker(rank, world, folder, ckpt, seed):
@@ -144,6 +139,12 @@ def test_ep2_equals_one_process_and_a_resume_at_tp2_continues_bit_for_bit(rank_p
     md = read_dcp_metadata(step2).state_dict_metadata
     assert {k: tuple(md[k].size) for k in md if "expert_bias" in k} == {
         "moe:layers.0.expert_bias": (E,), "moe:layers.1.expert_bias": (E,)}
+    # generation from the checkpoint routes with the biases saved at step 2 (those after step 1), frozen
+    from tpkernels.train.generate_load import load_for_generation
+    from tpkernels.train.moe_bias import moe_layers
+
+    layers = moe_layers(load_for_generation(step2, None, dtype="float64").model)
+    assert {f"moe:layers.{i}.expert_bias": m.expert_bias.tolist() for i, m in layers.items()} == one["bias"][1]
     with pytest.raises(ValueError, match=r"export-hf: .*training.moe_expert_bias_rate \(0.01\).*no weight for"):
         checkpoint.export_hf(step2, tmp_path / "hf")
 
