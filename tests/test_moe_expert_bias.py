@@ -147,6 +147,10 @@ def test_ep2_equals_one_process_and_a_resume_at_tp2_continues_bit_for_bit(rank_p
     assert {f"moe:layers.{i}.expert_bias": m.expert_bias.tolist() for i, m in layers.items()} == one["bias"][1]
     with pytest.raises(ValueError, match=r"export-hf: .*training.moe_expert_bias_rate \(0.01\).*no weight for"):
         checkpoint.export_hf(step2, tmp_path / "hf")
+    # resuming with the option off would route without the trained biases: refused, naming the key
+    with pytest.raises(ValueError, match=r"aux-loss-free balancing .*resume it with training.moe_expert_bias_rate"):
+        Trainer(cfg_of(folder, **{"training.seed": seed, "training.moe_expert_bias_rate": 0.0,
+                                  "checkpoint.save_dir": str(tmp_path / "a"), "checkpoint.resume": True}))
 
 
 def test_bad_rates_and_a_dense_model_are_named(folder):

@@ -344,6 +344,14 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None,
     want: dict[str, torch.Tensor] = {"optim::step": torch.zeros((), dtype=torch.float64)}
     state_keys = [k for k in (run_state.state_tensors() if run_state is not None else {})
                   if k in md.state_dict_metadata]
+    biased = sorted(k for k in md.state_dict_metadata if k.startswith("moe:") and k.endswith(".expert_bias"))
+    if biased and not any(k in state_keys for k in biased):
+        # the layers route with these biases: loading the weights without them would silently change which
+        # experts every token picks
+        raise ValueError(f"checkpoint {str(path)!r} was trained with aux-loss-free balancing (training."
+                         f"moe_expert_bias_rate > 0; its routing biases: {', '.join(biased[:2])}"
+                         f"{', …' if len(biased) > 2 else ''}): resume it with training.moe_expert_bias_rate > 0, "
+                         "or its MoE layers would route without the biases they were trained with")
     for key in state_keys:  # the stored shape and dtype: the owner fits them to its own (RunState)
         tmd = md.state_dict_metadata[key]
         want[key] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
