@@ -43,7 +43,7 @@ def _train(tmp_path, seed: int) -> dict:
     return out
 
 
-def _generate_worker(rank, world, folders, prompts, max_new):
+def _generate_worker(rank, world, folders, prompts, max_new, stops=None):
     from tpkernels.generate import Generator
     from tpkernels.parallel import ParallelConfig
     from tpkernels.parallel.state import ParallelState
@@ -53,7 +53,8 @@ def _generate_worker(rank, world, folders, prompts, max_new):
     out = {}
     for kind, folder in folders.items():
         loaded = load_for_generation(folder, state, dtype="float64")
-        out[kind] = [o.ids for o in Generator(loaded.model).generate(prompts, max_new)]
+        stop_ids = (stops or {}).get(kind) or ()
+        out[kind] = [o.ids for o in Generator(loaded.model).generate(prompts, max_new, stop_ids=stop_ids)]
     return out
 
 
@@ -64,11 +65,14 @@ def test_every_finetune_kind_generates_as_its_export(rank_pool, tmp_path, fresh_
     folders = _train(tmp_path, fresh_seed % 1000)
     prompts = random_prompts(fresh_seed, (6, 1, 10), vocab=257)
     want = {}
+    stops = {}  # transformers stops where the export's generation_config says (the byte-level EOD, id 256)
     for kind, ck in folders.items():
         want[kind] = hf_greedy(str(export_hf(ck, tmp_path / f"hf_{kind}")), prompts, 7)
+        eos = json.loads((tmp_path / f"hf_{kind}" / "generation_config.json").read_text()).get("eos_token_id")
+        stops[kind] = [] if eos is None else eos if isinstance(eos, list) else [eos]
     assert want["lora"] != want["full"] or want["qlora"] != want["full"]  # the adapters change the model
-    one = _generate_worker(0, 1, folders, prompts, 7)
-    tp2 = rank_pool(2).run(_generate_worker, folders, prompts, 7, timeout=120)
+    one = _generate_worker(0, 1, folders, prompts, 7, stops)
+    tp2 = rank_pool(2).run(_generate_worker, folders, prompts, 7, stops, timeout=120)
     for kind in KINDS:
         assert one[kind] == want[kind], kind
         assert tp2[0][kind] == tp2[1][kind] == want[kind], kind
