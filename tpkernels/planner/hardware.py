@@ -7,6 +7,12 @@ per GPU and per direction: NVLink 3 (A100) 300 GB/s, NVLink 4 (H100/H200) 450 GB
 32 GB/s, PCIe 5.0 x16 64 GB/s. Inter-node bandwidth is per GPU (one 200 Gb/s HDR NIC per A100
 in a DGX A100 = 25 GB/s; one 400 Gb/s NDR NIC per H100/H200 = 50 GB/s). Every field can be
 overridden (``GPUSpec.replace`` / the CLI's ``--gpu-*`` flags).
+
+H100-96GB-500W is the H100 of Meta's Grand Teton hosts (torchtitan's published runs): HBM2e at 2.4
+TB/s and a 500 W power limit, whose peak its users say lies between the SXM (989 / 1,979 TFLOP/s at
+700 W) and NVL (835 / 1,671) parts without knowing it (torchtitan's benchmarks/
+llama3_h100_202412_torchtitan.md, note 2): planned at the midpoint of the two datasheet figures, 912 /
+1,825, with no datasheet behind it.
 """
 
 from __future__ import annotations
@@ -90,6 +96,8 @@ GPU_PRESETS: dict[str, GPUSpec] = {
         GPUSpec("H100-SXM", 989.0, 79.6, 3350.0, 450.0, PCIE_GEN5_GBS, 50.0, peak_tflops_fp8=1979.0, **_HOPPER),
         GPUSpec("H100-PCIe", 756.0, 79.6, 2000.0, None, PCIE_GEN5_GBS, 25.0, peak_tflops_fp8=1513.0,
                 **{**_HOPPER, "sm_count": 114}),
+        GPUSpec("H100-96GB-500W", 912.0, 95.5, 2400.0, 450.0, PCIE_GEN5_GBS, 50.0, peak_tflops_fp8=1825.0,
+                **_HOPPER),
         GPUSpec("H200", 989.0, 140.4, 4800.0, 450.0, PCIE_GEN5_GBS, 50.0, peak_tflops_fp8=1979.0, **_HOPPER),
         GPUSpec("A10-24GB", 125.0, 22.5, 600.0, None, PCIE_GEN4_GBS, 12.5, sm_count=72),
         GPUSpec("L20", 119.5, 44.5, 864.0, None, PCIE_GEN4_GBS, 12.5, peak_tflops_fp8=239.0, sm_count=92,

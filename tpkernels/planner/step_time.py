@@ -4,7 +4,8 @@ Per micro-batch on the slowest pipeline stage (the last one also runs the output
   GEMMs      every linear layer's forward, input-gradient and weight-gradient GEMM timed at its own
              shape after TP splitting (gemm_model.py: ceiling, wave quantization, short-k loss,
              memory roof, launch cost); LoRA's frozen linears skip the weight gradient; full
-             recompute runs the forward twice. QLoRA's forward and input-gradient GEMMs read the
+             recompute runs the forward twice, torchtitan's per-op selective recompute the k,
+             output and up projections' (TrainingSetup.selective_policy). QLoRA's forward and input-gradient GEMMs read the
              quantised weight (≈ 0.516 bytes/param for NF4) and dequantise it in registers:
              max(compute / QLORA_GEMM_EFFICIENCY, traffic), so a GEMM bound by its bf16 weight
              bytes gets faster, a compute-bound one slower. FP8 runs the linear GEMMs at the FP8
@@ -137,6 +138,16 @@ def _linear_shapes(model: ModelConfig, t: int) -> list[tuple[float, float]]:
     return [(h, (q + 2 * kv) / t), (q / t, h), (h, f * (model.mlp_matrices - 1) / t), (f / t, h)]
 
 
+def _every_other_matmul_shares(model: ModelConfig) -> list[float]:
+    """Share of each of :func:`_linear_shapes`' forward GEMMs that torchtitan's per-op selective
+    checkpointing recomputes: it counts a layer's matmuls (q, k, v, o, then gate, up, down; a
+    two-matrix MLP: up, down) and recomputes the even-numbered ones: k of QKV, o, up of gate|up (the
+    second MLP matrix of a two-matrix MLP). The fused QKV's share is k's FLOPs over q + 2·kv."""
+    q, kv = model.q_dim, model.kv_dim
+    gated = model.mlp_matrices == 3
+    return [kv / (q + 2 * kv), 1.0, 0.5 if gated else 0.0, 0.0 if gated else 1.0]
+
+
 def _attention_time(model: ModelConfig, train: TrainingSetup, b: int, s: int, t: int, cluster: ClusterSpec,
                     eff: Efficiency, cp: int = 1) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's attention core on one TP rank (and 1/cp of the
@@ -184,6 +195,9 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
     cp_comm = layers * (passes_f * cpc["fwd"] + cpc["bwd"])
     cp_exposed = layers * (passes_f * cpc["fwd_exposed"] + cpc["bwd_exposed"])
     fwd_rc = {"full": lin_f + att_f, "selective": 0.0 if train.flash_attention else att_f, "none": 0.0}[cfg.recompute]
+    matmul_rc = cfg.recompute == "selective" and train.selective_policy == "every_other_matmul"
+    if matmul_rc:
+        fwd_rc += sum(r * lin[0] for r, lin in zip(_every_other_matmul_shares(model), per_linear))
     f = layers * (lin_f + att_f)
     bwd_in = layers * (lin_b + att_b + fwd_rc)  # recompute runs just before the backward that needs it
     bwd_w = layers * lin_w
@@ -203,7 +217,8 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
         imbalance = moe["rows"] / (tokens * model.experts_per_token)
         produced = (1 - share) * produced + share * layer_activations(model, moe=True, ep=cfg.ep, imbalance=imbalance,
                                                                       **act_kw).produced
-    passes = 4.0 if cfg.recompute == "full" else 3.0  # forward = 1, backward = 2 (in units of forward traffic)
+    # forward = 1, backward = 2 (in units of forward traffic), + 1 when the memory-bound ops run again
+    passes = 4.0 if cfg.recompute == "full" or matmul_rc else 3.0
     elementwise = layers * produced * train.activation_bytes / 2.0 * eff.elementwise_traffic * passes / 3.0 \
         / (gpu.hbm_gbs * 1e9 * eff.hbm)
     elementwise += layers * ELEMENTWISE_KERNELS_PER_LAYER * passes / 3.0 * eff.kernel_launch_s
@@ -281,7 +296,8 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
     gemms_per_linear = 2 + (0 if frozen else 1) + (1 if cfg.recompute == "full" else 0)
     tp_ops = 0 if t == 1 else (10 + (4 if cfg.recompute == "full" else 0)) if cfg.sequence_parallel else \
         4 + (2 if cfg.recompute == "full" else 0)
-    ops = layers * (4 * gemms_per_linear + 2 + ELEMENTWISE_KERNELS_PER_LAYER * passes / 3.0 + tp_ops)
+    ops = layers * (4 * gemms_per_linear + (3 if matmul_rc else 0) + 2 + ELEMENTWISE_KERNELS_PER_LAYER * passes / 3.0
+                    + tp_ops)
     if moe is not None:  # router and shared-expert GEMMs, the count exchange and the chunked all-to-alls
         a2a_ops = 0 if cfg.ep == 1 else (2 + 4 * cfg.moe_chunks) * (passes_f + 1) / 2
         # expert TP: per chunk a count all-gather, the rows' all-gather and reduce-scatter (each pass)

@@ -15,6 +15,7 @@ QUANTS = tuple(q for q in QUANT_CHOICES if q != "none")  # formats of a QLoRA ba
 TASKS = ("pretrain", "sft", "dpo")
 DPO_REFERENCES = ("cached", "adapters", "model")
 MOE_DISPATCH = ("alltoall", "dedup")
+SELECTIVE_POLICIES = ("attention", "every_other_matmul")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,15 @@ class TrainingSetup:
         to its expert's rank (tpkernels.functional.moe_dispatch, Megatron-Core's alltoall dispatcher);
         "dedup" sends a token once to each rank and once across the network to each node that holds
         any of its experts, forwarding it inside the node over NVLink (DeepEP, HybridEP).
+    selective_policy: what ``ParallelConfig.recompute = "selective"`` recomputes before each layer's
+        backward. "attention": the attention core (Korthikanti et al. 2022: Megatron-Core,
+        TransformerEngine, our trainer; nothing more with FlashAttention, which recomputes its scores in
+        its own backward). "every_other_matmul": torchtitan's per-op selective checkpointing
+        (``selective_ac_option = "op"``): every op's output is recomputed except the attention
+        kernel's and the odd-numbered matmuls' of a layer (torchtitan's order: q, k, v, o, gate, up,
+        down), so the k, output and up projections' forward GEMMs (a two-matrix MLP: its second) and
+        every memory-bound op run twice. Only the time model reads it; the activation memory is
+        "attention"'s, an upper bound of what torchtitan's policy keeps.
     task: "pretrain", "sft" or "dpo". SFT costs what pre-training does on the same tokens (the
         prompt's masked tokens still run forward and backward); DPO's rows hold both sequences of
         each pair (global_batch counts rows of seq_length tokens, as for the others).
@@ -85,6 +95,7 @@ class TrainingSetup:
     moe_imbalance: float = 1.0
     moe_peak_imbalance: float = 2.0
     moe_dispatch: str = "alltoall"
+    selective_policy: str = "attention"
 
     def __post_init__(self):
         for f in ("moe_imbalance", "moe_peak_imbalance"):
@@ -98,7 +109,8 @@ class TrainingSetup:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f} ({value!r}) must be a positive integer")
         for f, choices in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("finetune", FINETUNE),
-                           ("task", TASKS), ("dpo_reference", DPO_REFERENCES), ("moe_dispatch", MOE_DISPATCH)):
+                           ("task", TASKS), ("dpo_reference", DPO_REFERENCES), ("moe_dispatch", MOE_DISPATCH),
+                           ("selective_policy", SELECTIVE_POLICIES)):
             if getattr(self, f) not in choices:
                 raise ValueError(f"{f} ({getattr(self, f)!r}) must be one of {', '.join(choices)}")
         if self.quant == "none":  # the model section's word for "no quantised base"
