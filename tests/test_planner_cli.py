@@ -102,6 +102,8 @@ def test_bad_input_is_one_clear_line(capsys, argv, message):
     (["--top", "-1"], "top (-1) must be a positive integer"),
     (["--memory-margin", "1.5"], "memory_margin (1.5) must be a fraction in [0, 1)"),
     (["--nodes", "0"], "cluster.nodes (0) must be a positive integer"),
+    (["--training.selective_policy", "layer"],
+     "training.selective_policy ('layer') must be one of attention, every_other_matmul"),
 ])
 def test_bad_numbers_and_layouts_are_one_line_naming_the_flag(capsys, extra, message):
     rc, out, err = run(capsys, *BASE, *extra)
@@ -237,3 +239,16 @@ def test_measure_times_collectives_with_the_plans_ranks_when_they_outnumber_the_
     assert 0 < meas.contended_busbw_gbs < 1e4 and f"with {ranks} ranks computing" in meas.describe()
     _, eff, _ = calibrate(ClusterSpec(gpu_preset("H100-SXM"), ranks, 1), A100_CALIBRATED, meas)
     assert eff.collective_latency_s == pytest.approx(meas.contended_latency_s / 2)
+
+
+def test_selective_policy_flag_reaches_the_step_time(capsys):
+    """torchtitan's per-op checkpointing reruns projections that the attention-only policy keeps: the
+    same selective layout, planned under each, is slower under every_other_matmul."""
+    steps = {}
+    for policy in ("attention", "every_other_matmul"):
+        rc, out, _ = run(capsys, "plan", "--model", "Llama-3-8B", "--gpu", "H100-96GB-500W", "--global-batch", "16",
+                         "--seq-len", "8192", "--fix", "TP=1,PP=1,recompute=selective", "--top", "1", "--json",
+                         "--memory-margin", "0", "--gpu-memory-gib", "400", "--training.selective_policy", policy)
+        assert rc == 0, out
+        steps[policy] = json.loads(out)["ranked"][0]["step_time_s"]
+    assert steps["attention"] < steps["every_other_matmul"] < 1.3 * steps["attention"]

@@ -22,7 +22,8 @@ from tpkernels.planner.hardware import GPU_PRESETS, ClusterSpec, gpu_preset
 from tpkernels.planner.memory import DEFAULT_MEMORY_MARGIN
 from tpkernels.planner.report import format_explanation, format_plan, plan_as_dict
 from tpkernels.planner.search import explain, parse_layout, plan
-from tpkernels.planner.workload import DPO_REFERENCES, MOE_DISPATCH, OPTIMIZERS, PRECISIONS, TASKS, TrainingSetup
+from tpkernels.planner.workload import (DPO_REFERENCES, MOE_DISPATCH, OPTIMIZERS, PRECISIONS, SELECTIVE_POLICIES,
+                                        TASKS, TrainingSetup)
 
 EPILOG = """examples:
   tpkernels plan --model Qwen-14B --gpu A100-80GB --nodes 1 --global-batch 64 --seq-len 4096
@@ -66,6 +67,10 @@ class WorkloadSection:
                                          "(a capacity factor bounds it instead)")
     moe_dispatch: str = opt("alltoall", "alltoall (each of a token's k copies to its expert's rank, as tpkernels "
                                         "train does) or dedup (once per rank and node: DeepEP, HybridEP)", MOE_DISPATCH)
+    selective_policy: str = opt("attention", "what recompute=selective reruns: attention (the attention core: "
+                                             "Megatron, tpkernels train) or every_other_matmul (torchtitan's "
+                                             "per-op checkpointing: k, output and up projections and the "
+                                             "memory-bound ops)", SELECTIVE_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -192,7 +197,7 @@ def run(args) -> int:
                           quant=cfg.model.base_quant, flash_attention=t.flash_attention, task=t.task,
                           dpo_reference=cfg.dpo.reference, moe_imbalance=t.moe_imbalance,
                           moe_peak_imbalance=t.moe_peak_imbalance,
-                          moe_dispatch=t.moe_dispatch)
+                          moe_dispatch=t.moe_dispatch, selective_policy=t.selective_policy)
     if not cfg.json:
         for reason in model.build_errors():
             print(f"note: planned, but tpkernels train cannot build this model yet: {reason}")
