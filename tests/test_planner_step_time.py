@@ -189,3 +189,34 @@ def test_per_op_selective_recompute_reruns_every_other_matmul(preset, fresh_seed
         assert run(recompute, "every_other_matmul").total == pytest.approx(run(recompute, "attention").total)
     with pytest.raises(ValueError, match=r"selective_policy \('layer'\) must be one of attention, every_other_matmul"):
         TrainingSetup(**base, selective_policy="layer")
+
+
+def test_async_tp_exposes_the_column_parallel_input_gradient_reduce_scatter(fresh_seed):
+    """PyTorch's async TP (TrainingSetup.tp_overlap_style "async_tp") pipelines the same rings as
+    TransformerEngine but leaves the column-parallel linears' input-gradient reduce-scatter exposed (it
+    sums q/k/v and gate/up products: no single matmul to fuse with): its exposed TP time lies between
+    userbuffers' and no overlap's, and exceeds userbuffers' by exactly what the two bulk overlaps hid."""
+    from tpkernels.planner.collectives import group_collective_time
+    from tpkernels.planner.gemm_model import linear_time
+    from tpkernels.planner.tp_overlap import bulk_exposed
+
+    rng = random.Random(fresh_seed)
+    model = model_preset(rng.choice(["Llama-3-8B", "Llama-2-13B"]))
+    t, m, s = rng.choice([2, 4, 8]), rng.randint(1, 3), rng.choice([2048, 4096])
+    cfg = ParallelConfig(tp=t, pp=1, dp=1, num_microbatches=m, sequence_parallel=True, overlap_comm=True)
+    cluster = ClusterSpec(gpu_preset("H100-SXM"), 8, 1)
+
+    def exposed(style, overlap=True):
+        train = TrainingSetup(m, s, tp_overlap_style=style)
+        return step_time(model, train, cfg.replace(overlap_comm=overlap), cluster, A100_CALIBRATED).tp_exposed
+
+    ub, async_tp, off = exposed("userbuffers"), exposed("async_tp"), exposed("userbuffers", overlap=False)
+    assert ub < async_tp < off  # more overlap never predicts more exposed time
+    assert exposed("async_tp", overlap=False) == pytest.approx(off)  # the style matters only when overlapping
+    one = group_collective_time("all_gather", 2 * s * model.hidden_size, t, 1, cluster, A100_CALIBRATED)
+    h, q, kv, f = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
+    wgrads = [linear_time(s, h, n / t, cluster.gpu, A100_CALIBRATED, "bf16")[2] for n in (q + 2 * kv, 2 * f)]
+    hidden_by_bulk = sum(one - bulk_exposed(one, w) for w in wgrads)
+    assert async_tp - ub == pytest.approx(model.num_layers * m * hidden_by_bulk, rel=1e-6)
+    with pytest.raises(ValueError, match=r"tp_overlap_style \('nccl'\) must be one of userbuffers, async_tp"):
+        TrainingSetup(m, s, tp_overlap_style="nccl")

@@ -154,12 +154,13 @@ def table_rows_of(path: Path) -> list[Row]:
                              micro_batch_size=n["micro_batch"],
                              num_microbatches=n["global_batch"] // (n["micro_batch"] * dp),
                              sequence_parallel=n["tp"] > 1, recompute=recompute, zero1=dp * n["cp"] > 1,
-                             cp=n["cp"], overlap_comm=r["tp_overlap"] == "1", ep=moe.get("ep", 1),
+                             cp=n["cp"], overlap_comm=r["tp_overlap"] in ("1", "async_tp"), ep=moe.get("ep", 1),
                              moe_chunks=moe.get("moe_chunks", 1))
         train = TrainingSetup(n["global_batch"], n["seq_length"], precision=r["precision"], finetune=r["finetune"],
                               overlap_grad_reduce=True, overlap_param_gather=True, overlap_p2p=True,
                               grad_reduce_fp32=r["grad_reduce"] == "fp32",
                               selective_policy=policy,
+                              tp_overlap_style="async_tp" if r["tp_overlap"] == "async_tp" else "userbuffers",
                               moe_dispatch="dedup" if r.get("dispatcher") in ("hybridep", "deepep") else "alltoall")
         step = n["global_batch"] * n["seq_length"] / (float(r["tokens_per_sec_per_gpu"]) * n["gpus"])
         tflops = float(r["model_tflops_per_gpu"]) if r.get("model_tflops_per_gpu") else 0.0

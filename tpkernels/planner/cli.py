@@ -23,7 +23,7 @@ from tpkernels.planner.memory import DEFAULT_MEMORY_MARGIN
 from tpkernels.planner.report import format_explanation, format_plan, plan_as_dict
 from tpkernels.planner.search import explain, parse_layout, plan
 from tpkernels.planner.workload import (DPO_REFERENCES, MOE_DISPATCH, OPTIMIZERS, PRECISIONS, SELECTIVE_POLICIES,
-                                        TASKS, TrainingSetup)
+                                        TASKS, TP_OVERLAP_STYLES, TrainingSetup)
 
 EPILOG = """examples:
   tpkernels plan --model Qwen-14B --gpu A100-80GB --nodes 1 --global-batch 64 --seq-len 4096
@@ -71,6 +71,10 @@ class WorkloadSection:
                                              "Megatron, tpkernels train) or every_other_matmul (torchtitan's "
                                              "per-op checkpointing: k, output and up projections and the "
                                              "memory-bound ops)", SELECTIVE_POLICIES)
+    tp_overlap_style: str = opt("userbuffers", "how SP collectives overlap the GEMMs when overlap_comm is on: "
+                                               "userbuffers (TransformerEngine: rings and bulk overlaps) or "
+                                               "async_tp (PyTorch's micro-pipelined TP: the column-parallel "
+                                               "input gradient's reduce-scatter exposed)", TP_OVERLAP_STYLES)
 
 
 @dataclass(frozen=True)
@@ -197,7 +201,8 @@ def run(args) -> int:
                           quant=cfg.model.base_quant, flash_attention=t.flash_attention, task=t.task,
                           dpo_reference=cfg.dpo.reference, moe_imbalance=t.moe_imbalance,
                           moe_peak_imbalance=t.moe_peak_imbalance,
-                          moe_dispatch=t.moe_dispatch, selective_policy=t.selective_policy)
+                          moe_dispatch=t.moe_dispatch, selective_policy=t.selective_policy,
+                          tp_overlap_style=t.tp_overlap_style)
     if not cfg.json:
         for reason in model.build_errors():
             print(f"note: planned, but tpkernels train cannot build this model yet: {reason}")

@@ -65,7 +65,7 @@ from tpkernels.planner.hardware import ClusterSpec
 from tpkernels.planner.memory import BASE_BYTES_PER_PARAM, lora_param_split, optimizer_shards, stage_param_split
 from tpkernels.description import ModelConfig
 from tpkernels.planner.pipeline_bubble import bubble_time
-from tpkernels.planner.tp_overlap import bulk_exposed, ring_exposed, sp_exposed
+from tpkernels.planner.tp_overlap import column_backward_exposed, ring_exposed, sp_exposed
 from tpkernels.planner.workload import TrainingSetup
 
 # Non-GEMM kernels of one decoder layer, forward + backward, in our implementation: forward runs two
@@ -237,7 +237,7 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
             head = 2 * one if last_stage else 0.0  # gather before the output layer, reduce-scatter its grad
             tp_comm = layers * per_layer + head
             if cfg.overlap_comm:
-                exposed_fwd, exposed_bwd = sp_exposed(one, dense_linear, t)
+                exposed_fwd, exposed_bwd = sp_exposed(one, dense_linear, t, train.tp_overlap_style)
                 layer_exposed = exposed_fwd * (2 if fwd_recompute else 1) + exposed_bwd
                 # the machine hides tp_overlap of what the software's overlap can hide
                 layer_exposed = per_layer - eff.tp_overlap * (per_layer - layer_exposed)
@@ -247,7 +247,7 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
                 extra = one * (2 + 3 + (2 if fwd_recompute else 0))
                 up_s, down_s = moe["shared_up"], moe["shared_down"]
                 hidden_fwd = ring_exposed(one, up_s[0], t) + ring_exposed(one, down_s[0], t)
-                hidden_bwd = ring_exposed(one, down_s[1], t) + bulk_exposed(one, up_s[1]) + bulk_exposed(one, up_s[2])
+                hidden_bwd = ring_exposed(one, down_s[1], t) + column_backward_exposed(one, up_s, train.tp_overlap_style)
                 extra_exposed = (hidden_fwd * (2 if fwd_recompute else 1) + hidden_bwd) if cfg.overlap_comm else extra
                 extra_exposed = extra - eff.tp_overlap * (extra - extra_exposed)
                 per_layer, layer_exposed = per_layer + shared * extra, layer_exposed + shared * extra_exposed
@@ -259,7 +259,7 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
                 mlp_exposed = mlp
                 if cfg.overlap_comm:
                     mlp_fwd = ring_exposed(one, up_d[0], t) + ring_exposed(one, down_d[0], t)
-                    mlp_bwd = ring_exposed(one, down_d[1], t) + bulk_exposed(one, up_d[1]) + bulk_exposed(one, up_d[2])
+                    mlp_bwd = ring_exposed(one, down_d[1], t) + column_backward_exposed(one, up_d, train.tp_overlap_style)
                     mlp_exposed = mlp - eff.tp_overlap * (mlp - (mlp_fwd * (2 if fwd_recompute else 1) + mlp_bwd))
                 etp = passes_f * moe["etp_f"] + moe["etp_b"]
                 per_layer, layer_exposed = per_layer + share * (etp - mlp), layer_exposed + share * (etp - mlp_exposed)

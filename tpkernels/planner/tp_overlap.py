@@ -15,7 +15,12 @@ A ring splits the GEMM into t chunks and passes one shard per step: the first sh
 last partial sum (reduce-scatter) has no GEMM to hide behind, c / t stays exposed, and the other
 (t − 1) / t of the collective hides behind (t − 1) / t of the GEMM, exposing what it outlasts. A bulk
 overlap runs the whole collective beside an independent GEMM: only what it outlasts is exposed.
-The LayerNorm, dropout and residual kernels between the linears do not overlap anything (they are in
+PyTorch's async TP (inductor's micro-pipelining, ``TrainingSetup.tp_overlap_style = "async_tp"``) fuses
+a collective only with the one matmul that consumes or produces it: the column-parallel input
+gradient sums the q, k, v (gate, up) linears' products before its reduce-scatter, which matches no
+pattern and runs exposed (torch/_inductor/fx_passes/micro_pipeline_tp.py, ``_find_producer_matmul``;
+no bulk overlap unless inductor's ``reorder_for_compute_comm_overlap``, off by default and in
+torchtitan). The LayerNorm, dropout and residual kernels between the linears do not overlap anything (they are in
 the elementwise term, not here). Without a weight gradient (LoRA's frozen base) the bulk
 reduce-scatter has nothing to hide behind and is exposed whole. No constant is fitted here.
 """
@@ -36,13 +41,23 @@ def bulk_exposed(comm: float, gemm: float) -> float:
     return max(0.0, comm - gemm)
 
 
-def sp_exposed(one: float, per_linear: list[tuple[float, float, float]], t: int) -> tuple[float, float]:
+def column_backward_exposed(one: float, linear: tuple[float, float, float], style: str = "userbuffers") -> float:
+    """Exposed seconds of a column-parallel linear's two backward collectives: the re-gather of its
+    input for the weight gradient (beside the dgrad GEMM) and the reduce-scatter of its input gradient
+    (beside the wgrad GEMM under "userbuffers"; exposed whole under "async_tp", see
+    TrainingSetup.tp_overlap_style)."""
+    rs = bulk_exposed(one, linear[2]) if style == "userbuffers" else one
+    return bulk_exposed(one, linear[1]) + rs
+
+
+def sp_exposed(one: float, per_linear: list[tuple[float, float, float]], t: int,
+               style: str = "userbuffers") -> tuple[float, float]:
     """(forward, backward) exposed seconds of one layer's SP collectives; ``one``: one all-gather (=
     one reduce-scatter) of the layer's activations; ``per_linear``: (forward, dgrad, wgrad) seconds of
-    QKV, output projection, MLP up(+gate), MLP down on one TP rank."""
+    QKV, output projection, MLP up(+gate), MLP down on one TP rank; ``style``: the software's overlap
+    (TrainingSetup.tp_overlap_style)."""
     qkv, proj, up, down = per_linear
     fwd = sum(ring_exposed(one, lin[0], t) for lin in per_linear)
     bwd = (ring_exposed(one, proj[1], t) + ring_exposed(one, down[1], t)
-           + bulk_exposed(one, qkv[1]) + bulk_exposed(one, up[1])
-           + bulk_exposed(one, qkv[2]) + bulk_exposed(one, up[2]))
+           + column_backward_exposed(one, qkv, style) + column_backward_exposed(one, up, style))
     return fwd, bwd

@@ -16,6 +16,7 @@ TASKS = ("pretrain", "sft", "dpo")
 DPO_REFERENCES = ("cached", "adapters", "model")
 MOE_DISPATCH = ("alltoall", "dedup")
 SELECTIVE_POLICIES = ("attention", "every_other_matmul")
+TP_OVERLAP_STYLES = ("userbuffers", "async_tp")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,14 @@ class TrainingSetup:
         down), so the k, output and up projections' forward GEMMs (a two-matrix MLP: its second) and
         every memory-bound op run twice. Only the time model reads it; the activation memory is
         "attention"'s, an upper bound of what torchtitan's policy keeps.
+    tp_overlap_style: how the software overlaps the SP collectives with the GEMMs when the layout's
+        ``overlap_comm`` is on (tp_overlap.py). "userbuffers": every all-gather / reduce-scatter that
+        feeds or leaves a GEMM is pipelined with it in a ring, and the column-parallel linears' backward
+        re-gather and reduce-scatter run beside the dgrad / wgrad GEMMs (TransformerEngine in Megatron-Core
+        and NeMo, our ring ops). "async_tp": PyTorch's micro-pipelined async TP (torchtitan), which
+        fuses a collective only with the single matmul that consumes or produces it: the
+        column-parallel input gradient's reduce-scatter (a sum over the separate q/k/v and gate/up
+        linears) stays exposed.
     task: "pretrain", "sft" or "dpo". SFT costs what pre-training does on the same tokens (the
         prompt's masked tokens still run forward and backward); DPO's rows hold both sequences of
         each pair (global_batch counts rows of seq_length tokens, as for the others).
@@ -96,6 +105,7 @@ class TrainingSetup:
     moe_peak_imbalance: float = 2.0
     moe_dispatch: str = "alltoall"
     selective_policy: str = "attention"
+    tp_overlap_style: str = "userbuffers"
 
     def __post_init__(self):
         for f in ("moe_imbalance", "moe_peak_imbalance"):
@@ -110,7 +120,7 @@ class TrainingSetup:
                 raise ValueError(f"{f} ({value!r}) must be a positive integer")
         for f, choices in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("finetune", FINETUNE),
                            ("task", TASKS), ("dpo_reference", DPO_REFERENCES), ("moe_dispatch", MOE_DISPATCH),
-                           ("selective_policy", SELECTIVE_POLICIES)):
+                           ("selective_policy", SELECTIVE_POLICIES), ("tp_overlap_style", TP_OVERLAP_STYLES)):
             if getattr(self, f) not in choices:
                 raise ValueError(f"{f} ({getattr(self, f)!r}) must be one of {', '.join(choices)}")
         if self.quant == "none":  # the model section's word for "no quantised base"
