@@ -34,7 +34,7 @@ def test_sources_are_complete_and_read_as_published():
     assert [r.model for r in A100_ROWS] == [f"GPT-{m}@{g}" for m, g in (
         ("1.7B", 32), ("3.6B", 64), ("7.5B", 128), ("18B", 256), ("39B", 512), ("76B", 1024), ("145B", 1536),
         ("310B", 1920), ("530B", 2520), ("1T", 3072))]
-    assert {len(v) for v in SOURCES.values()} == {10, 18, 4, 20}
+    assert {len(v) for v in SOURCES.values()} == {10, 18, 4, 22}
     assert {r.gpu for r in ROWS} == {"A100-80GB", "H100-SXM", "H100-96GB-500W", "H200"}
     for row in ROWS:  # every published layout is valid for the planner and gives a finite error
         e = error(row)

@@ -105,6 +105,7 @@ def test_bad_input_is_one_clear_line(capsys, argv, message):
     (["--training.selective_policy", "layer"],
      "training.selective_policy ('layer') must be one of attention, every_other_matmul"),
     (["--training.tp_overlap_style", "nccl"], "training.tp_overlap_style ('nccl') must be one of userbuffers, async_tp"),
+    (["--training.kernels", "compiled"], "training.kernels ('compiled') must be one of fused, eager"),
 ])
 def test_bad_numbers_and_layouts_are_one_line_naming_the_flag(capsys, extra, message):
     rc, out, err = run(capsys, *BASE, *extra)

@@ -220,3 +220,34 @@ def test_async_tp_exposes_the_column_parallel_input_gradient_reduce_scatter(fres
     assert async_tp - ub == pytest.approx(model.num_layers * m * hidden_by_bulk, rel=1e-6)
     with pytest.raises(ValueError, match=r"tp_overlap_style \('nccl'\) must be one of userbuffers, async_tp"):
         TrainingSetup(m, s, tp_overlap_style="nccl")
+
+
+def test_eager_kernels_move_the_counted_extra_traffic(fresh_seed):
+    """TrainingSetup.kernels "eager" (no torch.compile: one PyTorch op per kernel) scales the
+    memory-bound kernels' traffic by the ratio kernel_fusion counts: torchtitan's fp32 RMSNorm (36
+    bytes per element against 4 fused), complex-fp32 rotary (20 against 4), SwiGLU's silu and product
+    (10 against 6) and the attention output's transpose copy; nothing else in the step changes."""
+    from tpkernels.planner.kernel_fusion import eager_traffic_ratio
+
+    rng = random.Random(fresh_seed)
+    llama = model_preset("Llama-3-8B")
+    h, q, kv, f = 4096, 4096, 1024, 14336
+    fused = 2 * 4 * h + 4 * (q + kv) + 6 * f + 12 * h
+    eager = 2 * 36 * h + 20 * (q + kv) + 10 * f + 4 * q + 12 * h
+    assert eager_traffic_ratio(llama) == pytest.approx(eager / fused)  # 3.22
+    # a LayerNorm model with learned positions: F.layer_norm is one kernel either way, no rotary
+    gpt = model_preset("GPT-3.6B")
+    assert 1.0 < eager_traffic_ratio(gpt) < 1.2
+    model = rng.choice([llama, gpt])
+    tp, m = rng.choice([1, 2]), rng.randint(1, 3)
+    cfg = ParallelConfig(tp=tp, pp=1, dp=1, num_microbatches=m, sequence_parallel=tp > 1,
+                         recompute=rng.choice(["none", "selective", "full"]))
+    cluster = ClusterSpec(gpu_preset("H100-SXM"), 8, 1)
+    # the output layer's cross-entropy traffic is one fused kernel either way: left out of the comparison
+    runs = {k: step_time(model, TrainingSetup(m, 2048, kernels=k), cfg, cluster,
+                         A100_CALIBRATED.replace(logit_traffic=0.0)) for k in ("fused", "eager")}
+    assert runs["eager"].elementwise == pytest.approx(runs["fused"].elementwise * eager_traffic_ratio(model))
+    assert runs["eager"].gemm == pytest.approx(runs["fused"].gemm)
+    assert runs["eager"].tp_comm == pytest.approx(runs["fused"].tp_comm)
+    with pytest.raises(ValueError, match=r"kernels \('compiled'\) must be one of fused, eager"):
+        TrainingSetup(m, 2048, kernels="compiled")

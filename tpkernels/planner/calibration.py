@@ -161,6 +161,7 @@ def table_rows_of(path: Path) -> list[Row]:
                               grad_reduce_fp32=r["grad_reduce"] == "fp32",
                               selective_policy=policy,
                               tp_overlap_style="async_tp" if r["tp_overlap"] == "async_tp" else "userbuffers",
+                              kernels=r.get("kernels") or "fused",
                               moe_dispatch="dedup" if r.get("dispatcher") in ("hybridep", "deepep") else "alltoall")
         step = n["global_batch"] * n["seq_length"] / (float(r["tokens_per_sec_per_gpu"]) * n["gpus"])
         tflops = float(r["model_tflops_per_gpu"]) if r.get("model_tflops_per_gpu") else 0.0

@@ -22,8 +22,8 @@ from tpkernels.planner.hardware import GPU_PRESETS, ClusterSpec, gpu_preset
 from tpkernels.planner.memory import DEFAULT_MEMORY_MARGIN
 from tpkernels.planner.report import format_explanation, format_plan, plan_as_dict
 from tpkernels.planner.search import explain, parse_layout, plan
-from tpkernels.planner.workload import (DPO_REFERENCES, MOE_DISPATCH, OPTIMIZERS, PRECISIONS, SELECTIVE_POLICIES,
-                                        TASKS, TP_OVERLAP_STYLES, TrainingSetup)
+from tpkernels.planner.workload import (DPO_REFERENCES, KERNELS, MOE_DISPATCH, OPTIMIZERS, PRECISIONS,
+                                        SELECTIVE_POLICIES, TASKS, TP_OVERLAP_STYLES, TrainingSetup)
 
 EPILOG = """examples:
   tpkernels plan --model Qwen-14B --gpu A100-80GB --nodes 1 --global-batch 64 --seq-len 4096
@@ -75,6 +75,8 @@ class WorkloadSection:
                                                "userbuffers (TransformerEngine: rings and bulk overlaps) or "
                                                "async_tp (PyTorch's micro-pipelined TP: the column-parallel "
                                                "input gradient's reduce-scatter exposed)", TP_OVERLAP_STYLES)
+    kernels: str = opt("fused", "fused (TransformerEngine, torch.compile, tpkernels) or eager (one PyTorch op per "
+                                "kernel: more memory traffic)", KERNELS)
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,7 @@ def run(args) -> int:
                           dpo_reference=cfg.dpo.reference, moe_imbalance=t.moe_imbalance,
                           moe_peak_imbalance=t.moe_peak_imbalance,
                           moe_dispatch=t.moe_dispatch, selective_policy=t.selective_policy,
-                          tp_overlap_style=t.tp_overlap_style)
+                          tp_overlap_style=t.tp_overlap_style, kernels=t.kernels)
     if not cfg.json:
         for reason in model.build_errors():
             print(f"note: planned, but tpkernels train cannot build this model yet: {reason}")

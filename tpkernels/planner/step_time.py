@@ -15,7 +15,8 @@ Per micro-batch on the slowest pipeline stage (the last one also runs the output
              over bf16 peak × Efficiency.attention. Without FlashAttention (Megatron 2021): the
              batched QKᵀ and PV GEMMs through the GEMM model; selective recompute redoes them.
   elementwise  the bytes of activations the layer writes × Efficiency.elementwise_traffic over
-             HBM bandwidth × Efficiency.hbm (norms, softmax, GeLU, dropout are memory-bound).
+             HBM bandwidth × Efficiency.hbm (norms, softmax, GeLU, dropout are memory-bound); eager
+             PyTorch's unfused ops × the traffic ratio kernel_fusion.py counts.
   TP comm    message = s·b·h 16-bit activations. Without SP, Megatron's form: 2 all-reduces per
              layer forward and 2 backward (+2 with full recompute), not hidden. With SP:
              all-gathers and reduce-scatters (4 forward, 6 backward counting the re-gather of the
@@ -62,6 +63,7 @@ from tpkernels.planner.efficiency import Efficiency
 from tpkernels.planner.expert_parallel import moe_layer_share, moe_layer_time
 from tpkernels.planner.gemm_model import gemm_time, linear_time
 from tpkernels.planner.hardware import ClusterSpec
+from tpkernels.planner.kernel_fusion import eager_traffic_ratio
 from tpkernels.planner.memory import BASE_BYTES_PER_PARAM, lora_param_split, optimizer_shards, stage_param_split
 from tpkernels.description import ModelConfig
 from tpkernels.planner.pipeline_bubble import bubble_time
@@ -219,7 +221,8 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
                                                                       **act_kw).produced
     # forward = 1, backward = 2 (in units of forward traffic), + 1 when the memory-bound ops run again
     passes = 4.0 if cfg.recompute == "full" or matmul_rc else 3.0
-    elementwise = layers * produced * train.activation_bytes / 2.0 * eff.elementwise_traffic * passes / 3.0 \
+    fusion = eager_traffic_ratio(model) if train.kernels == "eager" else 1.0
+    elementwise = layers * produced * train.activation_bytes / 2.0 * eff.elementwise_traffic * fusion * passes / 3.0 \
         / (gpu.hbm_gbs * 1e9 * eff.hbm)
     elementwise += layers * ELEMENTWISE_KERNELS_PER_LAYER * passes / 3.0 * eff.kernel_launch_s
     if last_stage:

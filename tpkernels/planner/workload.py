@@ -17,6 +17,7 @@ DPO_REFERENCES = ("cached", "adapters", "model")
 MOE_DISPATCH = ("alltoall", "dedup")
 SELECTIVE_POLICIES = ("attention", "every_other_matmul")
 TP_OVERLAP_STYLES = ("userbuffers", "async_tp")
+KERNELS = ("fused", "eager")
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class TrainingSetup:
         fuses a collective only with the single matmul that consumes or produces it: the
         column-parallel input gradient's reduce-scatter (a sum over the separate q/k/v and gate/up
         linears) stays exposed.
+    kernels: how the memory-bound ops run: "fused" (TransformerEngine, torch.compile, our kernels) or
+        "eager" (one PyTorch op per kernel, as torchtitan without torch.compile): their HBM traffic
+        grows by the ratio tpkernels.planner.kernel_fusion counts for the model (3.2 for Llama-3-8B).
     task: "pretrain", "sft" or "dpo". SFT costs what pre-training does on the same tokens (the
         prompt's masked tokens still run forward and backward); DPO's rows hold both sequences of
         each pair (global_batch counts rows of seq_length tokens, as for the others).
@@ -106,6 +110,7 @@ class TrainingSetup:
     moe_dispatch: str = "alltoall"
     selective_policy: str = "attention"
     tp_overlap_style: str = "userbuffers"
+    kernels: str = "fused"
 
     def __post_init__(self):
         for f in ("moe_imbalance", "moe_peak_imbalance"):
@@ -120,7 +125,8 @@ class TrainingSetup:
                 raise ValueError(f"{f} ({value!r}) must be a positive integer")
         for f, choices in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("finetune", FINETUNE),
                            ("task", TASKS), ("dpo_reference", DPO_REFERENCES), ("moe_dispatch", MOE_DISPATCH),
-                           ("selective_policy", SELECTIVE_POLICIES), ("tp_overlap_style", TP_OVERLAP_STYLES)):
+                           ("selective_policy", SELECTIVE_POLICIES), ("tp_overlap_style", TP_OVERLAP_STYLES),
+                           ("kernels", KERNELS)):
             if getattr(self, f) not in choices:
                 raise ValueError(f"{f} ({getattr(self, f)!r}) must be one of {', '.join(choices)}")
         if self.quant == "none":  # the model section's word for "no quantised base"
