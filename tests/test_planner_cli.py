@@ -254,3 +254,17 @@ def test_selective_policy_flag_reaches_the_step_time(capsys):
         assert rc == 0, out
         steps[policy] = json.loads(out)["ranked"][0]["step_time_s"]
     assert steps["attention"] < steps["every_other_matmul"] < 1.3 * steps["attention"]
+
+
+@pytest.mark.parametrize("device_name,preset", [
+    ("NVIDIA H100 80GB HBM3", "H100-SXM"), ("NVIDIA H100 PCIe", "H100-PCIe"), ("NVIDIA H100 96GB HBM2e", "H100-96GB-500W"),
+    ("NVIDIA H200", "H200"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+    ("NVIDIA A10", "A10-24GB"), ("NVIDIA L20", "L20"), ("NVIDIA GeForce RTX 4090", None)])
+def test_cuda_device_names_map_to_presets(device_name, preset):
+    """`tpkernels train --layout auto`, the metrics' MFU, the FP8 choice and the benchmarks find the preset
+    of the GPU they run on by its CUDA name; a name that states its memory picks the preset of that
+    size (--layout auto on an 80 GB A100 planned for the 40 GB one's memory before)."""
+    from tpkernels.planner.measure import preset_for_device
+
+    found = preset_for_device(device_name)
+    assert (found.name if found else None) == preset

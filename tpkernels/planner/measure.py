@@ -348,14 +348,24 @@ def _same_gpu(spec: GPUSpec, device_name: str) -> bool:
         return False
     if spec.name.endswith("PCIe") != ("PCIE" in words):
         return False
-    return True
+    # a preset named for its memory (A100-40GB, H100-96GB-500W) is not a device that states another size
+    size, stated = _memory_word(spec.name.upper().split("-")), _memory_word(words)
+    return size is None or stated is None or size == stated
+
+
+def _memory_word(words) -> str | None:
+    return next((w for w in words if w.endswith("GB") and w[:-2].isdigit()), None)
 
 
 def preset_for_device(device_name: str) -> GPUSpec | None:
     """The planner's GPU preset that CUDA's device name denotes, if any."""
     from tpkernels.planner.hardware import GPU_PRESETS  # noqa: PLC0415
 
-    return next((spec for spec in GPU_PRESETS.values() if _same_gpu(spec, device_name)), None)
+    matches = [spec for spec in GPU_PRESETS.values() if _same_gpu(spec, device_name)]
+    stated = _memory_word(device_name.upper().replace("-", " ").split())
+    # the preset named for the stated memory size first (an H100 96GB is not the 80 GB H100-SXM)
+    matches.sort(key=lambda spec: _memory_word(spec.name.upper().split("-")) != stated)
+    return matches[0] if matches else None
 
 
 def calibrate(cluster: ClusterSpec, eff: Efficiency, meas: Measurement) -> tuple[ClusterSpec, Efficiency, list[str]]:
