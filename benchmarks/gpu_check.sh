@@ -281,6 +281,10 @@ TAIL=8 gpu_step "bench: QLoRA vs LoRA vs full fine-tuning step (bf16, hidden 102
 # then one training step of a hidden-2048 Llama in bf16 vs fp8 (fp8.layers all; target >= 1.25x)
 TAIL=40 gpu_step "bench: FP8 vs bf16 GEMMs (Llama-3-8B/70B shapes) and one training step" 60 bench_fp8.log \
   $PY benchmarks/bench_fp8.py --device cuda
+# the planner's GEMM model by shape: torch.matmul bf16 at every linear GEMM of Llama-3-8B/70B per TP rank (TP 1-8,
+# 2k/8k tokens) and squares 256-16384, against the model with the largest square's rate as its ceiling
+TAIL=6 gpu_step "bench: planner GEMM model vs measured GEMMs by shape" 60 planner_gemm_shapes.log \
+  $PY benchmarks/planner_gemm_shapes.py --reps 5
 TAIL=30 gpu_step "bench: bias_gelu" 40 bench_bias_gelu.log $PY benchmarks/bench_bias_gelu.py --sizes 1 16 64
 # MoE kernels: the Triton grouped GEMM / expert SwiGLU MLP / permutation against a matmul per expert, a
 # padded bmm and torch's grouped_mm (bf16, 8 experts, 8192 tokens top-2, hidden 4096, expert FFN 2048)
