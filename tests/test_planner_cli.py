@@ -104,7 +104,8 @@ def test_bad_input_is_one_clear_line(capsys, argv, message):
     (["--nodes", "0"], "cluster.nodes (0) must be a positive integer"),
     (["--training.selective_policy", "layer"],
      "training.selective_policy ('layer') must be one of attention, every_other_matmul"),
-    (["--training.tp_overlap_style", "nccl"], "training.tp_overlap_style ('nccl') must be one of userbuffers, async_tp"),
+    (["--training.tp_overlap_style", "nccl"],
+     "training.tp_overlap_style ('nccl') must be one of userbuffers, async_tp"),
     (["--training.kernels", "compiled"], "training.kernels ('compiled') must be one of fused, eager"),
 ])
 def test_bad_numbers_and_layouts_are_one_line_naming_the_flag(capsys, extra, message):
@@ -257,7 +258,8 @@ def test_selective_policy_flag_reaches_the_step_time(capsys):
 
 
 @pytest.mark.parametrize("device_name,preset", [
-    ("NVIDIA H100 80GB HBM3", "H100-SXM"), ("NVIDIA H100 PCIe", "H100-PCIe"), ("NVIDIA H100 96GB HBM2e", "H100-96GB-500W"),
+    ("NVIDIA H100 80GB HBM3", "H100-SXM"), ("NVIDIA H100 PCIe", "H100-PCIe"),
+    ("NVIDIA H100 96GB HBM2e", "H100-96GB-500W"),
     ("NVIDIA H200", "H200"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
     ("NVIDIA A10", "A10-24GB"), ("NVIDIA L20", "L20"), ("NVIDIA GeForce RTX 4090", None)])
 def test_cuda_device_names_map_to_presets(device_name, preset):

@@ -149,7 +149,8 @@ def table_rows_of(path: Path) -> list[Row]:
                            max_position_embeddings=n["seq_length"], name=r["model"], **experts)
         dp = n["gpus"] // (n["tp"] * n["pp"] * n["cp"])
         # "op": torchtitan's per-op selective checkpointing (TrainingSetup.selective_policy)
-        recompute, policy = ("selective", "every_other_matmul") if r["recompute"] == "op" else (r["recompute"], "attention")
+        recompute, policy = (("selective", "every_other_matmul") if r["recompute"] == "op"
+                             else (r["recompute"], "attention"))
         cfg = ParallelConfig(tp=n["tp"], pp=n["pp"], dp=dp, virtual_stages=n["virtual_stages"],
                              micro_batch_size=n["micro_batch"],
                              num_microbatches=n["global_batch"] // (n["micro_batch"] * dp),

@@ -1,8 +1,8 @@
 """The constants that turn FLOPs and bytes into seconds.
 
 Peaks are never reached; these factors say how much of each peak a well-tuned training step gets.
-Two of them (calibration.FITTED: gemm, with gemm_fp8 tied to it, and attention) are fitted on the published runs in
-benchmarks/data/, every other one is structural and says in its comment what it stands for. Two published tables are kept out of
+Two of them (calibration.FITTED: gemm, with gemm_fp8 tied to it, and attention) are fitted on the
+published runs in benchmarks/data/, every other one is structural and says in its comment what it stands for. Two published tables are kept out of
 every fit (and out of the repository) to check that the model generalises: the Megatron-LM README's
 weak-scaling table and Korthikanti et al. 2022's end-to-end runs.
 ``tpkernels plan --measure`` replaces the ceiling, memory and link factors with numbers timed on
@@ -94,8 +94,8 @@ CALIBRATED_ALL = Efficiency(gemm=0.700, gemm_fp8=0.700, attention=0.394)
 """Every generation: gemm (= gemm_fp8, calibration.TIED) and attention (calibration.FITTED) fitted
 on all the published runs in benchmarks/data/ (Narayanan et al. 2021 on A100; NeMo 2024 and
 Megatron-Bridge on H100; torchtitan on its 500 W H100s and H200) by ``calibration.fit_constants`` (the
-mean over sources of each source's RMS log error); ``benchmarks/planner_calibration.py`` fits them again without each source in
-turn and reports how well the held-out source is predicted (docs/planner.md). One set for all
+mean over sources of each source's RMS log error); ``benchmarks/planner_calibration.py`` fits them
+again without each source in turn and reports how well the held-out source is predicted (docs/planner.md). One set for all
 generations: each constant is a share of the GPU's own peak (or a byte count), the generations
 differ by their GPUSpec (peaks, SMs, tiles, bandwidths). The GEMM ceiling is what whole training
 steps sustain: below a lone large GEMM's (≈ 0.8 of the peak: 790 TFLOP/s of an 8192³ bf16 matmul

@@ -5,8 +5,8 @@ Per micro-batch on the slowest pipeline stage (the last one also runs the output
              shape after TP splitting (gemm_model.py: ceiling, wave quantization, short-k loss,
              memory roof, launch cost); LoRA's frozen linears skip the weight gradient; full
              recompute runs the forward twice, torchtitan's per-op selective recompute the k,
-             output and up projections' (TrainingSetup.selective_policy). QLoRA's forward and input-gradient GEMMs read the
-             quantised weight (≈ 0.516 bytes/param for NF4) and dequantise it in registers:
+             output and up projections' (TrainingSetup.selective_policy). QLoRA's forward and
+             input-gradient GEMMs read the quantised weight (≈ 0.516 bytes/param for NF4) and dequantise it in registers:
              max(compute / QLORA_GEMM_EFFICIENCY, traffic), so a GEMM bound by its bf16 weight
              bytes gets faster, a compute-bound one slower. FP8 runs the linear GEMMs at the FP8
              peak (QLoRA's in bf16: the kernels dequantise to the activations' dtype) and the
@@ -235,12 +235,13 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
         msg = train.activation_bytes * tokens * model.hidden_size
         one = group_collective_time("all_gather", msg, t, 1, cluster, eff)  # = one reduce-scatter
         fwd_recompute = cfg.recompute == "full"
+        style = train.tp_overlap_style  # how the software overlaps the SP collectives (tp_overlap.py)
         if cfg.sequence_parallel:
             per_layer = one * (4 + 6 + (4 if fwd_recompute else 0))
             head = 2 * one if last_stage else 0.0  # gather before the output layer, reduce-scatter its grad
             tp_comm = layers * per_layer + head
             if cfg.overlap_comm:
-                exposed_fwd, exposed_bwd = sp_exposed(one, dense_linear, t, train.tp_overlap_style)
+                exposed_fwd, exposed_bwd = sp_exposed(one, dense_linear, t, style)
                 layer_exposed = exposed_fwd * (2 if fwd_recompute else 1) + exposed_bwd
                 # the machine hides tp_overlap of what the software's overlap can hide
                 layer_exposed = per_layer - eff.tp_overlap * (per_layer - layer_exposed)
@@ -250,7 +251,7 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
                 extra = one * (2 + 3 + (2 if fwd_recompute else 0))
                 up_s, down_s = moe["shared_up"], moe["shared_down"]
                 hidden_fwd = ring_exposed(one, up_s[0], t) + ring_exposed(one, down_s[0], t)
-                hidden_bwd = ring_exposed(one, down_s[1], t) + column_backward_exposed(one, up_s, train.tp_overlap_style)
+                hidden_bwd = ring_exposed(one, down_s[1], t) + column_backward_exposed(one, up_s, style)
                 extra_exposed = (hidden_fwd * (2 if fwd_recompute else 1) + hidden_bwd) if cfg.overlap_comm else extra
                 extra_exposed = extra - eff.tp_overlap * (extra - extra_exposed)
                 per_layer, layer_exposed = per_layer + shared * extra, layer_exposed + shared * extra_exposed
@@ -262,7 +263,7 @@ def _microbatch_time(model: ModelConfig, train: TrainingSetup, cfg: ParallelConf
                 mlp_exposed = mlp
                 if cfg.overlap_comm:
                     mlp_fwd = ring_exposed(one, up_d[0], t) + ring_exposed(one, down_d[0], t)
-                    mlp_bwd = ring_exposed(one, down_d[1], t) + column_backward_exposed(one, up_d, train.tp_overlap_style)
+                    mlp_bwd = ring_exposed(one, down_d[1], t) + column_backward_exposed(one, up_d, style)
                     mlp_exposed = mlp - eff.tp_overlap * (mlp - (mlp_fwd * (2 if fwd_recompute else 1) + mlp_bwd))
                 etp = passes_f * moe["etp_f"] + moe["etp_b"]
                 per_layer, layer_exposed = per_layer + share * (etp - mlp), layer_exposed + share * (etp - mlp_exposed)
