@@ -43,33 +43,64 @@ Public API (this release):
 Importing never needs a GPU or the compiled extension.
 """
 
-from tpkernels._extension import build_info
+import importlib
+import sys
+
 from tpkernels._version import __version__
-from tpkernels import backends, nn  # noqa: E402  (nn imports functional)
-from tpkernels.functional import (
-    all_gather_matmul,
-    apply_rotary,
-    bias_gelu,
-    dispatch_combine,
-    flash_attn_func,
-    flash_attn_varlen_func,
-    grouped_gemm,
-    grouped_swiglu_mlp,
-    layer_norm,
-    linear_cross_entropy,
-    load_balancing_loss,
-    matmul_all_reduce,
-    matmul_reduce_scatter,
-    nf4_linear,
-    permute,
-    rms_norm,
-    rotary_cache,
-    route,
-    swiglu,
-    unpermute,
-    vocab_parallel_cross_entropy,
-    z_loss,
-)
+
+# The package's names load on first use (PEP 562): `tpkernels plan`, `tpkernels --help` and the launcher of
+# `tpkernels train --nproc` import only the pure-Python modules they need, not torch (seconds). The first
+# name used loads what `import tpkernels` always loaded (the dispatch rule, the ops, the modules), so
+# `import tpkernels; tpkernels.parallel.mappings` works as it did.
+_FUNCTIONAL = ("all_gather_matmul", "apply_rotary", "bias_gelu", "dispatch_combine", "flash_attn_func",
+               "flash_attn_varlen_func", "grouped_gemm", "grouped_swiglu_mlp", "layer_norm", "linear_cross_entropy",
+               "load_balancing_loss", "matmul_all_reduce", "matmul_reduce_scatter", "nf4_linear", "permute",
+               "rms_norm", "rotary_cache", "route", "swiglu", "unpermute", "vocab_parallel_cross_entropy", "z_loss")
+
+
+_LOADING: list[bool] = []  # set while _load runs: the modules it imports ask this package for their siblings
+
+
+def _load() -> None:
+    if "build_info" in globals() or _LOADING:
+        return
+    _LOADING.append(True)
+    try:
+        for name in ("backends", "nn", "functional"):
+            importlib.import_module(f"tpkernels.{name}")
+        functional = importlib.import_module("tpkernels.functional")
+        build_info = importlib.import_module("tpkernels._extension").build_info
+        globals().update({name: getattr(functional, name) for name in _FUNCTIONAL}, build_info=build_info)
+    finally:
+        _LOADING.clear()
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):  # dunders (copy, pickle, inspect probe them): never a reason to import torch
+        raise AttributeError(f"module 'tpkernels' has no attribute {name!r}")
+    if name in _FUNCTIONAL or name == "build_info":
+        _load()
+        return globals()[name]
+    try:  # a subpackage (tpkernels.nn, tpkernels.parallel, ...), also what `from tpkernels import x` asks for
+        module = importlib.import_module(f"tpkernels.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"tpkernels.{name}":
+            raise
+        raise AttributeError(f"module 'tpkernels' has no attribute {name!r}") from None
+    if not _importing():
+        _load()  # user code: the package as `import tpkernels` always gave it (tpkernels.parallel.mappings bound)
+    return module
+
+
+def _importing() -> bool:
+    """Whether a tpkernels module is being executed now (its own `from tpkernels import x` lands here)."""
+    return any(getattr(getattr(m, "__spec__", None), "_initializing", False)
+               for k, m in list(sys.modules.items()) if k == "tpkernels" or k.startswith("tpkernels."))
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = ["__version__", "all_gather_matmul", "apply_rotary", "backends", "bias_gelu", "build_info", "dispatch_combine",
            "flash_attn_func",

@@ -16,6 +16,14 @@ picks the source from ``data.source``. Modules, one concept each:
 * :mod:`~tpkernels.data.blend` — weighted blends of sources.
 """
 
-from tpkernels.data.batch import IGNORE_INDEX, TokenBatch
 
 __all__ = ["IGNORE_INDEX", "TokenBatch"]
+
+
+def __getattr__(name: str):
+    # on first use (PEP 562): the tokenizer and the prompt reader are used without torch
+    if name in ("IGNORE_INDEX", "TokenBatch"):
+        from tpkernels.data import batch  # noqa: PLC0415
+
+        return getattr(batch, name)
+    raise AttributeError(f"module 'tpkernels.data' has no attribute {name!r}")

@@ -27,7 +27,6 @@ import tempfile
 import threading
 from pathlib import Path
 
-from tpkernels.generate.sampling import Sampling
 from tpkernels.generate.text import read_prompts
 
 
@@ -117,6 +116,8 @@ def options(args) -> dict:
         raise ValueError(f"--dtype ({args.dtype!r}) must be auto or one of {', '.join(DTYPE_NAMES)}")
     if any(not s for s in args.stop):
         raise ValueError("--stop must not be empty")
+    from tpkernels.generate.sampling import Sampling  # noqa: PLC0415  (torch: after the arguments are checked)
+
     try:
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     except ValueError as e:  # named as the flags are
