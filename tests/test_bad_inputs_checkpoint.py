@@ -209,8 +209,9 @@ def test_a_bytes_entry_is_refused_by_the_reader_and_the_planner_too(saved, tmp_p
     _bytes_entry(ck / "step_00000004")
     monkeypatch.setattr(checkpoint_files, "check_dcp_metadata", lambda path, md: None)
     if layers_left == "planner":
-        monkeypatch.setattr(checkpoint_files.SafeReader, "read_data",
-                            checkpoint_files.FileSystemReader.read_data)
+        from torch.distributed.checkpoint import FileSystemReader
+
+        monkeypatch.setattr(checkpoint_files.SafeReader, "read_data", FileSystemReader.read_data)
     with pytest.raises(CheckpointError, match=r"entry 'optim::step' is stored as bytes, which DCP would unpickle"):
         checkpoint.export_hf(ck / "step_00000004", tmp_path / "hf")
     assert not (tmp_path / "ran_code_marker").exists()

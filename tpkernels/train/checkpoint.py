@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from tpkernels.description import ModelConfig
 from tpkernels.models import ParallelTransformer
@@ -47,8 +46,8 @@ from tpkernels.models.lora import LoRASpec, apply_lora, lora_parts, lora_shapes,
 from tpkernels.parallel import control
 from tpkernels.parallel.param_tags import tag_of
 from tpkernels.parallel.raise_together import raise_together
-from tpkernels.train.checkpoint_files import (CheckpointError, SafeLoadPlanner, SafeReader, digest_files,
-                                                read_dcp_metadata, seal, verify)
+from tpkernels.train import checkpoint_files
+from tpkernels.train.checkpoint_files import CheckpointError, digest_files, read_dcp_metadata, seal, verify
 from tpkernels.train.config import TrainConfig
 from tpkernels.train.output_paths import path_problem
 from tpkernels.train.precision import DTYPES
@@ -59,6 +58,14 @@ _SEP = "::"
 # one process is what we mean there, so the warning tells a user nothing. Hidden exactly, and only around our
 # own calls of DCP (_quiet_dcp), never process-wide.
 DCP_ONE_PROCESS = r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported on the first save or load (about 0.7 s with DTensor and
+    sympy): a run that never saves, and the ranks a launch forks, do without it."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    return dcp
 
 
 @contextlib.contextmanager
@@ -168,6 +175,7 @@ class PendingSave:
         self.future, self.tmp, self.final, self.meta, self.sd = future, tmp, final, meta, sd
 
     def finish(self) -> Path:
+        dcp = _dcp()
         try:
             (self.future.result() if hasattr(self.future, "result") else self.future)
         except (OSError, dcp.api.CheckpointException) as e:
@@ -254,6 +262,7 @@ def save(folder: str | Path, model, optimizer, step: int, meta: dict, master_of:
         sd.update({k: v.detach() for k, v in run_state.state_tensors().items()})
     spec = lora_spec(model)  # what the adapters are: a resume refuses any other (check_same_adapters)
     meta = {**meta, "step": step, "adapters": spec.to_dict() if spec is not None else None}
+    dcp = _dcp()
     if asynchronous:
         sd = {k: v.detach().clone().cpu() for k, v in sd.items()}  # the training step may now change the originals
         return PendingSave(dcp.async_save(sd, checkpoint_id=str(tmp), process_group=async_group), tmp, final, meta,
@@ -386,9 +395,11 @@ def load(path: str | Path, model, optimizer=None, master_of: dict | None = None,
                 jobs.append((target, covered, key, (r0 - rows[0], r1 - rows[0]), (r0 - r[0], r1 - r[0]),
                              None if cols is None else ((c0 - cols[0], c1 - cols[0]), (c0 - c[0], c1 - c[0]))))
             jobs.append((target, covered, None, name, kind, None))
+    dcp = _dcp()
     try:
         with _quiet_dcp():
-            dcp.load(want, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())  # never unpickles
+            dcp.load(want, storage_reader=checkpoint_files.SafeReader(str(path)),
+                     planner=checkpoint_files.SafeLoadPlanner())  # never unpickles
     except dcp.api.CheckpointException as e:  # DCP gathers every rank's error: a refusal is the same on all ranks
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
         if refused:

@@ -37,12 +37,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.planner import LoadItemType
 
 from tpkernels.parallel import control
+
+# torch.distributed.checkpoint (with DTensor and sympy, about 0.7 s) is imported on the first read of a
+# checkpoint, not with the trainer: most runs, and every rank a launch forks, never read one
 
 META = "meta.json"
 _CHUNK = 1 << 22
@@ -146,15 +145,28 @@ def verify(path: str | Path, meta: dict) -> None:
 
 # ---- DCP metadata without running code ----
 
+def _dcp_metadata():
+    from torch.distributed.checkpoint import metadata  # noqa: PLC0415
+
+    return metadata
+
+
+def _storage_info():
+    from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: PLC0415
+
+    return _StorageInfo
+
+
 def _allowed(module: str, name: str):
     """The object an allowed global names, or None."""
+    dcp_metadata = _dcp_metadata()
     if module == dcp_metadata.__name__:
         obj = getattr(dcp_metadata, name, None)
         if isinstance(obj, type) and obj.__module__ == module:  # its dataclasses and enums
             return obj
         return None
     if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
-        return _StorageInfo
+        return _storage_info()
     if module == "torch":
         obj = getattr(torch, name, None)
         if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
@@ -186,7 +198,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         return obj
 
 
-def read_dcp_metadata(path: str | Path) -> dcp_metadata.Metadata:
+def read_dcp_metadata(path: str | Path):
     """The ``.metadata`` of DCP checkpoint ``path``, unpickled with the allow-list."""
     f = Path(path) / ".metadata"
     try:
@@ -196,7 +208,7 @@ def read_dcp_metadata(path: str | Path) -> dcp_metadata.Metadata:
         raise
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError, IndexError) as e:
         raise CheckpointError(f"{f} is unreadable ({type(e).__name__}: {e}): refusing the checkpoint") from None
-    if not isinstance(md, dcp_metadata.Metadata):
+    if not isinstance(md, _dcp_metadata().Metadata):
         raise CheckpointError(f"{f} holds a {type(md).__name__}, not DCP metadata: refusing the checkpoint")
     check_dcp_metadata(path, md)
     return md
@@ -224,6 +236,7 @@ def file_name_problem(folder: Path, name) -> str | None:
 
 
 def _entry_problem(key, entry) -> str | None:
+    dcp_metadata = _dcp_metadata()
     if not isinstance(key, str):
         return f"a key {key!r} that is not a string"
     if type(entry) is not dcp_metadata.TensorStorageMetadata:
@@ -241,7 +254,7 @@ def _entry_problem(key, entry) -> str | None:
 def _storage_problem(folder: Path, index, info, files: dict) -> str | None:
     """``files``: relative path -> (its problem, its size), filled as paths are met (one stat per file)."""
     fqn = getattr(index, "fqn", index)
-    if type(index) is not dcp_metadata.MetadataIndex or type(info) is not _StorageInfo:
+    if type(index) is not _dcp_metadata().MetadataIndex or type(info) is not _storage_info():
         return f"storage record {index!r} of an unknown type ({type(info).__name__})"
     name = info.relative_path
     if not isinstance(name, str):
@@ -261,7 +274,7 @@ def _storage_problem(folder: Path, index, info, files: dict) -> str | None:
     return None
 
 
-def check_dcp_metadata(path: str | Path, md: dcp_metadata.Metadata) -> None:
+def check_dcp_metadata(path: str | Path, md) -> None:
     """Refuse, before any data file is read, a ``.metadata`` that declares what the package never writes:
     an entry that is not a tensor (DCP would unpickle it, running code), or a storage path that is not a
     plain file name inside the checkpoint folder (DCP would follow it out). Raises CheckpointError naming
@@ -285,30 +298,47 @@ def _no_bytes(what: str, fqn) -> CheckpointError:
                            "the package writes tensors only, refusing it")
 
 
-class SafeReader(FileSystemReader):
-    """DCP's file reader, its metadata read by :func:`read_dcp_metadata` (no code runs; checked by
-    :func:`check_dcp_metadata`); a bytes item, should one reach it, is refused before it is read."""
+def _reader_classes() -> tuple[type, type]:
+    """SafeReader and SafeLoadPlanner, made on first use: their bases are DCP's."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader  # noqa: PLC0415
+    from torch.distributed.checkpoint.planner import LoadItemType  # noqa: PLC0415
 
-    def read_metadata(self, *args, **kwargs):
-        md = read_dcp_metadata(self.path)
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = dcp_metadata.StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
+    class SafeReader(FileSystemReader):
+        """DCP's file reader, its metadata read by :func:`read_dcp_metadata` (no code runs; checked by
+        :func:`check_dcp_metadata`); a bytes item, should one reach it, is refused before it is read."""
 
-    def read_data(self, plan, planner):
-        for item in plan.items:
-            if item.type == LoadItemType.BYTE_IO:
-                raise _no_bytes(str(Path(self.path) / ".metadata"), item.storage_index.fqn)
-        return super().read_data(plan, planner)
+        def read_metadata(self, *args, **kwargs):
+            md = read_dcp_metadata(self.path)
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = _dcp_metadata().StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+        def read_data(self, plan, planner):
+            for item in plan.items:
+                if item.type == LoadItemType.BYTE_IO:
+                    raise _no_bytes(str(Path(self.path) / ".metadata"), item.storage_index.fqn)
+            return super().read_data(plan, planner)
 
 
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, except that it never unpickles: its ``load_bytes`` (the default one calls
-    ``torch.load(weights_only=False)``) refuses."""
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """DCP's load planner, except that it never unpickles: its ``load_bytes`` (the default one calls
+        ``torch.load(weights_only=False)``) refuses."""
 
-    def load_bytes(self, read_item, value):
-        raise _no_bytes("checkpoint", read_item.dest_index.fqn)
+        def load_bytes(self, read_item, value):
+            raise _no_bytes("checkpoint", read_item.dest_index.fqn)
+
+    return SafeReader, SafeLoadPlanner
+
+
+def __getattr__(name: str):
+    if name in ("SafeReader", "SafeLoadPlanner"):
+        reader, planner = _reader_classes()
+        for cls in (reader, planner):
+            cls.__qualname__ = cls.__name__
+        globals().update(SafeReader=reader, SafeLoadPlanner=planner)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["CheckpointError", "SafeLoadPlanner", "SafeReader", "check_dcp_metadata", "check_seal", "digest_files",
