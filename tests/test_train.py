@@ -704,23 +704,32 @@ def _fails_on_rank_one():
     return "never"
 
 
-def test_a_rank_that_fails_under_nproc_is_named_and_stops_the_others():
-    """--nproc goes through torch's elastic launcher: a failing rank ends the job at once, named."""
+def test_a_rank_that_fails_under_nproc_is_named_and_stops_the_others(monkeypatch):
+    """--nproc goes through torch's elastic launcher: a failing rank ends the job at once, named.
+    The ranks fork from a server started once per process (early, by the command line): they see
+    the launcher's environment as it is at each launch, not as it was when the server started."""
     import time
 
     from tpkernels.train.launch import LaunchError, launch
 
+    monkeypatch.setenv("TPK_TEST_LAUNCH_A", "first")
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 1 failed: ValueError: rank 1 cannot go on"):
         launch(_fails_on_rank_one, 3, pg_timeout_s=120)
     assert time.monotonic() - t0 < 60  # the process group's timeout is 120 s: the agent stopped them
-    assert launch(_ranks_and_size, 2) == [(0, 2), (1, 2)]
+    assert launch(_ranks_and_size, 2) == [(0, 2, "first", None), (1, 2, "first", None)]
+    monkeypatch.delenv("TPK_TEST_LAUNCH_A")  # the server is running now: a removal and a new variable
+    monkeypatch.setenv("TPK_TEST_LAUNCH_B", "second")
+    assert launch(_ranks_and_size, 2) == [(0, 2, None, "second"), (1, 2, None, "second")]
 
 
 def _ranks_and_size():
+    import os
+
     import torch.distributed as dist
 
-    return dist.get_rank(), dist.get_world_size()
+    return dist.get_rank(), dist.get_world_size(), os.environ.get("TPK_TEST_LAUNCH_A"), \
+        os.environ.get("TPK_TEST_LAUNCH_B")
 
 
 @pytest.mark.parametrize("change, says", [

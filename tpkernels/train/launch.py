@@ -31,6 +31,36 @@ import uuid
 from pathlib import Path
 
 _DONE = {"ok": False}
+# what the ranks import once, in the server they fork from (a fresh interpreter per rank would import
+# them N times, seconds each)
+PRELOAD = ["torch", "torch.distributed", "tpkernels.train.trainer"]
+_SERVER: dict = {"env": None}  # this process's environment when it started the fork server
+# what torch's agent sets in each worker (local_elastic_agent._start_workers); never the launcher's to override
+_AGENT_KEYS = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
+                         "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                         "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
+
+
+def start_workers_early() -> None:
+    """Start the server the ranks fork from now, importing :data:`PRELOAD` on another core while this
+    process parses and checks the config (the command line calls it first thing for ``--nproc``): a
+    2-rank launch on 2 cores starts its ranks seconds sooner. The ranks still get the launcher's
+    environment as it is at the launch (see :func:`worker`)."""
+    if _SERVER["env"] is not None or "forkserver" not in multiprocessing.get_all_start_methods():
+        return
+    from multiprocessing import forkserver  # noqa: PLC0415
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    _SERVER["env"] = dict(os.environ)
+    forkserver.ensure_running()  # a no-op if this process runs one already (a RankPool's, say)
+
+
+def _launcher_env() -> tuple[dict, list]:
+    """(the launcher's environment now, less the agent's own variables; what it removed since it started
+    the fork server). A forked rank has the server's environment, from before the launcher's later
+    changes (the warnings it said, a test's setenv); the agent passes only its own variables."""
+    env = {k: v for k, v in os.environ.items() if k not in _AGENT_KEYS and not k.startswith("TORCHELASTIC_")}
+    return env, [k for k in (_SERVER["env"] or {}) if k not in os.environ]
 
 
 class LaunchError(RuntimeError):
@@ -49,8 +79,14 @@ def _leave() -> None:
     os._exit(0 if _DONE["ok"] else 1)
 
 
-def worker(fn, pg_timeout_s: float, *args):
-    """One rank: join the group (torchrun's environment), run ``fn(*args)``, return its value."""
+def worker(fn, pg_timeout_s: float, env: tuple[dict, list], *args):
+    """One rank: join the group (torchrun's environment), run ``fn(*args)``, return its value.
+    ``env``: the launcher's environment (:func:`_launcher_env`), laid over the server's."""
+    launcher, removed = env
+    for key in removed:
+        if key not in launcher and key not in _AGENT_KEYS:
+            os.environ.pop(key, None)
+    os.environ.update(launcher)
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
@@ -93,9 +129,7 @@ def _launch(fn, nproc: int, args, pg_timeout_s: float, max_restarts: int) -> lis
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: PLC0415
 
-    # workers fork from a server that imported torch and the trainer once (a fresh interpreter per rank
-    # would import them N times, seconds each); "forkserver" is one of the agent's start methods
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "tpkernels.train.trainer"])
+    start_workers_early()  # if the command line has not: "forkserver" is one of the agent's start methods
     # The workers' process group gets a store of its own (rank 0 hosts it), not the agent's rendezvous
     # store: a restarted group would read the dead attempt's addresses there and fail to connect
     # (pytorch/pytorch#135712, with gloo and NCCL alike).
@@ -105,7 +139,7 @@ def _launch(fn, nproc: int, args, pg_timeout_s: float, max_restarts: int) -> lis
                               rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
                               monitor_interval=0.1, start_method="forkserver", logs_specs=DefaultLogsSpecs(logs))
         try:
-            out = elastic_launch(config, worker)(fn, pg_timeout_s, *args)
+            out = elastic_launch(config, worker)(fn, pg_timeout_s, _launcher_env(), *args)
         except ChildFailedError as e:
             rank, message = _root_cause(e, Path(logs))
             raise LaunchError(rank, message) from None
@@ -154,4 +188,4 @@ def _short(text: str) -> str:
     return text.splitlines()[-1] if text.startswith("Traceback") else text
 
 
-__all__ = ["LaunchError", "launch", "worker"]
+__all__ = ["PRELOAD", "LaunchError", "launch", "start_workers_early", "worker"]
