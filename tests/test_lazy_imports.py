@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tpkernels.cli import _launches_ranks
+from tpkernels.train.launch import launches_ranks
 
 
 def _run(code: str) -> str:
@@ -50,8 +50,7 @@ def test_every_public_name_whatever_is_imported_first(first):
 
 
 @pytest.mark.parametrize("argv, starts", [
-    (["train", "--nproc", "2"], True), (["train", "--nproc=4", "--tp", "2"], True), (["generate", "ck", "--nproc", "2"], True),
-    (["train", "--nproc", "2", "--dry-run"], False), (["train", "--nproc", "2", "--help"], False),
-    (["train", "--steps", "3"], False), (["plan", "--nproc", "2"], False), ([], False)])
+    (["--nproc", "2"], True), (["--nproc=4", "--tp", "2"], True), (["ck", "--nproc", "2"], True),
+    (["--nproc", "2", "--dry-run"], False), (["--nproc", "2", "--help"], False), (["--steps", "3"], False), ([], False)])
 def test_only_a_launch_starts_the_ranks_server_early(argv, starts):
-    assert _launches_ranks(argv) is starts
+    assert launches_ranks(argv) is starts

@@ -7,18 +7,12 @@ import json
 import sys
 
 
-def _launches_ranks(argv: list[str]) -> bool:
-    """``tpkernels train|generate ... --nproc N`` that will start ranks (not a dry run, not help)."""
-    if not argv or argv[0] not in ("train", "generate") or {"--dry-run", "-h", "--help"} & set(argv):
-        return False
-    return any(a == "--nproc" or a.startswith("--nproc=") for a in argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    if _launches_ranks(sys.argv[1:] if argv is None else list(argv)):
+    given = sys.argv[1:] if argv is None else list(argv)
+    if given[:1] in (["train"], ["generate"]):
         from tpkernels.train.launch import start_workers_early  # noqa: PLC0415
 
-        start_workers_early()  # the ranks' imports run beside this process's parsing and checks
+        start_workers_early(given[1:])  # with --nproc: the ranks' imports run beside the parsing and checks
     ap = argparse.ArgumentParser(prog="tpkernels", description="tpkernels command-line tools")
     sub = ap.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, build of tpkernels._C, GPUs, backend of each op")

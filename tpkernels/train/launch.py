@@ -41,11 +41,21 @@ _AGENT_KEYS = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_
                          "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
 
 
-def start_workers_early() -> None:
+def launches_ranks(argv: list[str]) -> bool:
+    """Whether the arguments of ``tpkernels train`` or ``generate`` start ranks: ``--nproc`` given, not a
+    dry run, not help."""
+    if {"--dry-run", "-h", "--help"} & set(argv):
+        return False
+    return any(a == "--nproc" or a.startswith("--nproc=") for a in argv)
+
+
+def start_workers_early(argv: list[str] | None = None) -> None:
     """Start the server the ranks fork from now, importing :data:`PRELOAD` on another core while this
-    process parses and checks the config (the command line calls it first thing for ``--nproc``): a
-    2-rank launch on 2 cores starts its ranks seconds sooner. The ranks still get the launcher's
-    environment as it is at the launch (see :func:`worker`)."""
+    process parses and checks the config (the command line calls it first thing, with its arguments,
+    and it starts only if they launch ranks): a 2-rank launch on 2 cores starts its ranks seconds
+    sooner. The ranks still get the launcher's environment as it is at the launch (see :func:`worker`)."""
+    if argv is not None and not launches_ranks(argv):
+        return
     if _SERVER["env"] is not None or "forkserver" not in multiprocessing.get_all_start_methods():
         return
     from multiprocessing import forkserver  # noqa: PLC0415
@@ -188,4 +198,4 @@ def _short(text: str) -> str:
     return text.splitlines()[-1] if text.startswith("Traceback") else text
 
 
-__all__ = ["PRELOAD", "LaunchError", "launch", "start_workers_early", "worker"]
+__all__ = ["PRELOAD", "LaunchError", "launch", "launches_ranks", "start_workers_early", "worker"]
