@@ -13,10 +13,12 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
+from subprocess_lanes import lanes
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -80,22 +82,41 @@ def test_every_block_is_code_that_runs_or_says_why_not(page):
                 assert cmd.startswith(UNTESTABLE), f"{where}: {cmd!r} can run here: test it"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_page_code_runs(page, tmp_path):
-    runnable = [b for b in blocks(page) if b[0] in ("python", "bash", "sh") and b[1] is None]
-    if not runnable:
-        pytest.skip(f"{page.name} holds no runnable block")  # tables, prose and not-tested commands only
-    script = script_of(page)
+def _runnable(page: Path) -> bool:
+    return any(b[0] in ("python", "bash", "sh") and b[1] is None for b in blocks(page))
+
+
+def run_page(page: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """The page's script, run in ``tmp_path`` (its own folder: pages write chat/, runs/ and the like)."""
     for name in ("python", "benchmarks", "docs", "README.md"):
         (tmp_path / name).symlink_to(ROOT / name)
-    (tmp_path / "page.py").write_text(script)
+    (tmp_path / "page.py").write_text(script_of(page))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "TQDM_DISABLE": "1",
            # one intra-op thread per process: the pages' models are tiny, and on 2 shared cores (the suite's
            # background compiles, a launch's other ranks) OpenMP threads that spin-wait for a busy core made a
            # 2-step run 8x slower (its steps 1.42 s -> 0.17 s, the command 23 s -> 14 s, measured at load 7)
            "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "page.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "page.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def page_runs(request, tmp_path_factory):
+    """Every selected page's run, two at a time (tests/subprocess_lanes.py)."""
+    def job(page):  # in a lane's thread: a folder of its own from mkdtemp (thread-safe)
+        folder = Path(tempfile.mkdtemp(prefix=f"{page.stem}_", dir=tmp_path_factory.getbasetemp()))
+        return run_page(page, folder) if _runnable(page) else None
+
+    with lanes(request, "test_page_code_runs", "page", job) as runs:
+        yield runs
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_page_code_runs(page, page_runs, request):
+    if not _runnable(page):
+        pytest.skip(f"{page.name} holds no runnable block")  # tables, prose and not-tested commands only
+    r = page_runs[request.node.nodeid].result()
     assert r.returncode == 0, f"{page.name}:\n{r.stdout[-3000:]}\n{r.stderr[-4000:]}"
 
 

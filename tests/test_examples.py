@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from subprocess_lanes import lanes
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "python").glob("*.py"))
 # shorter runs of the longest examples (each still checks itself: its loss falls, its resume and export
@@ -13,10 +14,20 @@ ARGS = {"dpo.py": ["--steps", "12"], "sft_chat.py": ["--steps", "16"], "train_ll
         "finetune_lora.py": ["--steps", "6", "--quant", "nf4"], "long_context.py": ["--seq-len", "1024"]}
 
 
+@pytest.fixture(scope="module")
+def example_runs(request):
+    """Every selected example's run, two at a time (tests/subprocess_lanes.py)."""
+    def job(path):
+        return subprocess.run([sys.executable, str(path), *ARGS.get(path.name, [])], capture_output=True, text=True,
+                              timeout=300)
+
+    with lanes(request, "test_example_runs", "path", job) as runs:
+        yield runs
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_example_runs(path):
-    r = subprocess.run([sys.executable, str(path), *ARGS.get(path.name, [])], capture_output=True, text=True,
-                       timeout=300)
+def test_example_runs(path, example_runs, request):
+    r = example_runs[request.node.nodeid].result()
     assert r.returncode == 0, r.stderr[-3000:]
 
 
