@@ -80,6 +80,8 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'tpkernels' has no attribute {name!r}")
     if name in _FUNCTIONAL or name == "build_info":
         _load()
+        if name not in globals():  # asked for while _load itself runs: a circular import, said as Python says it
+            raise AttributeError(f"partially initialized module 'tpkernels' has no attribute {name!r} yet")
         return globals()[name]
     try:  # a subpackage (tpkernels.nn, tpkernels.parallel, ...), also what `from tpkernels import x` asks for
         module = importlib.import_module(f"tpkernels.{name}")
