@@ -14,7 +14,7 @@ ROOT = Path(tpkernels.__file__).parent
 LAYERS = ["cli", "info", "train", "generate", "data", "planner", "hf", "models", "pipeline", "nn", "functional",
           "kernels", "quant", "parallel", "description"]
 # leaf modules every layer may use (they import none of the layers)
-SHARED = {"backends", "conventions", "env_vars", "options", "dtypes", "live_bytes", "_state", "_extension", "_version", "_C"}  # _C: compiled
+SHARED = {"backends", "conventions", "env_vars", "options", "dtypes", "live_bytes", "_state", "_extension", "_lazy", "_version", "_C"}  # _C: compiled
 # what the planner may use: the layout rules, the model description, the schedules' simulator
 PLANNER_USES = {"planner", "parallel", "pipeline", "description"} | SHARED
 

@@ -16,14 +16,9 @@ picks the source from ``data.source``. Modules, one concept each:
 * :mod:`~tpkernels.data.blend` — weighted blends of sources.
 """
 
+from tpkernels._lazy import lazy_names
 
 __all__ = ["IGNORE_INDEX", "TokenBatch"]
 
-
-def __getattr__(name: str):
-    # on first use (PEP 562): the tokenizer and the prompt reader are used without torch
-    if name in ("IGNORE_INDEX", "TokenBatch"):
-        from tpkernels.data import batch  # noqa: PLC0415
-
-        return getattr(batch, name)
-    raise AttributeError(f"module 'tpkernels.data' has no attribute {name!r}")
+# on first use: the tokenizer and the prompt reader are used without torch
+__getattr__ = lazy_names(__name__, {"IGNORE_INDEX": "batch", "TokenBatch": "batch"})

@@ -5,15 +5,8 @@ Hugging Face folder for it and the ``tpkernels generate`` command live in tpkern
 
 The names below import on first use (PEP 562): the command line reads prompts without torch."""
 
-import importlib
-
-_WHERE = {"Completion": "engine", "Generator": "engine", "unpad": "engine", "Sampling": "sampling",
-          "TextCodec": "text"}
+from tpkernels._lazy import lazy_names
 
 __all__ = ["Completion", "Generator", "Sampling", "TextCodec", "unpad"]
-
-
-def __getattr__(name: str):
-    if name in _WHERE:
-        return getattr(importlib.import_module(f"tpkernels.generate.{_WHERE[name]}"), name)
-    raise AttributeError(f"module 'tpkernels.generate' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, {"Completion": "engine", "Generator": "engine", "unpad": "engine",
+                                    "Sampling": "sampling", "TextCodec": "text"})

@@ -1,7 +1,7 @@
 """Pipeline parallelism: schedules as data, a simulator that checks them, a P2P engine and a runtime
 that executes any schedule on real stages, and a per-action timeline."""
 
-import importlib
+from tpkernels._lazy import lazy_names
 
 # each name imports its module on first use (PEP 562): the planner reads the schedules and the
 # simulator, pure Python, without the engine's torch
@@ -21,8 +21,4 @@ __all__ = [
     "one_f_one_b", "simulate", "split_layers", "split_microbatches", "validate", "zb_h1",
 ]
 
-
-def __getattr__(name: str):
-    if name in _WHERE:
-        return getattr(importlib.import_module(f"tpkernels.pipeline.{_WHERE[name]}"), name)
-    raise AttributeError(f"module 'tpkernels.pipeline' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _WHERE)

@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from tpkernels.train.launch import start_workers_early  # noqa: PLC0415
 
-    start_workers_early(sys.argv[1:] if argv is None else list(argv))  # with --nproc, as tpkernels train does
+    argv = sys.argv[1:] if argv is None else list(argv)
+    start_workers_early(argv)  # with --nproc, as tpkernels train does
     ap = argparse.ArgumentParser(prog="python -m tpkernels.train", description=__doc__.split("\n\n")[0])
     add_arguments(ap)
-    return run_reporting_errors(ap.parse_args(sys.argv[1:] if argv is None else argv))
+    return run_reporting_errors(ap.parse_args(argv))
